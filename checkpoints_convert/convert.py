@@ -1,0 +1,230 @@
+"""HF <-> megatron-core conversion for Qwen2/Qwen2.5, streaming one tensor / layer at a time.
+
+Both directions use a *template*: the sharded state dict of a real ``GPTModel`` built on the
+meta device at TP=1/PP=1 (no memory). Its keys, global shapes and chunking are exactly
+what a training run's ``model.sharded_state_dict()`` produces, so the checkpoint reloads
+with megatron's own ``dist_checkpointing.load`` at any TP/PP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from checkpoints_convert import mapping
+from checkpoints_convert.hf_io import HFReader, ShardedSafetensorsWriter
+from megatron_oar.models.checkpoint import (
+    HF_DIR,
+    MODEL_DIR,
+    CheckpointMeta,
+    copy_hf_side_files,
+    model_dir,
+)
+from megatron_oar.models.qwen2 import (
+    ModelOptions,
+    QwenArch,
+    build_gpt_model,
+    check_layout,
+    parse_arch,
+    read_hf_config,
+)
+
+log = logging.getLogger(__name__)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_HF_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+class ConversionError(ValueError):
+    """Bad converter input; the message names the file or flag."""
+
+
+def _hf_arch(hf_dir: Path, flag: str) -> tuple[dict, QwenArch]:
+    cfg_path = hf_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ConversionError(f"{flag} {hf_dir}: no config.json")
+    hf = read_hf_config(cfg_path)
+    return hf, parse_arch(hf, source=str(cfg_path))
+
+
+@contextmanager
+def _single_process_runtime():
+    """A TP=1/PP=1 megatron runtime for building templates (reuses an existing one)."""
+    from megatron.core import parallel_state
+
+    from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
+
+    owned = not parallel_state.model_parallel_is_initialized()
+    if owned:
+        if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+            raise ConversionError("the converter runs as one process; do not launch it with torchrun")
+        init_runtime(ParallelConfig())
+    elif (parallel_state.get_tensor_model_parallel_world_size() != 1
+          or parallel_state.get_pipeline_model_parallel_world_size() != 1):
+        raise ConversionError("the converter needs a TP=1/PP=1 runtime")
+    try:
+        yield
+    finally:
+        if owned:
+            destroy_runtime()
+
+
+def template(arch: QwenArch, dtype: torch.dtype, vocab_multiple: int = 128) -> dict:
+    """Flat sharded state dict of a meta-device GPTModel (module-path key -> ShardedBase).
+
+    Checkpoint keys do not depend on the layer spec: megatron's local spec maps its
+    ``input_layernorm`` / ``pre_mlp_layernorm`` to the Transformer Engine names
+    (``sharded_state_dict_keys_map``), so one checkpoint serves both specs.
+    """
+    opts = ModelOptions(spec="local", dtype={v: k for k, v in DTYPES.items()}[dtype],
+                        vocab_multiple=vocab_multiple)
+    with torch.device("meta"):
+        model = build_gpt_model(arch, opts, perform_initialization=False)
+    return dict(model.sharded_state_dict())
+
+
+def _resolve_dtype(dtype: str | None, hf: dict) -> str:
+    if dtype is None:
+        dtype = _HF_DTYPE_NAMES.get(hf.get("torch_dtype") or hf.get("dtype"), "fp32")
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def _prepare_out(out: Path) -> Path:
+    if out.exists():
+        raise ConversionError(f"--out {out}: already exists; choose a new directory")
+    if not out.parent.is_dir():
+        raise ConversionError(f"--out {out}: parent directory {out.parent} does not exist")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1,
+                   dtype: str | None = None, vocab_multiple: int = 128,
+                   progress: bool = True) -> CheckpointMeta:
+    """Writes a torch_dist checkpoint of an HF Qwen2 model; ``tp``/``pp`` are validated and
+    recorded as the intended layout (the checkpoint itself loads at any TP/PP)."""
+    from megatron.core import dist_checkpointing
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    hf, arch = _hf_arch(hf_dir, "--hf")
+    try:
+        check_layout(arch, tp, pp, vocab_multiple, flag="--tp")
+    except ValueError as e:
+        raise ConversionError(str(e)) from e
+    dtype = _resolve_dtype(dtype, hf)
+    torch_dtype = DTYPES[dtype]
+    reader = HFReader(hf_dir)
+    reader.require(mapping.hf_names(arch))
+    padded = arch.padded_vocab_size(vocab_multiple)
+    tmp = _prepare_out(out)
+    try:
+        with _single_process_runtime():
+            sd = template(arch, torch_dtype, vocab_multiple)
+            total = sum(v.data.numel() * v.data.element_size() for v in sd.values()
+                        if hasattr(v, "data") and isinstance(v.data, torch.Tensor))
+            cache: dict = {}
+
+            def produce(key: str, offset: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+                shape = sizes
+                if key.startswith(mapping.MC_LAYER_PREFIX):  # axis 0 is the layer number
+                    layer, rel = offset[0], key[len(mapping.MC_LAYER_PREFIX):]
+                    offset, sizes = offset[1:], sizes[1:]
+                    if cache.get("id") != (layer, rel):  # fc1's gate/up chunks share one tensor
+                        cache.clear()
+                        cache["id"] = (layer, rel)
+                        cache["t"] = mapping.hf_to_mcore_layer_tensor(
+                            reader.get, arch, layer, rel, mapping.CHECKPOINT_SPEC)
+                    full = cache["t"]
+                else:
+                    full = mapping.hf_to_mcore_global(reader.get, arch, key, padded)
+                idx = tuple(slice(o, o + s) for o, s in zip(offset, sizes))
+                return full[idx].to(torch_dtype).reshape(shape).contiguous()
+
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="hf->megatron",
+                       disable=not progress)
+            from checkpoints_convert.streaming import StreamingTorchDistSaveStrategy
+
+            (tmp / MODEL_DIR).mkdir()
+            strategy = StreamingTorchDistSaveStrategy(produce, on_item=bar.update)
+            dist_checkpointing.save(sd, str(tmp / MODEL_DIR), sharded_strategy=strategy)
+            bar.close()
+        copy_hf_side_files(hf_dir, tmp / HF_DIR)
+        _set_hf_dtype(tmp / HF_DIR / "config.json", dtype)
+        meta = CheckpointMeta(dtype=dtype, vocab_size=arch.vocab_size,
+                              padded_vocab_size=padded,
+                              vocab_multiple=vocab_multiple,
+                              tie_word_embeddings=arch.tie_word_embeddings,
+                              written_tp=tp, written_pp=pp)
+        meta.write(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def _set_hf_dtype(config_path: Path, dtype: str) -> None:
+    import json
+
+    cfg = json.loads(config_path.read_text())
+    name = {v: k for k, v in _HF_DTYPE_NAMES.items()}[dtype]
+    cfg["torch_dtype"] = name
+    if "dtype" in cfg:
+        cfg["dtype"] = name
+    config_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def megatron_to_hf(ckpt: str | Path, out: str | Path, *, max_shard_bytes: int = 2 << 30,
+                   progress: bool = True) -> Path:
+    """Writes HF safetensors shards + index, config and tokenizer, one layer in memory.
+
+    Reads with plain DCP (no megatron runtime needed), so it also exports checkpoints that a
+    training run wrote at any TP/PP.
+    """
+    from checkpoints_convert.streaming import CheckpointRegionReader
+
+    ckpt, out = Path(ckpt), Path(out)
+    if not ckpt.is_dir():
+        raise ConversionError(f"--ckpt {ckpt}: not a directory")
+    meta = CheckpointMeta.read(ckpt)
+    mdir = model_dir(ckpt)
+    hf, arch = _hf_arch(ckpt / HF_DIR, "--ckpt")
+    tmp = _prepare_out(out)
+    try:
+        reader = CheckpointRegionReader(mdir)
+        layer_keys = [mapping.MC_LAYER_PREFIX + n for n in mapping.layer_names(mapping.CHECKPOINT_SPEC)]
+        global_keys = [mapping.MC_EMBED, mapping.MC_NORM]
+        if not arch.tie_word_embeddings:
+            global_keys.append(mapping.MC_HEAD)
+        for k in layer_keys + global_keys:  # fail before writing anything
+            reader.shape(k)
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        for i in tqdm(range(arch.num_layers), desc="megatron->hf", disable=not progress):
+            layer = reader.read_layer(layer_keys, i)
+            rel = {k[len(mapping.MC_LAYER_PREFIX):]: v for k, v in layer.items()}
+            for name, t in mapping.mcore_to_hf_layer(rel.__getitem__, arch, i,
+                                                     mapping.CHECKPOINT_SPEC).items():
+                writer.add(name, t)
+            del layer, rel
+        for name, t in mapping.mcore_to_hf_global(reader.read_whole(global_keys).__getitem__,
+                                                  arch).items():
+            writer.add(name, t)
+        writer.finish()
+        copy_hf_side_files(ckpt / HF_DIR, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

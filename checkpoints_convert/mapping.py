@@ -1,0 +1,176 @@
+"""Qwen2 parameter mapping between Hugging Face and megatron-core names and layouts.
+
+Everything here works on whole (TP=1) tensors of one layer at a time, which is what the
+streaming converter and the vLLM weight sync need. megatron-core's own sharded state dict
+takes care of TP/PP slicing of these global tensors.
+
+Layouts:
+
+* ``linear_qkv`` holds, per query group g, ``[q_g (heads_per_group * head_dim rows), k_g, v_g]``
+  (weight and bias), so a TP shard is a plain chunk along dim 0.
+* ``linear_fc1`` is ``[gate; up]``.
+* Norm names depend on the layer spec: the local spec has ``input_layernorm`` and
+  ``pre_mlp_layernorm`` modules; the Transformer Engine spec fuses them into
+  ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megatron_oar.models.qwen2 import QwenArch
+
+Getter = Callable[[str], torch.Tensor]
+
+HF_EMBED = "model.embed_tokens.weight"
+HF_NORM = "model.norm.weight"
+HF_HEAD = "lm_head.weight"
+MC_EMBED = "embedding.word_embeddings.weight"
+MC_NORM = "decoder.final_layernorm.weight"
+MC_HEAD = "output_layer.weight"
+MC_LAYER_PREFIX = "decoder.layers."
+# Checkpoint keys always use the TE names: megatron's local spec maps its norm modules to
+# them (``sharded_state_dict_keys_map``), so one checkpoint loads under either spec.
+CHECKPOINT_SPEC = "te"
+
+# Layer-relative megatron names per spec.
+_NORM_NAMES = {
+    "local": ("input_layernorm.weight", "pre_mlp_layernorm.weight"),
+    "te": ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"),
+}
+QKV_W = "self_attention.linear_qkv.weight"
+QKV_B = "self_attention.linear_qkv.bias"
+PROJ_W = "self_attention.linear_proj.weight"
+FC1_W = "mlp.linear_fc1.weight"
+FC2_W = "mlp.linear_fc2.weight"
+
+
+def layer_names(spec: str) -> list[str]:
+    """Megatron layer-relative parameter names for a spec ('local' or 'te')."""
+    if spec not in _NORM_NAMES:
+        raise ValueError(f"unknown layer spec {spec!r}; expected 'local' or 'te'")
+    attn_norm, mlp_norm = _NORM_NAMES[spec]
+    return [attn_norm, QKV_W, QKV_B, PROJ_W, mlp_norm, FC1_W, FC2_W]
+
+
+def rename_spec(name: str, src: str, dst: str) -> str:
+    """Maps a layer-relative norm name from one spec's naming to another's."""
+    for a, b in zip(_NORM_NAMES[src], _NORM_NAMES[dst]):
+        if name == a:
+            return b
+    return name
+
+
+def hf_layer_names(i: int) -> list[str]:
+    p = f"model.layers.{i}."
+    return [p + n for n in (
+        "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.q_proj.bias",
+        "self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
+        "self_attn.v_proj.bias", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+
+
+def hf_names(arch: QwenArch) -> list[str]:
+    names = [HF_EMBED, HF_NORM]
+    for i in range(arch.num_layers):
+        names += hf_layer_names(i)
+    if not arch.tie_word_embeddings:
+        names.append(HF_HEAD)
+    return names
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: QwenArch) -> torch.Tensor:
+    """HF q/k/v (weight [out, H] or bias [out]) -> megatron per-group interleaved qkv."""
+    g, d = arch.num_kv_heads, arch.head_dim
+    hpg = arch.num_heads // g
+    tail = q.shape[1:]
+    parts = (q.reshape(g, hpg * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail))
+    return torch.cat(parts, dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: torch.Tensor, arch: QwenArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`merge_qkv`."""
+    g, d = arch.num_kv_heads, arch.head_dim
+    hpg = arch.num_heads // g
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(g, (hpg + 2) * d, *tail)
+    q, k, v = torch.split(grouped, [hpg * d, d, d], dim=1)
+    return (q.reshape(-1, *tail).contiguous(), k.reshape(-1, *tail).contiguous(),
+            v.reshape(-1, *tail).contiguous())
+
+
+def pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
+    """Appends zero rows up to the padded vocabulary size."""
+    extra = padded - weight.shape[0]
+    if extra < 0:
+        raise ValueError(f"vocab rows {weight.shape[0]} exceed padded size {padded}")
+    if extra == 0:
+        return weight
+    return torch.cat([weight, weight.new_zeros(extra, *weight.shape[1:])])
+
+
+def hf_to_mcore_layer_tensor(get: Getter, arch: QwenArch, i: int, name: str,
+                             spec: str) -> torch.Tensor:
+    """One megatron layer-relative tensor of decoder layer ``i``, reading only its HF sources."""
+    p = f"model.layers.{i}."
+    attn_norm, mlp_norm = _NORM_NAMES[spec]
+    if name == attn_norm:
+        return get(p + "input_layernorm.weight")
+    if name == mlp_norm:
+        return get(p + "post_attention_layernorm.weight")
+    if name in (QKV_W, QKV_B):
+        kind = name.rsplit(".", 1)[1]
+        return merge_qkv(*(get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"), arch)
+    if name == PROJ_W:
+        return get(p + "self_attn.o_proj.weight")
+    if name == FC1_W:
+        return torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+    if name == FC2_W:
+        return get(p + "mlp.down_proj.weight")
+    raise KeyError(f"no HF source for megatron layer parameter {name!r} (spec {spec!r})")
+
+
+def hf_to_mcore_layer(get: Getter, arch: QwenArch, i: int, spec: str) -> dict[str, torch.Tensor]:
+    """One decoder layer: megatron layer-relative name -> tensor, from an HF tensor getter."""
+    return {n: hf_to_mcore_layer_tensor(get, arch, i, n, spec) for n in layer_names(spec)}
+
+
+def mcore_to_hf_layer(get: Getter, arch: QwenArch, i: int, spec: str) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`hf_to_mcore_layer`; ``get`` takes layer-relative megatron names."""
+    p = f"model.layers.{i}."
+    attn_norm, mlp_norm = _NORM_NAMES[spec]
+    q, k, v = split_qkv(get(QKV_W), arch)
+    qb, kb, vb = split_qkv(get(QKV_B), arch)
+    gate, up = torch.chunk(get(FC1_W), 2, dim=0)
+    return {
+        p + "input_layernorm.weight": get(attn_norm),
+        p + "self_attn.q_proj.weight": q, p + "self_attn.q_proj.bias": qb,
+        p + "self_attn.k_proj.weight": k, p + "self_attn.k_proj.bias": kb,
+        p + "self_attn.v_proj.weight": v, p + "self_attn.v_proj.bias": vb,
+        p + "self_attn.o_proj.weight": get(PROJ_W),
+        p + "post_attention_layernorm.weight": get(mlp_norm),
+        p + "mlp.gate_proj.weight": gate.contiguous(),
+        p + "mlp.up_proj.weight": up.contiguous(),
+        p + "mlp.down_proj.weight": get(FC2_W),
+    }
+
+
+def hf_to_mcore_global(get: Getter, arch: QwenArch, key: str, vocab_padded: int) -> torch.Tensor:
+    """Non-layer tensors (embedding, final norm, untied output layer)."""
+    if key == MC_EMBED:
+        return pad_vocab(get(HF_EMBED), vocab_padded)
+    if key == MC_NORM:
+        return get(HF_NORM)
+    if key == MC_HEAD:
+        return pad_vocab(get(HF_HEAD), vocab_padded)
+    raise KeyError(f"no HF source for megatron key {key!r}")
+
+
+def mcore_to_hf_global(get: Getter, arch: QwenArch) -> dict[str, torch.Tensor]:
+    """Embedding, final norm and (untied) lm_head, padded vocab rows dropped."""
+    out = {HF_EMBED: get(MC_EMBED)[: arch.vocab_size].contiguous(), HF_NORM: get(MC_NORM)}
+    if not arch.tie_word_embeddings:
+        out[HF_HEAD] = get(MC_HEAD)[: arch.vocab_size].contiguous()
+    return out

@@ -1,0 +1,134 @@
+"""Model checkpoints in megatron-core ``dist_checkpointing`` (torch_dist) format.
+
+Directory layout written by the converter (and, for the model part, the trainer)::
+
+    CKPT/
+      oar_checkpoint.json   format version, dtype, vocab sizes, layout it was written at
+      model/                megatron-core torch_dist checkpoint; reloads at any TP/PP
+      hf/                   config.json, generation config and tokenizer files, for export
+
+Saves go to ``CKPT.tmp`` and are renamed into place once complete, so a crash never
+leaves a half-written checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+META_FILE = "oar_checkpoint.json"
+MODEL_DIR = "model"
+HF_DIR = "hf"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read; the message names the path."""
+
+
+@dataclass
+class CheckpointMeta:
+    dtype: str  # fp32 | bf16 | fp16
+    vocab_size: int
+    padded_vocab_size: int
+    tie_word_embeddings: bool
+    vocab_multiple: int = 128
+    written_tp: int = 1
+    written_pp: int = 1
+    format_version: int = FORMAT_VERSION
+
+    def write(self, ckpt_dir: Path) -> None:
+        (Path(ckpt_dir) / META_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, ckpt_dir: str | Path) -> "CheckpointMeta":
+        path = Path(ckpt_dir) / META_FILE
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing; is {ckpt_dir} a megatron-oar checkpoint?")
+        try:
+            raw = json.loads(path.read_text())
+            meta = cls(**raw)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise CheckpointError(f"{path}: unreadable checkpoint metadata ({e})") from e
+        if meta.format_version != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format_version {meta.format_version}, "
+                                  f"this build reads {FORMAT_VERSION}")
+        return meta
+
+
+def model_dir(ckpt_dir: str | Path) -> Path:
+    path = Path(ckpt_dir) / MODEL_DIR
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(f"{path}: no megatron dist checkpoint (metadata.json missing)")
+    return path
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_model(model, ckpt_dir: str | Path, meta: CheckpointMeta, hf_files_from: str | Path | None = None) -> None:
+    """Collective: every rank saves its shards of ``model`` into ``ckpt_dir`` atomically."""
+    from megatron.core import dist_checkpointing
+
+    final = Path(ckpt_dir)
+    tmp = final.with_name(final.name + ".tmp")
+    if _rank() == 0:
+        if final.exists():
+            raise CheckpointError(f"{final}: already exists; refusing to overwrite")
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / MODEL_DIR).mkdir(parents=True)
+    _barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(tmp / MODEL_DIR))
+    _barrier()
+    if _rank() == 0:
+        if hf_files_from is not None:
+            copy_hf_side_files(hf_files_from, tmp / HF_DIR)
+        meta.write(tmp)
+        os.replace(tmp, final)
+    _barrier()
+
+
+def copy_hf_side_files(src: str | Path, dst: Path) -> None:
+    from checkpoints_convert.hf_io import HF_SIDE_FILES
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in HF_SIDE_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, dst / name)
+
+
+def load_model(model, ckpt_dir: str | Path) -> CheckpointMeta:
+    """Collective: loads this rank's shards of ``model`` from ``ckpt_dir`` (any TP/PP)."""
+    from megatron.core import dist_checkpointing
+
+    meta = CheckpointMeta.read(ckpt_dir)
+    path = model_dir(ckpt_dir)
+    sharded = model.sharded_state_dict()
+    # Transformer Engine modules carry `_extra_state` (FP8 scales); a checkpoint written by
+    # the converter or a local-spec model has none, and TE re-initialises them.
+    present = set(dist_checkpointing.load_tensors_metadata(str(path)).keys())
+    sharded = {k: v for k, v in sharded.items()
+               if not (k.endswith("_extra_state") and getattr(v, "key", k) not in present)}
+    state = dist_checkpointing.load(sharded, str(path))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: state does not match the model "
+                              f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return meta
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]

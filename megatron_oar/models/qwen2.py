@@ -1,0 +1,257 @@
+"""megatron-core ``GPTModel`` for Qwen2 / Qwen2.5, built from a Hugging Face ``config.json``.
+
+Qwen2 is a GPT with GQA, bias on q/k/v only, SwiGLU, RMSNorm and RoPE; 0.5B-3B tie the
+embeddings. The vocabulary is padded to a multiple of ``vocab_multiple`` (128) that does
+not depend on TP, so a checkpoint's embedding shape is the same at every layout; padded
+rows are zero and their logits must be masked by consumers (see :func:`mask_padded_vocab`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ModelOptions:
+    """How to instantiate the model; everything else comes from the HF config."""
+
+    spec: str = "auto"  # auto | local | te   (auto: te when CUDA and TE are present)
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (parameter dtype)
+    fp8: str | None = None  # None | hybrid | e4m3 (TE spec only)
+    fp8_recipe: str = "delayed"  # delayed | tensorwise | mxfp8 | blockwise (megatron's names)
+    fp8_amax_history_len: int = 1024
+    vocab_multiple: int = 128
+    sequence_parallel: bool = False
+    recompute: str | None = None  # None | selective | full
+    attention_backend: str = "auto"
+
+
+@dataclass(frozen=True)
+class QwenArch:
+    """The fields of a Qwen2 config.json that define the network."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    torch_dtype: str | None
+
+    def padded_vocab_size(self, multiple: int = 128) -> int:
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+class ModelConfigError(ValueError):
+    """A config.json or layout that this model builder cannot serve."""
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """Reads ``config.json`` (a file or the directory holding it) with errors naming the file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(f"{path}: no such file (an HF model directory needs config.json)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{path}: not valid JSON ({e})") from e
+
+
+def parse_arch(hf: dict[str, Any], source: str = "config.json") -> QwenArch:
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES and not set(archs) & set(SUPPORTED_ARCHITECTURES):
+        raise ModelConfigError(
+            f"{source}: unsupported architecture {archs or model_type!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (model_type 'qwen2')"
+        )
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "vocab_size"):
+        if key not in hf:
+            raise ModelConfigError(f"{source}: missing field {key!r}")
+    if hf.get("use_sliding_window"):
+        raise ModelConfigError(f"{source}: use_sliding_window=true is not supported")
+    if hf.get("rope_scaling"):
+        raise ModelConfigError(f"{source}: rope_scaling={hf['rope_scaling']!r} is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(f"{source}: hidden_act={hf['hidden_act']!r}; Qwen2 uses 'silu'")
+    heads = hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads", heads)
+    if heads % kv:
+        raise ModelConfigError(f"{source}: num_attention_heads {heads} not divisible by "
+                               f"num_key_value_heads {kv}")
+    rope_theta = hf.get("rope_theta")
+    if rope_theta is None:  # transformers >= 5 nests it
+        rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return QwenArch(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+    )
+
+
+def check_layout(arch: QwenArch, tp: int, pp: int, vocab_multiple: int = 128,
+                 flag: str = "--tp") -> None:
+    """Raises naming the flag when TP/PP cannot split this model."""
+    if arch.num_heads % tp:
+        raise ModelConfigError(f"{flag}={tp} does not divide num_attention_heads={arch.num_heads}")
+    if arch.num_kv_heads % tp:
+        raise ModelConfigError(
+            f"{flag}={tp} does not divide num_key_value_heads={arch.num_kv_heads} (KV groups)"
+        )
+    if arch.padded_vocab_size(vocab_multiple) % tp:
+        raise ModelConfigError(f"{flag}={tp} does not divide the padded vocab "
+                               f"{arch.padded_vocab_size(vocab_multiple)}")
+    pp_flag = flag.replace("tp", "pp")
+    if arch.num_layers % pp:
+        raise ModelConfigError(f"{pp_flag}={pp} does not divide num_hidden_layers={arch.num_layers}")
+
+
+def resolve_spec(opts: ModelOptions) -> str:
+    from megatron_oar.runtime.kernels import kernel_report
+
+    have_te = kernel_report().transformer_engine
+    if opts.spec == "auto":
+        return "te" if have_te else "local"
+    if opts.spec not in ("local", "te"):
+        raise ModelConfigError(f"model.spec={opts.spec!r}; expected auto, local or te")
+    if opts.spec == "te" and not have_te:
+        raise ModelConfigError("model.spec='te' needs CUDA and transformer-engine "
+                               "(pip install 'megatron-oar[gpu]')")
+    return opts.spec
+
+
+def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
+                       perform_initialization: bool = True):
+    """The megatron ``TransformerConfig`` for this architecture and layout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if opts.dtype not in _DTYPES:
+        raise ModelConfigError(f"model.dtype={opts.dtype!r}; expected one of {list(_DTYPES)}")
+    if opts.fp8 not in (None, "hybrid", "e4m3"):
+        raise ModelConfigError(f"model.fp8={opts.fp8!r}; expected null, hybrid or e4m3")
+    spec = resolve_spec(opts)
+    if opts.fp8 and spec != "te":
+        raise ModelConfigError("model.fp8 needs the Transformer Engine spec (model.spec=te)")
+    if opts.recompute not in (None, "selective", "full"):
+        raise ModelConfigError(f"model.recompute={opts.recompute!r}; expected null, selective, full")
+    check_layout(arch, tp, pp, opts.vocab_multiple, flag="parallel.tp")
+    cuda = torch.cuda.is_available()
+    dtype = _DTYPES[opts.dtype]
+    kwargs: dict[str, Any] = {}
+    if opts.fp8:
+        kwargs.update(fp8=opts.fp8, fp8_recipe=opts.fp8_recipe,
+                      fp8_amax_history_len=opts.fp8_amax_history_len,
+                      fp8_amax_compute_algo="max")
+    if opts.recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+    elif opts.recompute == "selective":
+        kwargs.update(recompute_granularity="selective")
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=opts.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        use_cpu_initialization=not cuda,
+        perform_initialization=perform_initialization,
+        # Fusions need CUDA kernels; megatron falls back to torch when they are off.
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=cuda,
+        bias_dropout_fusion=cuda,
+        masked_softmax_fusion=cuda,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        deallocate_pipeline_outputs=cuda,
+        **kwargs,
+    )
+
+
+def layer_spec(spec: str):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if spec == "te":
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt_model(hf_config: dict[str, Any] | QwenArch, opts: ModelOptions | None = None, *,
+                    perform_initialization: bool = True, vp_stage: int | None = None):
+    """A ``GPTModel`` shard for this rank's TP/PP position (parallel_state must be initialised)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    opts = opts or ModelOptions()
+    arch = hf_config if isinstance(hf_config, QwenArch) else parse_arch(hf_config)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    config = transformer_config(arch, opts, tp, pp, perform_initialization=perform_initialization)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(resolve_spec(opts)),
+        vocab_size=arch.padded_vocab_size(opts.vocab_multiple),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(arch.rope_theta),
+        vp_stage=vp_stage,
+    )
+    model.oar_arch = arch  # the unpadded architecture, for consumers that mask padded logits
+    return model
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, vocab_start: int = 0) -> torch.Tensor:
+    """Sets logits of padded vocabulary rows to -inf (logits may be a vocab-parallel shard)."""
+    local = logits.shape[-1]
+    ids = torch.arange(vocab_start, vocab_start + local, device=logits.device)
+    return logits.masked_fill(ids >= vocab_size, float("-inf"))

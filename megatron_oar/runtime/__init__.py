@@ -1,0 +1,11 @@
+"""torchrun/parallel_state initialisation and the CPU backend for megatron-core."""
+
+from megatron_oar.runtime.distributed import (
+    ParallelConfig,
+    RuntimeInfo,
+    destroy_runtime,
+    init_runtime,
+    validate_layout,
+)
+
+__all__ = ["ParallelConfig", "RuntimeInfo", "init_runtime", "destroy_runtime", "validate_layout"]

@@ -1,0 +1,89 @@
+"""Run megatron-core's own modules and pipeline schedules on CPU (gloo), unmodified.
+
+megatron-core assumes CUDA in a handful of places (see DESIGN.md section 3):
+
+* the pipeline schedules and p2p communication create tensors on ``"cuda"`` /
+  ``torch.cuda.current_device()`` and call ``torch.cuda.synchronize()``;
+* rotary embeddings move ``inv_freq`` to ``torch.cuda.current_device()``;
+* the RNG tracker (``model_parallel_cuda_manual_seed``, ``_get_cuda_rng_state``,
+  ``_set_cuda_rng_state``) reads and writes the CUDA generator.
+
+:func:`enable` redirects exactly these: a :class:`~torch.overrides.TorchFunctionMode`
+maps every CUDA device argument to CPU, ``torch.cuda.current_device`` answers 0 (which
+the mode maps to CPU), ``synchronize`` is a no-op, and "the CUDA generator" becomes the
+CPU default generator, so megatron's RNG-tracker forks (dropout in TP regions) work and
+stay deterministic. It is a no-op when CUDA is available, and it refuses to run then.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_mode: "CudaToCpuMode | None" = None
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int device means a CUDA ordinal to torch.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments of any torch call to CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], torch.device("cpu"), *args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def is_enabled() -> bool:
+    return _mode is not None
+
+
+def enable() -> None:
+    """Activate the CPU backend for this process (idempotent)."""
+    global _mode
+    if torch.cuda.is_available():
+        raise RuntimeError("cpu_backend.enable() called on a machine with CUDA; use the CUDA path")
+    with _lock:
+        if _mode is not None:
+            return
+        from megatron.core.tensor_parallel import random as mrandom
+
+        torch.cuda.current_device = lambda: 0
+        torch.cuda.synchronize = lambda device=None: None
+        torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+        torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+        # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator
+        # directly, and leave _all a no-op (the CPU generator is already seeded by then).
+        torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+        torch.cuda.manual_seed_all = lambda seed: None
+        mrandom._get_cuda_rng_state = _cpu_get_rng_state
+        mrandom._set_cuda_rng_state = _cpu_set_rng_state
+        _mode = CudaToCpuMode()
+        _mode.__enter__()
+        log.info("megatron-core CPU backend enabled: cuda devices map to cpu, CUDA RNG = CPU RNG")

@@ -1,0 +1,159 @@
+"""Process-group and megatron ``parallel_state`` set-up from torchrun's environment.
+
+``init_runtime`` is the single entry every program (trainer, converter, tests) calls:
+nccl on CUDA, gloo on CPU (with :mod:`.cpu_backend`), TP/PP/DP groups, and seeds that are
+deterministic per rank. Without torchrun variables it starts a one-process world.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_oar.runtime import cpu_backend
+from megatron_oar.runtime.kernels import log_kernel_report
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is split. DP is whatever is left: world_size / (tp * pp)."""
+
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    seed: int = 1234
+    timeout_minutes: int = 30
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    tp: int
+    pp: int
+    dp: int
+    device: torch.device
+    backend: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from e
+
+
+def validate_layout(world_size: int, parallel: ParallelConfig) -> int:
+    """Returns DP; raises naming the flag when the layout does not fit the world."""
+    for name, v in (("tp", parallel.tp), ("pp", parallel.pp)):
+        if v < 1:
+            raise ValueError(f"parallel.{name} must be >= 1, got {v}")
+    mp = parallel.tp * parallel.pp
+    if world_size % mp != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tp*pp = {parallel.tp}*{parallel.pp}"
+        )
+    if parallel.sequence_parallel and parallel.tp == 1:
+        raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
+    return world_size // mp
+
+
+def init_runtime(parallel: ParallelConfig | None = None) -> RuntimeInfo:
+    """Initialise torch.distributed and megatron's parallel_state (idempotent per layout)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel = parallel or ParallelConfig()
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        cpu_backend.enable()
+        if parallel.sequence_parallel:
+            raise ValueError("parallel.sequence_parallel is only supported on CUDA")
+
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    dp = validate_layout(world_size, parallel)
+
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        if world_size == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "nccl" if cuda else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(minutes=parallel.timeout_minutes),
+        )
+    backend = dist.get_backend()
+
+    if parallel_state.model_parallel_is_initialized():
+        same = (
+            parallel_state.get_tensor_model_parallel_world_size() == parallel.tp
+            and parallel_state.get_pipeline_model_parallel_world_size() == parallel.pp
+        )
+        if not same:
+            parallel_state.destroy_model_parallel()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tp,
+            pipeline_model_parallel_size=parallel.pp,
+        )
+
+    # Seeds: data-parallel RNG shared across a model-parallel group's shards but differing per
+    # pipeline stage (as Megatron-LM does); TP-region RNG differs per TP rank (megatron's tracker).
+    seed = parallel.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover - numpy ships with torch
+        pass
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+    info = RuntimeInfo(
+        rank=dist.get_rank(),
+        world_size=world_size,
+        local_rank=local_rank,
+        tp=parallel.tp,
+        pp=parallel.pp,
+        dp=dp,
+        device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
+        backend=backend,
+    )
+    if info.rank == 0:
+        log.info("runtime: %s", info)
+        log_kernel_report()
+    return info
+
+
+def destroy_runtime() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
