@@ -12,6 +12,8 @@ from checkpoints_convert.convert import hf_to_megatron, megatron_to_hf
 from tests.distributed import launch
 from tests.tiny import hf_logits, make_tiny_qwen2
 
+pytestmark = pytest.mark.slow
+
 TOL = 1e-4
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 

@@ -1,0 +1,120 @@
+"""``oar-convert verify``: same prompt through transformers and the megatron checkpoint.
+
+Runs megatron at the requested TP/PP through megatron's own pipeline schedule (relaunching
+itself under torchrun when more than one rank is needed) and reports the max absolute logit
+difference and the top-1 agreement against ``transformers.AutoModelForCausalLM``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_PROMPT = "Question: what is 12 + 30? Think step by step. <answer>42</answer>"
+
+
+@dataclass
+class VerifyResult:
+    tp: int
+    pp: int
+    dtype: str
+    tokens: int
+    max_abs_diff: float
+    top1_agreement: float
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= self.tol
+
+    def line(self) -> str:
+        verdict = "OK" if self.ok else "FAIL"
+        return (f"verify tp={self.tp} pp={self.pp} dtype={self.dtype} tokens={self.tokens}: "
+                f"max|dlogit|={self.max_abs_diff:.3e} top1={self.top1_agreement:.4f} "
+                f"(tol {self.tol:g}) {verdict}")
+
+
+def _tokens(hf_dir: Path, prompt: str, vocab_size: int) -> torch.Tensor:
+    try:
+        from transformers import AutoTokenizer
+
+        ids = AutoTokenizer.from_pretrained(str(hf_dir))(prompt)["input_ids"]
+    except (OSError, ValueError):  # no tokenizer files: a fixed pseudo-random prompt
+        ids = torch.randint(0, vocab_size, (32,), generator=torch.Generator().manual_seed(0)).tolist()
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def verify(hf_dir: str | Path, ckpt: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "fp32",
+           tol: float = 1e-4, prompt: str = DEFAULT_PROMPT, result_file: str | None = None
+           ) -> VerifyResult | None:
+    """Collective over the TP*PP ranks; returns the result on the reporting rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from transformers import AutoModelForCausalLM
+
+    from checkpoints_convert.convert import DTYPES, ConversionError
+    from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
+    from megatron_oar.models.checkpoint import HF_DIR, load_model
+    from megatron_oar.models.forward import forward_logits
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    hf_dir, ckpt = Path(hf_dir), Path(ckpt)
+    init_runtime(ParallelConfig(tp=tp, pp=pp))
+    model = build_gpt_model(read_hf_config(Path(ckpt) / HF_DIR), ModelOptions(dtype=dtype))
+    meta = load_model(model, ckpt)
+    tokens = _tokens(hf_dir, prompt, meta.vocab_size)
+    got = forward_logits(model, tokens, vocab_size=meta.vocab_size)
+    reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    result = None
+    if reporter:
+        ref_model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=DTYPES[dtype]).eval()
+        with torch.no_grad():
+            ref = ref_model(tokens).logits.float()
+        got = got.float()
+        result = VerifyResult(tp=tp, pp=pp, dtype=dtype, tokens=tokens.numel(),
+                              max_abs_diff=(got - ref).abs().max().item(),
+                              top1_agreement=(got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                              tol=tol)
+        print(result.line(), flush=True)
+        if result_file:
+            Path(result_file).write_text(json.dumps(asdict(result)))
+    if dist.is_initialized():
+        dist.barrier()
+    return result
+
+
+def verify_cli(args) -> int:
+    """Entry from the CLI: relaunches under torchrun when TP*PP > 1 and not already launched."""
+    world = args.tp * args.pp
+    if world > 1 and "WORLD_SIZE" not in os.environ:
+        result_file = Path(args.ckpt).resolve().parent / f".verify-{os.getpid()}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={world}", "-m", "checkpoints_convert.cli", "verify",
+               "--hf", str(args.hf), "--ckpt", str(args.ckpt), "--tp", str(args.tp),
+               "--pp", str(args.pp), "--dtype", args.dtype, "--tol", str(args.tol),
+               "--prompt", args.prompt, "--result-file", str(result_file)]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        rc = subprocess.call(cmd, env=env)
+        try:
+            result = json.loads(result_file.read_text()) if result_file.exists() else None
+        finally:
+            result_file.unlink(missing_ok=True)
+        if rc != 0 or result is None:
+            return rc or 1
+        return 0 if result["max_abs_diff"] <= result["tol"] else 1
+    from megatron_oar.runtime import destroy_runtime
+
+    try:
+        result = verify(args.hf, args.ckpt, tp=args.tp, pp=args.pp, dtype=args.dtype, tol=args.tol,
+                        prompt=args.prompt, result_file=args.result_file)
+    finally:
+        destroy_runtime()
+    return 0 if result is None or result.ok else 1

@@ -1,0 +1,53 @@
+"""Tiny random Qwen2 checkpoints and tokenizers made on the spot (tests, demo; no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+             max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1_000_000.0)
+
+
+def make_tokenizer(out: Path, vocab_size: int = 1000) -> None:
+    """A byte-level BPE tokenizer trained on arithmetic strings, saved HF-style."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size - 8, 400),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [f"{a} + {b} = {a + b}. <answer>{a + b}</answer>" for a in range(40) for b in range(7)]
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.save_pretrained(str(out))
+
+
+def make_tiny_qwen2(out: Path, *, tied: bool = False, seed: int = 0, dtype=torch.float32,
+                    tokenizer: bool = True, **overrides) -> Path:
+    """Writes a random ``Qwen2ForCausalLM`` (safetensors) to ``out`` and returns the path.
+
+    Biases and norm weights are randomised too, so a mapping mistake cannot hide behind
+    zeros and ones.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**{**SMALL, **overrides}, tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model = model.to(dtype)
+    out = Path(out)
+    model.save_pretrained(str(out), safe_serialization=True)
+    if tokenizer:
+        make_tokenizer(out, cfg.vocab_size)
+    return out
