@@ -218,9 +218,9 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, max_shard_bytes: int = 
                                                      mapping.CHECKPOINT_SPEC).items():
                 writer.add(name, t)
             del layer, rel
-        for name, t in mapping.mcore_to_hf_global(reader.read_whole(global_keys).__getitem__,
-                                                  arch).items():
-            writer.add(name, t)
+        for name in list(mapping.mcore_to_hf_global_names(arch)):  # one tensor at a time
+            writer.add(name, mapping.mcore_to_hf_global_tensor(
+                lambda k: reader.read_whole([k])[k], arch, name))
         writer.finish()
         copy_hf_side_files(ckpt / HF_DIR, tmp)
         os.replace(tmp, out)

@@ -168,9 +168,18 @@ def hf_to_mcore_global(get: Getter, arch: QwenArch, key: str, vocab_padded: int)
     raise KeyError(f"no HF source for megatron key {key!r}")
 
 
+def mcore_to_hf_global_names(arch: QwenArch) -> list[str]:
+    return [HF_EMBED, HF_NORM] + ([] if arch.tie_word_embeddings else [HF_HEAD])
+
+
+def mcore_to_hf_global_tensor(get: Getter, arch: QwenArch, hf_name: str) -> torch.Tensor:
+    """Embedding, final norm or (untied) lm_head, with padded vocab rows dropped."""
+    if hf_name == HF_NORM:
+        return get(MC_NORM)
+    source = {HF_EMBED: MC_EMBED, HF_HEAD: MC_HEAD}[hf_name]
+    return get(source)[: arch.vocab_size].contiguous()
+
+
 def mcore_to_hf_global(get: Getter, arch: QwenArch) -> dict[str, torch.Tensor]:
-    """Embedding, final norm and (untied) lm_head, padded vocab rows dropped."""
-    out = {HF_EMBED: get(MC_EMBED)[: arch.vocab_size].contiguous(), HF_NORM: get(MC_NORM)}
-    if not arch.tie_word_embeddings:
-        out[HF_HEAD] = get(MC_HEAD)[: arch.vocab_size].contiguous()
-    return out
+    """All non-layer tensors in HF naming."""
+    return {n: mcore_to_hf_global_tensor(get, arch, n) for n in mcore_to_hf_global_names(arch)}
