@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 
 META_FILE = "oar_checkpoint.json"
 MODEL_DIR = "model"
@@ -116,11 +117,13 @@ def load_model(model, ckpt_dir: str | Path) -> CheckpointMeta:
     meta = CheckpointMeta.read(ckpt_dir)
     path = model_dir(ckpt_dir)
     sharded = model.sharded_state_dict()
-    # Transformer Engine modules carry `_extra_state` (FP8 scales); a checkpoint written by
-    # the converter or a local-spec model has none, and TE re-initialises them.
-    present = set(dist_checkpointing.load_tensors_metadata(str(path)).keys())
+    # Transformer Engine modules carry `_extra_state` (FP8 scales and amax history), stored as
+    # ShardedObjects under "<key>/shard_..."; a checkpoint written by the converter or by a
+    # local-spec model has none, and TE then starts them afresh.
+    stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys()
+    prefixes = {k.split("/shard_")[0] for k in stored}
     sharded = {k: v for k, v in sharded.items()
-               if not (k.endswith("_extra_state") and getattr(v, "key", k) not in present)}
+               if not (k.endswith("_extra_state") and getattr(v, "key", k) not in prefixes)}
     state = dist_checkpointing.load(sharded, str(path))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
