@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
+
     from checkpoints_convert.convert import ConversionError
     from checkpoints_convert.hf_io import HFCheckpointError
     from megatron_oar.models.checkpoint import CheckpointError
@@ -93,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             return verify_cli(args)
     except (ConversionError, HFCheckpointError, CheckpointError, ModelConfigError) as e:
         print(f"oar-convert: error: {e}", file=sys.stderr)
+        return 2
+    except DCPCheckpointException as e:  # a BaseException: raised by DCP for write failures
+        print(f"oar-convert: error: writing the checkpoint failed: {e}", file=sys.stderr)
         return 2
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"done in {time.perf_counter() - start:.1f}s, peak RSS {peak:.0f} MiB")

@@ -126,7 +126,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int 
     dtype = _resolve_dtype(dtype, hf)
     torch_dtype = DTYPES[dtype]
     reader = HFReader(hf_dir)
-    reader.require(mapping.hf_names(arch))
+    reader.require(mapping.hf_shapes(arch))
     padded = arch.padded_vocab_size(vocab_multiple)
     tmp = _prepare_out(out)
     try:
@@ -186,6 +186,21 @@ def _set_hf_dtype(config_path: Path, dtype: str) -> None:
     config_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def _check_checkpoint_shapes(reader, arch: QwenArch, meta: CheckpointMeta, ckpt: Path) -> None:
+    expected = mapping.checkpoint_shapes(arch, meta.padded_vocab_size)
+    for key, shape in expected.items():
+        try:
+            got = reader.shape(key)
+        except KeyError as e:
+            raise ConversionError(f"--ckpt {ckpt}: {e.args[0]} (does {ckpt / HF_DIR}/config.json "
+                                  f"match the checkpoint?)") from None
+        if got != shape:
+            raise ConversionError(
+                f"--ckpt {ckpt}: tensor {key!r} has shape {list(got)}, but {ckpt / HF_DIR}/"
+                f"config.json implies {list(shape)} (num_hidden_layers={arch.num_layers}, "
+                f"hidden_size={arch.hidden_size}, intermediate_size={arch.intermediate_size})")
+
+
 def megatron_to_hf(ckpt: str | Path, out: str | Path, *, max_shard_bytes: int = 2 << 30,
                    progress: bool = True) -> Path:
     """Writes HF safetensors shards + index, config and tokenizer, one layer in memory.
@@ -201,15 +216,11 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, max_shard_bytes: int = 
     meta = CheckpointMeta.read(ckpt)
     mdir = model_dir(ckpt)
     hf, arch = _hf_arch(ckpt / HF_DIR, "--ckpt")
+    reader = CheckpointRegionReader(mdir)
+    _check_checkpoint_shapes(reader, arch, meta, ckpt)  # fail before writing anything
+    layer_keys = [mapping.MC_LAYER_PREFIX + n for n in mapping.layer_names(mapping.CHECKPOINT_SPEC)]
     tmp = _prepare_out(out)
     try:
-        reader = CheckpointRegionReader(mdir)
-        layer_keys = [mapping.MC_LAYER_PREFIX + n for n in mapping.layer_names(mapping.CHECKPOINT_SPEC)]
-        global_keys = [mapping.MC_EMBED, mapping.MC_NORM]
-        if not arch.tie_word_embeddings:
-            global_keys.append(mapping.MC_HEAD)
-        for k in layer_keys + global_keys:  # fail before writing anything
-            reader.shape(k)
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
         for i in tqdm(range(arch.num_layers), desc="megatron->hf", disable=not progress):
             layer = reader.read_layer(layer_keys, i)
@@ -218,7 +229,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, max_shard_bytes: int = 
                                                      mapping.CHECKPOINT_SPEC).items():
                 writer.add(name, t)
             del layer, rel
-        for name in list(mapping.mcore_to_hf_global_names(arch)):  # one tensor at a time
+        for name in mapping.mcore_to_hf_global_names(arch):  # one tensor at a time
             writer.add(name, mapping.mcore_to_hf_global_tensor(
                 lambda k: reader.read_whole([k])[k], arch, name))
         writer.finish()

@@ -72,11 +72,22 @@ class HFReader:
     def names(self) -> set[str]:
         return set(self.weight_map)
 
-    def require(self, names: list[str]) -> None:
-        missing = [n for n in names if n not in self.weight_map]
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from the safetensors header, without reading its data."""
+        return tuple(self._open(self.weight_map[name]).get_slice(name).get_shape())
+
+    def require(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Checks every expected tensor is present with the expected shape."""
+        missing = [n for n in shapes if n not in self.weight_map]
         if missing:
             raise HFCheckpointError(f"{self.dir}: tensor {missing[0]!r} not found "
                                     f"({len(missing)} expected tensors missing)")
+        for name, expected in shapes.items():
+            got = self.shape(name)
+            if got != tuple(expected):
+                raise HFCheckpointError(
+                    f"{self.dir / self.weight_map[name]}: tensor {name!r} has shape {list(got)}, "
+                    f"config.json implies {list(expected)}")
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:

@@ -73,12 +73,36 @@ def hf_layer_names(i: int) -> list[str]:
 
 
 def hf_names(arch: QwenArch) -> list[str]:
-    names = [HF_EMBED, HF_NORM]
+    return list(hf_shapes(arch))
+
+
+def hf_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name of this architecture with the shape config.json implies."""
+    h, f, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    q, kv = arch.num_heads * d, arch.num_kv_heads * d
+    shapes = {HF_EMBED: (arch.vocab_size, h), HF_NORM: (h,)}
+    per_layer = ((h,), (q, h), (q,), (kv, h), (kv,), (kv, h), (kv,), (h, q), (h,), (f, h), (f, h),
+                 (h, f))
     for i in range(arch.num_layers):
-        names += hf_layer_names(i)
+        shapes.update(zip(hf_layer_names(i), per_layer))
     if not arch.tie_word_embeddings:
-        names.append(HF_HEAD)
-    return names
+        shapes[HF_HEAD] = (arch.vocab_size, h)
+    return shapes
+
+
+def checkpoint_shapes(arch: QwenArch, padded_vocab: int) -> dict[str, tuple[int, ...]]:
+    """Global shapes of the torch_dist checkpoint's tensors (layer-stacked on axis 0)."""
+    h, f, d, L = arch.hidden_size, arch.intermediate_size, arch.head_dim, arch.num_layers
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
+    attn_norm, mlp_norm = _NORM_NAMES[CHECKPOINT_SPEC]
+    layer = {attn_norm: (h,), QKV_W: (qkv, h), QKV_B: (qkv,), PROJ_W: (h, arch.num_heads * d),
+             mlp_norm: (h,), FC1_W: (2 * f, h), FC2_W: (h, f)}
+    shapes = {MC_LAYER_PREFIX + k: (L, *v) for k, v in layer.items()}
+    shapes[MC_EMBED] = (padded_vocab, h)
+    shapes[MC_NORM] = (h,)
+    if not arch.tie_word_embeddings:
+        shapes[MC_HEAD] = (padded_vocab, h)
+    return shapes
 
 
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: QwenArch) -> torch.Tensor:

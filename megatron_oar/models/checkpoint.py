@@ -65,8 +65,9 @@ class CheckpointMeta:
 
 def model_dir(ckpt_dir: str | Path) -> Path:
     path = Path(ckpt_dir) / MODEL_DIR
-    if not (path / "metadata.json").is_file():
-        raise CheckpointError(f"{path}: no megatron dist checkpoint (metadata.json missing)")
+    for name in ("metadata.json", ".metadata"):
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path}: incomplete megatron dist checkpoint ({name} missing)")
     return path
 
 

@@ -70,9 +70,12 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ModelConfigError(f"{path}: no such file (an HF model directory needs config.json)")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelConfigError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def parse_arch(hf: dict[str, Any], source: str = "config.json") -> QwenArch:
@@ -120,6 +123,10 @@ def parse_arch(hf: dict[str, Any], source: str = "config.json") -> QwenArch:
 def check_layout(arch: QwenArch, tp: int, pp: int, vocab_multiple: int = 128,
                  flag: str = "--tp") -> None:
     """Raises naming the flag when TP/PP cannot split this model."""
+    pp_flag = flag.replace("tp", "pp")
+    for name, value in ((flag, tp), (pp_flag, pp), ("vocab_multiple", vocab_multiple)):
+        if not isinstance(value, int) or value < 1:
+            raise ModelConfigError(f"{name}={value} must be a positive integer")
     if arch.num_heads % tp:
         raise ModelConfigError(f"{flag}={tp} does not divide num_attention_heads={arch.num_heads}")
     if arch.num_kv_heads % tp:
@@ -129,7 +136,6 @@ def check_layout(arch: QwenArch, tp: int, pp: int, vocab_multiple: int = 128,
     if arch.padded_vocab_size(vocab_multiple) % tp:
         raise ModelConfigError(f"{flag}={tp} does not divide the padded vocab "
                                f"{arch.padded_vocab_size(vocab_multiple)}")
-    pp_flag = flag.replace("tp", "pp")
     if arch.num_layers % pp:
         raise ModelConfigError(f"{pp_flag}={pp} does not divide num_hidden_layers={arch.num_layers}")
 
@@ -246,6 +252,10 @@ def build_gpt_model(hf_config: dict[str, Any] | QwenArch, opts: ModelOptions | N
         rotary_base=int(arch.rope_theta),
         vp_stage=vp_stage,
     )
+    if config.params_dtype is not torch.float32:
+        # megatron's torch-norm fallback ignores params_dtype; cast every parameter, as
+        # Megatron-LM's Float16Module does, so checkpoints carry one dtype throughout.
+        model.to(config.params_dtype)
     model.oar_arch = arch  # the unpadded architecture, for consumers that mask padded logits
     return model
 

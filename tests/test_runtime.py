@@ -1,0 +1,368 @@
+"""The CPU runtime: layout validation, gloo worlds and megatron's parallel_state, the CPU
+backend (CUDA device / RNG redirection), the kernel report, and megatron's pipeline
+schedule doing forward *and* backward on CPU.
+
+Anything that calls ``cpu_backend.enable()`` runs in spawned worker processes (it patches
+``torch.cuda`` for the whole process); workers assert and save what they saw under
+``out_dir`` for the parent to compare across ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_oar.runtime import ParallelConfig, validate_layout
+from megatron_oar.runtime import kernels
+from tests.distributed import launch
+
+# ----------------------------------------------------------------------- validate_layout
+
+
+@pytest.mark.parametrize("world,cfg,needles", [
+    (4, ParallelConfig(tp=3), ["world size 4", "tp*pp = 3*1"]),
+    (4, ParallelConfig(tp=2, pp=3), ["world size 4", "tp*pp = 2*3"]),
+    (4, ParallelConfig(tp=0), ["parallel.tp", ">= 1", "got 0"]),
+    (4, ParallelConfig(pp=0), ["parallel.pp", ">= 1"]),
+    (4, ParallelConfig(tp=-2), ["parallel.tp", "got -2"]),
+    (4, ParallelConfig(tp=1, sequence_parallel=True), ["parallel.sequence_parallel",
+                                                         "parallel.tp > 1"]),
+], ids=["tp3_world4", "tp2pp3_world4", "tp0", "pp0", "tp_negative", "sp_tp1"])
+def test_validate_layout_errors_name_the_field(world, cfg, needles):
+    with pytest.raises(ValueError) as exc:
+        validate_layout(world, cfg)
+    for needle in needles:
+        assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize("world,cfg,dp", [
+    (1, ParallelConfig(), 1), (2, ParallelConfig(), 2), (2, ParallelConfig(tp=2), 1),
+    (8, ParallelConfig(tp=2, pp=2), 2), (8, ParallelConfig(pp=4), 2),
+    (4, ParallelConfig(tp=2, sequence_parallel=True), 2),
+])
+def test_validate_layout_returns_dp(world, cfg, dp):
+    assert validate_layout(world, cfg) == dp
+
+
+def test_env_int_names_the_variable(monkeypatch):
+    from megatron_oar.runtime.distributed import _env_int
+
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE='two'"):
+        _env_int("WORLD_SIZE", 1)
+    monkeypatch.setenv("WORLD_SIZE", "")
+    assert _env_int("WORLD_SIZE", 1) == 1
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert _env_int("WORLD_SIZE", 1) == 8
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def test_kernel_report_matches_environment():
+    import importlib.util
+
+    line = kernels.kernel_report().line()
+    assert "apex=" in line and "norm=" in line
+    has_apex = importlib.util.find_spec("apex") is not None
+    assert ("apex=yes" if has_apex else "apex=no") in line
+    if not torch.cuda.is_available():
+        assert "transformer_engine=no" in line and "device=cpu" in line
+        assert "grad_accum_fusion=off" in line
+
+
+def test_kernel_report_without_apex(monkeypatch):
+    monkeypatch.setattr(kernels, "_has", lambda module: False)
+    report = kernels.kernel_report()
+    assert not report.apex and not report.transformer_engine
+    line = report.line()
+    assert "apex=no" in line
+    assert "norm=torch (megatron WrappedTorchNorm fallback)" in line
+
+
+def test_kernel_report_with_apex(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "_has", lambda module: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    report = kernels.kernel_report()
+    # Transformer Engine and apex's fused grad kernels need CUDA even when importable
+    assert report.apex and not report.transformer_engine and not report.grad_accum_fusion
+    line = report.line()
+    assert "apex=yes" in line and "norm=apex FusedLayerNorm" in line
+    assert "transformer_engine=no" in line
+    with caplog.at_level("INFO", logger=kernels.__name__):
+        assert kernels.log_kernel_report() == report
+    assert line in caplog.text
+
+
+def test_cpu_backend_refuses_cuda_machines(monkeypatch):
+    from megatron_oar.runtime import cpu_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        cpu_backend.enable()
+
+
+# -------------------------------------------------------------- gloo world / parallel_state
+
+
+def _runtime_worker(out_dir: str, tp: int) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+
+    rank = int(os.environ["RANK"])
+    # Bad layouts fail naming the field before any process group exists.
+    with pytest.raises(ValueError, match=r"world size 2 is not divisible by tp\*pp = 4\*1"):
+        init_runtime(ParallelConfig(tp=4))
+    with pytest.raises(ValueError, match="parallel.sequence_parallel"):
+        init_runtime(ParallelConfig(tp=2, sequence_parallel=True))
+    assert not dist.is_initialized()
+
+    info = init_runtime(ParallelConfig(tp=tp))
+
+    def group_sum(group) -> float:
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=group)
+        return t.item()
+
+    seen = dict(
+        info=dict(rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
+                  tp=info.tp, pp=info.pp, dp=info.dp, backend=info.backend,
+                  device=str(info.device)),
+        dist_backend=dist.get_backend(), dist_world=dist.get_world_size(),
+        ps_tp=ps.get_tensor_model_parallel_world_size(),
+        ps_pp=ps.get_pipeline_model_parallel_world_size(),
+        ps_dp=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        # the groups are real: all-reduce over each sums exactly its members' (rank + 1)
+        tp_sum=group_sum(ps.get_tensor_model_parallel_group()),
+        dp_sum=group_sum(ps.get_data_parallel_group()),
+    )
+    # Re-initialising with the same layout keeps it; another layout replaces it.
+    again = init_runtime(ParallelConfig(tp=tp))
+    assert again == info
+    other = 3 - tp  # 2 -> 1, 1 -> 2
+    relaid = init_runtime(ParallelConfig(tp=other))
+    seen["relaid"] = dict(tp=relaid.tp, dp=relaid.dp,
+                          ps_tp=ps.get_tensor_model_parallel_world_size(),
+                          ps_dp=ps.get_data_parallel_world_size())
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(seen))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)], ids=["tp2", "tp1_dp2"])
+def test_init_runtime_two_process_gloo(tmp_path, tp, dp):
+    launch(_runtime_worker, 2, str(tmp_path), tp)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["info"] == dict(rank=rank, world_size=2, local_rank=rank, tp=tp, pp=1, dp=dp,
+                                    backend="gloo", device="cpu")
+        assert seen["dist_backend"] == "gloo" and seen["dist_world"] == 2
+        assert (seen["ps_tp"], seen["ps_pp"], seen["ps_dp"]) == (tp, 1, dp)
+        assert seen["tp_rank"] == (rank if tp == 2 else 0)
+        assert seen["dp_rank"] == (rank if dp == 2 else 0)
+        assert seen["tp_sum"] == (3.0 if tp == 2 else rank + 1.0)
+        assert seen["dp_sum"] == (3.0 if dp == 2 else rank + 1.0)
+        assert seen["relaid"] == dict(tp=3 - tp, dp=3 - dp, ps_tp=3 - tp, ps_dp=3 - dp)
+
+
+# ------------------------------------------------------------------ CPU backend and RNG
+
+
+def _cpu_backend_worker(out_dir: str) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from megatron_oar.runtime import ParallelConfig, cpu_backend, init_runtime
+
+    rank = int(os.environ["RANK"])
+    assert not cpu_backend.is_enabled()
+    # Without the backend this torch build has no CUDA at all.
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(2, device="cuda")
+
+    cpu_backend.enable()
+    cpu_backend.enable()  # idempotent
+    assert cpu_backend.is_enabled()
+    cpu = torch.device("cpu")
+    z = torch.zeros(2, device="cuda")
+    assert z.device == cpu and torch.equal(z, torch.zeros(2))
+    assert torch.tensor([1.5], device="cuda:0").device == cpu
+    assert torch.arange(3, device=torch.device("cuda")).tolist() == [0, 1, 2]
+    for moved in (torch.ones(1).to("cuda"), torch.ones(1).to(device="cuda"),
+                  torch.ones(1).to(torch.device("cuda", 0)), torch.ones(1).cuda(),
+                  torch.ones(1).cuda(0)):
+        assert moved.device == cpu and moved.item() == 1.0
+    half = torch.ones(1).to("cuda", torch.float64)
+    assert half.device == cpu and half.dtype == torch.float64
+    assert torch.cuda.current_device() == 0
+    assert torch.empty(1, device=torch.cuda.current_device()).device == cpu
+    assert torch.cuda.synchronize() is None
+    assert (torch.ones(2, device="cuda") + torch.ones(2)).tolist() == [2.0, 2.0]
+
+    def draw() -> dict[str, torch.Tensor]:
+        tracker = get_cuda_rng_tracker()
+        a = torch.rand(4, device="cuda")
+        with tracker.fork():
+            f1 = torch.rand(4, device="cuda")
+            drop = torch.nn.functional.dropout(torch.ones(64, device="cuda"), p=0.5)
+        with tracker.fork():
+            f2 = torch.rand(4, device="cuda")
+        b = torch.rand(4, device="cuda")
+        return dict(a=a, f1=f1, drop=drop, f2=f2, b=b)
+
+    init_runtime(ParallelConfig(tp=2, seed=123))
+    assert ps.get_tensor_model_parallel_rank() == rank
+    run1 = draw()
+    init_runtime(ParallelConfig(tp=2, seed=123))  # a second run with the same seed
+    run2 = draw()
+    init_runtime(ParallelConfig(tp=2, seed=123))
+    plain = [torch.rand(4), torch.rand(4)]  # the default stream with no fork in between
+    init_runtime(ParallelConfig(tp=2, seed=124))
+    other = draw()
+    torch.save(dict(run1=run1, run2=run2, plain=plain, other=other),
+               Path(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_cpu_backend_devices_and_rng_tracker(tmp_path):
+    launch(_cpu_backend_worker, 2, str(tmp_path))
+    r = [torch.load(tmp_path / f"rank{i}.pt") for i in (0, 1)]
+    for rank, seen in enumerate(r):
+        run1, run2, plain, other = seen["run1"], seen["run2"], seen["plain"], seen["other"]
+        for k in run1:  # same seed -> identical, inside and outside the fork
+            assert torch.equal(run1[k], run2[k]), (rank, k)
+        # the fork leaves the default (data-parallel) stream exactly where it was
+        assert torch.equal(run1["a"], plain[0]) and torch.equal(run1["b"], plain[1])
+        # the forked stream advances from one fork to the next
+        assert not torch.equal(run1["f1"], run1["f2"])
+        # megatron's seeds: default stream = seed, TP stream = seed + 2718 + tp_rank
+        assert torch.equal(run1["a"], torch.rand(4, generator=torch.Generator().manual_seed(123)))
+        g = torch.Generator().manual_seed(123 + 2718 + rank)
+        assert torch.equal(run1["f1"], torch.rand(4, generator=g))
+        assert 0 < int((run1["drop"] == 0).sum()) < 64
+        # another seed gives other numbers
+        assert not torch.equal(other["a"], run1["a"])
+        assert not torch.equal(other["f1"], run1["f1"])
+    # TP ranks: different inside the fork, identical outside it
+    assert not torch.equal(r[0]["run1"]["f1"], r[1]["run1"]["f1"])
+    assert not torch.equal(r[0]["run1"]["drop"], r[1]["run1"]["drop"])
+    assert torch.equal(r[0]["run1"]["a"], r[1]["run1"]["a"])
+    assert torch.equal(r[0]["run1"]["b"], r[1]["run1"]["b"])
+
+
+# ------------------------------------------------------- pipeline schedule forward+backward
+
+LAYERS_PER_STAGE = 2
+
+
+def _pp_train_worker(out_dir: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_oar.models import ModelOptions, build_gpt_model
+    from megatron_oar.models.forward import position_ids_for
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+    from tests.tiny import SMALL
+
+    cfg = {**SMALL, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    assert cfg["num_hidden_layers"] == 2 * LAYERS_PER_STAGE
+    rank = int(os.environ["RANK"])
+    info = init_runtime(ParallelConfig(pp=2))
+    assert (info.pp, info.dp) == (2, 1)
+    stage = ps.get_pipeline_model_parallel_rank()
+    assert stage == rank
+    model = build_gpt_model(cfg, ModelOptions())
+    tokens = torch.randint(0, cfg["vocab_size"], (4, 16),
+                           generator=torch.Generator().manual_seed(0))
+    micro = list(tokens.split(2))  # two micro-batches: a real 1F1B schedule
+
+    def step(data_iter, m):
+        batch = next(data_iter)
+        out = m(batch, position_ids_for(batch), attention_mask=None)
+
+        def loss_func(logits):
+            loss = logits.float().mean()
+            # clone: the schedule divides the returned loss in place by num_microbatches
+            return loss, {"loss": loss.detach().clone()}
+
+        return out, loss_func
+
+    model.train()
+    model.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(micro), model=[model],
+        num_microbatches=len(micro), seq_length=tokens.shape[1], micro_batch_size=2,
+        forward_only=False)
+
+    def global_name(name: str) -> str:  # stage-local layer numbers -> global ones
+        return re.sub(r"^decoder\.layers\.(\d+)\.",
+                      lambda m: f"decoder.layers.{int(m.group(1)) + stage * LAYERS_PER_STAGE}.",
+                      name)
+
+    mine = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"stage {stage}: {name} got no gradient"
+        assert torch.isfinite(p.grad).all(), f"stage {stage}: {name}"
+        assert p.grad.abs().sum() > 0, f"stage {stage}: {name} has an all-zero gradient"
+        mine[global_name(name)] = (p.detach().clone(), p.grad.detach().clone())
+    if stage == 0:
+        assert losses == [] and "embedding.word_embeddings.weight" in mine
+    else:
+        assert len(losses) == 2 and "output_layer.weight" in mine
+    gathered: list = [None, None]
+    dist.all_gather_object(gathered, dict(params=mine,
+                                          losses=[d["loss"].item() for d in losses]))
+
+    # Reference: the same weights as one unpipelined model, plain autograd, same loss scale
+    # (the schedule divides each micro-batch loss by the number of micro-batches).
+    relaid = init_runtime(ParallelConfig())
+    assert (relaid.pp, relaid.dp) == (1, 2)
+    ref = build_gpt_model(cfg, ModelOptions())
+    params = {**gathered[0]["params"], **gathered[1]["params"]}
+    ref_params = dict(ref.named_parameters())
+    assert set(ref_params) == set(params)
+    with torch.no_grad():
+        for name, p in ref_params.items():
+            p.copy_(params[name][0])
+    ref.train()
+    ref_losses = []
+    for mb in micro:
+        loss = ref(mb, position_ids_for(mb), attention_mask=None).float().mean()
+        (loss / len(micro)).backward()
+        ref_losses.append(loss.item())
+    report = {"losses": gathered[1]["losses"], "ref_losses": ref_losses, "grad_rel_err": {}}
+    for name, p in ref_params.items():
+        got = params[name][1]
+        report["grad_rel_err"][name] = ((got - p.grad).abs().max() / p.grad.abs().max()).item()
+    report["names"] = {r: sorted(gathered[r]["params"]) for r in (0, 1)}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+
+
+@pytest.mark.slow
+def test_pipeline_schedule_forward_backward_pp2(tmp_path):
+    launch(_pp_train_worker, 2, str(tmp_path))
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    names = report["names"]
+    # both stages hold (and trained) their own half of the model
+    assert any(n.startswith("decoder.layers.0.") for n in names["0"])
+    assert any(n.startswith("decoder.layers.1.") for n in names["0"])
+    assert not any(n.startswith(("decoder.layers.2.", "output_layer")) for n in names["0"])
+    assert any(n.startswith("decoder.layers.3.") for n in names["1"])
+    assert "decoder.final_layernorm.weight" in names["1"] and "output_layer.weight" in names["1"]
+    assert not any(n.startswith(("decoder.layers.0.", "embedding")) for n in names["1"])
+    # the pipelined losses and gradients are those of the unpipelined model
+    assert len(report["losses"]) == 2
+    for got, ref in zip(report["losses"], report["ref_losses"]):
+        assert got == pytest.approx(ref, rel=1e-5, abs=1e-7)
+    bad = {n: e for n, e in report["grad_rel_err"].items() if not e < 1e-4}
+    assert bad == {}, bad
+    assert len(report["grad_rel_err"]) == len(names["0"]) + len(names["1"])
