@@ -13,7 +13,7 @@ setup(
     long_description=(ROOT / "README.md").read_text() if (ROOT / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_oar*", "checkpoints_convert*"]),
+    packages=find_packages(include=["megatron_oar*", "checkpoints_convert*", "benchmarks*"]),
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.16.1",

@@ -1,4 +1,4 @@
-"""Converter peak memory against model and layer size (`python -m benchmarks.convert_memory`).
+"""Converter peak memory against model and layer size (`oar bench convert`).
 
 Builds a random Qwen2 of the requested shape, converts HF -> Megatron -> HF, and samples the
 process's anonymous resident memory (RssAnon: heap and tensors; file pages of mmapped
@@ -47,8 +47,8 @@ class PeakSampler:
         self._thread.join()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="oar bench convert", description=__doc__)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--ffn", type=int, default=4096)
     p.add_argument("--layers", type=int, default=16)
@@ -58,7 +58,7 @@ def main() -> None:
     p.add_argument("--workdir", default=None)
     p.add_argument("--max-shard-mib", type=int, default=64,
                    help="export shard size; export memory is bounded by this plus one layer")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     import torch  # noqa: F401  (baseline includes torch + megatron imports)
     from checkpoints_convert.convert import hf_to_megatron, megatron_to_hf

@@ -2,8 +2,9 @@
 
     oar demo [--out DIR]   tiny end-to-end demo (today: the converter round trip at TP2 / PP2)
     oar info               versions, device and which fused kernels megatron-core will use
+    oar bench convert ...  converter peak memory vs model and layer size
 
-Training, evaluation, analysis and benchmarks (`oar train|eval|analyze|viz|bench|plan`)
+Training, evaluation, analysis and the other benchmarks (`oar train|eval|analyze|viz|plan`)
 arrive with the issues that build them.
 """
 
@@ -95,9 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="tiny end-to-end demo on CPU")
     d.add_argument("--out", type=Path, default=Path("demo_out"), help="output directory (replaced)")
     sub.add_parser("info", help="versions and kernels")
+    b = sub.add_parser("bench", help="benchmarks (suite name, then its own options)")
+    b.add_argument("suite", choices=["convert"])
+    b.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args.out)
+    if args.command == "bench":
+        from benchmarks import convert_memory
+
+        convert_memory.main(args.args)
+        return 0
     return _info()
 
 
