@@ -46,35 +46,37 @@ class HFReader:
             weight_map = None
         else:
             raise HFCheckpointError(f"{self.dir}: no {SINGLE} or {INDEX} found")
-        self._handles: dict[str, object] = {}
         if weight_map is None:
-            self.weight_map = {k: SINGLE for k in self._open(SINGLE).keys()}
+            with self._open(SINGLE) as f:
+                self.weight_map = {k: SINGLE for k in f.keys()}
         else:
             self.weight_map = dict(weight_map)
             for fname in sorted(set(self.weight_map.values())):
-                keys = set(self._open(fname).keys())  # validates every header up front
+                with self._open(fname) as f:  # validates every header up front
+                    keys = set(f.keys())
                 missing = [k for k, f in self.weight_map.items() if f == fname and k not in keys]
                 if missing:
                     raise HFCheckpointError(f"{self.dir / fname}: lacks {missing[0]!r} "
                                             f"named by {INDEX}")
 
     def _open(self, fname: str):
-        if fname not in self._handles:
-            path = self.dir / fname
-            if not path.is_file():
-                raise HFCheckpointError(f"{path}: missing (named by {INDEX})")
-            try:
-                self._handles[fname] = safe_open(str(path), framework="pt")
-            except (SafetensorError, OSError, ValueError) as e:
-                raise HFCheckpointError(f"{path}: corrupt or unreadable safetensors ({e})") from e
-        return self._handles[fname]
+        """A fresh handle per use: safetensors mmaps the file, and a long-lived handle would keep
+        every page read so far resident (file-backed RSS growing to the model size)."""
+        path = self.dir / fname
+        if not path.is_file():
+            raise HFCheckpointError(f"{path}: missing (named by {INDEX})")
+        try:
+            return safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise HFCheckpointError(f"{path}: corrupt or unreadable safetensors ({e})") from e
 
     def names(self) -> set[str]:
         return set(self.weight_map)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape from the safetensors header, without reading its data."""
-        return tuple(self._open(self.weight_map[name]).get_slice(name).get_shape())
+        with self._open(self.weight_map[name]) as f:
+            return tuple(f.get_slice(name).get_shape())
 
     def require(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Checks every expected tensor is present with the expected shape."""
@@ -94,7 +96,8 @@ class HFReader:
             raise HFCheckpointError(f"{self.dir}: tensor {name!r} not found")
         fname = self.weight_map[name]
         try:
-            return self._open(fname).get_tensor(name)
+            with self._open(fname) as f:
+                return f.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as e:
             raise HFCheckpointError(f"{self.dir / fname}: cannot read {name!r} ({e})") from e
 
