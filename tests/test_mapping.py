@@ -13,7 +13,7 @@ def _arch(heads=8, groups=2, head_dim=4, layers=4, vocab=50, inter=24, tied=Fals
     return QwenArch(vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=inter,
                     num_layers=layers, num_heads=heads, num_kv_heads=groups, head_dim=head_dim,
                     rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=64,
-                    tie_word_embeddings=tied, torch_dtype="float32")
+                    tie_word_embeddings=tied)
 
 
 def _rows(n: int, base: float, hidden: int | None) -> torch.Tensor:

@@ -34,7 +34,6 @@ class ModelOptions:
     vocab_multiple: int = 128
     sequence_parallel: bool = False
     recompute: str | None = None  # None | selective | full
-    attention_backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,6 @@ class QwenArch:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    torch_dtype: str | None
 
     def padded_vocab_size(self, multiple: int = 128) -> int:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
@@ -116,7 +114,6 @@ def parse_arch(hf: dict[str, Any], source: str = "config.json") -> QwenArch:
         rope_theta=float(rope_theta),
         max_position_embeddings=hf.get("max_position_embeddings", 32768),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
     )
 
 
@@ -256,7 +253,6 @@ def build_gpt_model(hf_config: dict[str, Any] | QwenArch, opts: ModelOptions | N
         # megatron's torch-norm fallback ignores params_dtype; cast every parameter, as
         # Megatron-LM's Float16Module does, so checkpoints carry one dtype throughout.
         model.to(config.params_dtype)
-    model.oar_arch = arch  # the unpadded architecture, for consumers that mask padded logits
     return model
 
 
