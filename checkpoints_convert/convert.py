@@ -1,19 +1,19 @@
 """HF <-> megatron-core conversion for Qwen2/Qwen2.5, streaming one tensor / layer at a time.
 
-Both directions use a *template*: the sharded state dict of a real ``GPTModel`` built on the
-meta device at TP=1/PP=1 (no memory). Its keys, global shapes and chunking are exactly
-what a training run's ``model.sharded_state_dict()`` produces, so the checkpoint reloads
-with megatron's own ``dist_checkpointing.load`` at any TP/PP.
+HF -> Megatron saves through megatron's ``dist_checkpointing.save`` with a *template*: the
+sharded state dict of a real ``GPTModel`` built on the meta device at TP=1/PP=1 (no memory).
+Its keys, global shapes and chunking are exactly what a training run's
+``model.sharded_state_dict()`` produces, so the checkpoint reloads with megatron's own
+``dist_checkpointing.load`` at any TP/PP. Megatron -> HF reads one layer's region of each
+tensor with PyTorch DCP, whatever TP/PP the checkpoint was written at.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,7 +40,6 @@ from megatron_oar.models.qwen2 import (
 log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HF_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 class ConversionError(ValueError):
