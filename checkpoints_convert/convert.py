@@ -29,6 +29,7 @@ from megatron_oar.models.checkpoint import (
     model_dir,
 )
 from megatron_oar.models.qwen2 import (
+    DTYPES,
     ModelOptions,
     QwenArch,
     build_gpt_model,
@@ -38,7 +39,6 @@ from megatron_oar.models.qwen2 import (
 )
 
 log = logging.getLogger(__name__)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HF_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -76,15 +76,14 @@ def _single_process_runtime():
             destroy_runtime()
 
 
-def template(arch: QwenArch, dtype: torch.dtype, vocab_multiple: int = 128) -> dict:
+def template(arch: QwenArch, dtype: str, vocab_multiple: int = 128) -> dict:
     """Flat sharded state dict of a meta-device GPTModel (module-path key -> ShardedBase).
 
     Checkpoint keys do not depend on the layer spec: megatron's local spec maps its
     ``input_layernorm`` / ``pre_mlp_layernorm`` to the Transformer Engine names
     (``sharded_state_dict_keys_map``), so one checkpoint serves both specs.
     """
-    opts = ModelOptions(spec="local", dtype={v: k for k, v in DTYPES.items()}[dtype],
-                        vocab_multiple=vocab_multiple)
+    opts = ModelOptions(spec="local", dtype=dtype, vocab_multiple=vocab_multiple)
     with torch.device("meta"):
         model = build_gpt_model(arch, opts, perform_initialization=False)
     return dict(model.sharded_state_dict())
@@ -130,7 +129,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int 
     tmp = _prepare_out(out)
     try:
         with _single_process_runtime():
-            sd = template(arch, torch_dtype, vocab_multiple)
+            sd = template(arch, dtype, vocab_multiple)
             total = sum(v.data.numel() * v.data.element_size() for v in sd.values()
                         if hasattr(v, "data") and isinstance(v.data, torch.Tensor))
             cache: dict = {}

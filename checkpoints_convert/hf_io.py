@@ -84,12 +84,18 @@ class HFReader:
         if missing:
             raise HFCheckpointError(f"{self.dir}: tensor {missing[0]!r} not found "
                                     f"({len(missing)} expected tensors missing)")
-        for name, expected in shapes.items():
-            got = self.shape(name)
-            if got != tuple(expected):
-                raise HFCheckpointError(
-                    f"{self.dir / self.weight_map[name]}: tensor {name!r} has shape {list(got)}, "
-                    f"config.json implies {list(expected)}")
+        by_file: dict[str, list[str]] = {}
+        for name in shapes:
+            by_file.setdefault(self.weight_map[name], []).append(name)
+        for fname, names in by_file.items():
+            with self._open(fname) as f:  # one header parse per file
+                got_shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
+            for name in names:
+                got, expected = got_shapes[name], tuple(shapes[name])
+                if got != expected:
+                    raise HFCheckpointError(
+                        f"{self.dir / fname}: tensor {name!r} has shape {list(got)}, "
+                        f"config.json implies {list(expected)}")
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:

@@ -19,7 +19,6 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -133,6 +132,3 @@ def load_model(model, ckpt_dir: str | Path) -> CheckpointMeta:
                               f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     return meta
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("qwen2",)
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -156,8 +156,8 @@ def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
     """The megatron ``TransformerConfig`` for this architecture and layout."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if opts.dtype not in _DTYPES:
-        raise ModelConfigError(f"model.dtype={opts.dtype!r}; expected one of {list(_DTYPES)}")
+    if opts.dtype not in DTYPES:
+        raise ModelConfigError(f"model.dtype={opts.dtype!r}; expected one of {list(DTYPES)}")
     if opts.fp8 not in (None, "hybrid", "e4m3"):
         raise ModelConfigError(f"model.fp8={opts.fp8!r}; expected null, hybrid or e4m3")
     spec = resolve_spec(opts)
@@ -167,7 +167,7 @@ def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
         raise ModelConfigError(f"model.recompute={opts.recompute!r}; expected null, selective, full")
     check_layout(arch, tp, pp, opts.vocab_multiple, flag="parallel.tp")
     cuda = torch.cuda.is_available()
-    dtype = _DTYPES[opts.dtype]
+    dtype = DTYPES[opts.dtype]
     kwargs: dict[str, Any] = {}
     if opts.fp8:
         kwargs.update(fp8=opts.fp8, fp8_recipe=opts.fp8_recipe,
