@@ -1,0 +1,113 @@
+"""Token credit schemes: a sequence advantage ``A_i`` and a response mask -> token advantages.
+
+========== ================================================================================
+scheme     token advantage ``A_t`` (weights ``w_t = A_t / A_i``)
+========== ================================================================================
+``grpo``    ``A_i`` on every valid token (GRPO's broadcast, Eq. 3)
+``random``  ``A_i * w_t`` with ``w ~ U(0, 1)`` renormalised to sum T (the paper's diagnostic)
+``entropy`` ``A_i + min(alpha * sg(H_t), |A_i| / kappa)`` (Cheng et al., Eq. 6); not mass preserving
+``oar``     ``A_i * w_t`` with OAR's bi-level weights from importance scores (Eqs. 14-17)
+========== ================================================================================
+
+The attribution method (OAR-G or OAR-P) only changes where the importance comes from; both use
+the ``oar`` scheme here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_oar.algorithms import oar
+from megatron_oar.algorithms.masking import as_bool_mask, check_2d, check_finite, sub_mask
+
+SCHEMES = ("grpo", "random", "entropy", "oar")
+
+
+@dataclass
+class CreditConfig:
+    """Options of every scheme; each scheme reads only its own."""
+
+    scheme: str = "oar"
+    # oar (Eqs. 14-17): the paper's tau = 0.4 (top 60% boosted) and beta = 2.0
+    tau: float = 0.4
+    beta: float = 2.0
+    tau_mode: str = "quantile"  # quantile | value
+    floor: float = 0.0  # lower bound on suppressed weights before renormalisation (0 = Eq. 16)
+    eps: float = 1e-6
+    # entropy (Eq. 6): Cheng et al.'s alpha and kappa
+    entropy_alpha: float = 0.4
+    entropy_kappa: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"credit scheme must be one of {SCHEMES}, got {self.scheme!r}")
+        if self.entropy_alpha < 0 or self.entropy_kappa <= 0:
+            raise ValueError(f"entropy_alpha must be >= 0 and entropy_kappa > 0, got "
+                             f"{self.entropy_alpha}, {self.entropy_kappa}")
+        oar._check_options(self.tau, self.beta, self.tau_mode, self.floor, self.eps)
+
+
+@dataclass
+class Credit:
+    """Token advantages ``[B, T]`` and the weights they imply (``A_t / A_i``; 1 where A_i = 0)."""
+
+    advantages: torch.Tensor
+    weights: torch.Tensor
+
+
+def random_weights(mask: torch.Tensor, score_mask: torch.Tensor | None = None,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """``w ~ U(0, 1)`` on the scored tokens, renormalised like OAR's weights (Eq. 17)."""
+    u = torch.rand(mask.shape, generator=generator, device=mask.device)
+    return oar.renormalize(u, mask.bool(), score_mask)
+
+
+def entropy_advantages(seq_adv: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor,
+                       alpha: float = 0.4, kappa: float = 2.0) -> torch.Tensor:
+    """Eq. 6: ``A_t = A + min(alpha * sg(H_t), |A| / kappa)`` on valid tokens, 0 on padding.
+
+    The bonus is capped at ``|A| / kappa``, so with kappa > 1 it never flips the sign of A.
+    """
+    check_2d(entropy, "entropy")
+    mask = as_bool_mask(mask, entropy)
+    check_finite(entropy, mask, "entropy")
+    h = entropy.detach().float()
+    a = seq_adv.to(h.dtype).unsqueeze(-1)
+    shaped = a + torch.minimum(alpha * h, a.abs() / kappa)
+    return torch.where(mask, shaped, torch.zeros_like(shaped))
+
+
+def assign_credit(cfg: CreditConfig, seq_adv: torch.Tensor, mask: torch.Tensor, *,
+                  importance: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                  score_mask: torch.Tensor | None = None,
+                  generator: torch.Generator | None = None) -> Credit:
+    """Token advantages for ``cfg.scheme``.
+
+    ``importance`` is required for ``oar``, ``entropy`` for ``entropy``; ``score_mask`` (tokens
+    that were scored; others keep weight 1) applies to ``oar`` and ``random``; ``generator``
+    seeds ``random``.
+    """
+    check_2d(mask, "mask")
+    if seq_adv.shape != mask.shape[:1]:
+        raise ValueError(f"seq_adv has shape {tuple(seq_adv.shape)}, expected ({mask.shape[0]},)")
+    valid = mask.bool()
+    ones = valid.float()
+    if cfg.scheme == "grpo":
+        weights = ones
+    elif cfg.scheme == "random":
+        weights = random_weights(valid, sub_mask(valid, score_mask), generator)
+    elif cfg.scheme == "oar":
+        if importance is None:
+            raise ValueError("credit scheme 'oar' needs importance scores")
+        weights = oar.oar_weights(importance, valid, cfg.tau, cfg.beta, cfg.tau_mode, cfg.floor,
+                                  cfg.eps, score_mask)
+    else:
+        if entropy is None:
+            raise ValueError("credit scheme 'entropy' needs token entropies")
+        adv = entropy_advantages(seq_adv, entropy, valid, cfg.entropy_alpha, cfg.entropy_kappa)
+        a = seq_adv.to(adv.dtype).unsqueeze(-1)
+        weights = torch.where((a != 0) & valid, adv / torch.where(a == 0, 1.0, a), ones)
+        return Credit(adv, weights)
+    return Credit(seq_adv.to(weights.dtype).unsqueeze(-1) * weights, weights)

@@ -1,0 +1,92 @@
+"""Credit schemes (grpo, random, entropy Eq. 6, oar) and the credit metrics (Eqs. 27-28)."""
+
+import pytest
+import torch
+
+from megatron_oar.algorithms import CreditConfig, assign_credit, credit_metrics, ess_ratio, top_mass
+from megatron_oar.algorithms.credit import entropy_advantages, random_weights
+
+
+def test_grpo_broadcasts():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    out = assign_credit(CreditConfig(scheme="grpo"), torch.tensor([0.5, -1.0]), mask)
+    assert out.advantages.tolist() == [[0.5, 0.5, 0.0], [-1.0, 0.0, 0.0]]
+    assert out.weights.tolist() == [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_entropy_eq6_hand_computed():
+    h = torch.tensor([[0.0, 1.0, 5.0], [0.0, 1.0, 5.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = entropy_advantages(torch.tensor([1.0, -1.0]), h, mask, alpha=0.4, kappa=2.0)
+    # A + min(0.4 H, |A| / 2): bonus 0, 0.4, capped at 0.5
+    torch.testing.assert_close(adv, torch.tensor([[1.0, 1.4, 1.5], [-1.0, -0.6, 0.0]]))
+    assert not adv.requires_grad  # sg(H): no gradient flows into the entropy
+
+
+def test_entropy_scheme_weights_and_zero_advantage():
+    h = torch.tensor([[2.0, 0.5], [2.0, 0.5]])
+    out = assign_credit(CreditConfig(scheme="entropy"), torch.tensor([2.0, 0.0]), torch.ones(2, 2),
+                        entropy=h)
+    torch.testing.assert_close(out.advantages, torch.tensor([[2.8, 2.2], [0.0, 0.0]]))
+    torch.testing.assert_close(out.weights, torch.tensor([[1.4, 1.1], [1.0, 1.0]]))
+
+
+def test_random_is_mass_preserving_and_seeded():
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
+    w1 = random_weights(mask, generator=torch.Generator().manual_seed(3))
+    w2 = random_weights(mask, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(w1, w2)
+    torch.testing.assert_close(w1.sum(-1), torch.tensor([4.0, 2.0]))
+    assert (w1[~mask.bool()] == 0).all()
+    assert w1.std() > 0
+    score = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 0, 0, 0]])
+    out = assign_credit(CreditConfig(scheme="random"), torch.tensor([1.0, 1.0]), mask,
+                        score_mask=score, generator=torch.Generator().manual_seed(0))
+    assert out.weights[0, 2] == 1.0
+    torch.testing.assert_close(out.weights.sum(-1), torch.tensor([4.0, 2.0]))
+
+
+def test_oar_scheme_uses_importance():
+    imp = torch.tensor([[0.0, 1.0, 10.0]])
+    out = assign_credit(CreditConfig(scheme="oar"), torch.tensor([-1.0]), torch.ones(1, 3), importance=imp)
+    assert out.weights[0, 2] > 1 > out.weights[0, 0]
+    torch.testing.assert_close(out.advantages, -out.weights)
+
+
+def test_scheme_errors():
+    with pytest.raises(ValueError, match="credit scheme must be one of"):
+        CreditConfig(scheme="oar_x")
+    with pytest.raises(ValueError, match="tau"):
+        CreditConfig(tau=2.0)
+    with pytest.raises(ValueError, match="needs importance"):
+        assign_credit(CreditConfig(scheme="oar"), torch.ones(1), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="needs token entropies"):
+        assign_credit(CreditConfig(scheme="entropy"), torch.ones(1), torch.ones(1, 2))
+
+
+# --- metrics ---------------------------------------------------------------------------------------
+
+def test_ess_ratio_eq27():
+    w = torch.tensor([[1.0, 1.0, 1.0, 1.0], [4.0, 0.0, 0.0, 0.0], [2.0, 1.0, 9.0, 9.0], [0.0] * 4])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]])
+    out = ess_ratio(w, mask)
+    torch.testing.assert_close(out[:3], torch.tensor([1.0, 0.25, 9 / (2 * 5)]))
+    assert out[3].isnan()
+
+
+def test_top_mass_eq28():
+    adv = torch.tensor([[10.0, -5.0] + [1.0] * 18, [1.0, 2.0, 3.0, 4.0, 5.0] + [0.0] * 15])
+    mask = torch.ones(2, 20)
+    mask[1, 5:] = 0
+    out = top_mass(adv, mask)  # K = 2 for T = 20, K = max(1, 0) = 1 for T = 5
+    torch.testing.assert_close(out, torch.tensor([15 / 33, 5 / 15]))
+    assert top_mass(torch.zeros(1, 4), torch.ones(1, 4))[0].isnan()
+
+
+def test_credit_metrics_only_count_nonzero_advantage_rows():
+    w = torch.tensor([[0.5, 1.5], [1.0, 1.0]])
+    adv = torch.tensor([[0.5, 1.5], [0.0, 0.0]])
+    m = credit_metrics(w, adv, torch.ones(2, 2), seq_adv=torch.tensor([1.0, 0.0]))
+    assert m["frac_boosted"] == 0.5 and m["frac_suppressed"] == 0.5
+    torch.testing.assert_close(m["ess_ratio"], torch.tensor(4 / (2 * 2.5)))
+    torch.testing.assert_close(m["top10_mass"], torch.tensor(0.75))
