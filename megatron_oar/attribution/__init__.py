@@ -1,0 +1,122 @@
+"""Token importance for OAR, computed inside megatron-core's forward/backward schedule.
+
+.. code-block:: python
+
+    attr = compute_importance(model, batch, AttributionConfig(method="oar_g"), vocab_size=V,
+                              seq_adv=seq_adv, step=step, tokenizer=tok)
+    credit = assign_credit(CreditConfig(scheme="oar"), seq_adv, batch.response_mask(),
+                           importance=attr.importance, score_mask=attr.score_mask)
+
+- :mod:`.probes`    outcome probes (last_token, answer_mean, answer_joint), warm-up, fallback
+- :mod:`.passes`    the clean teacher pass, OAR-G (noisy forward + input-gradient backward),
+                    OAR-P (batched [PAD]-masked forwards; a serial mode for cost comparisons)
+- :mod:`.schedule`  running probe passes through ``get_forward_backward_func()`` on any TP/PP
+
+Only sequences with a non-zero advantage are scored; the others keep weight 1 (their token
+advantages are zero anyway). Importance is returned on every rank of the model-parallel group.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_oar.attribution.batch import SequenceBatch
+from megatron_oar.attribution.passes import oar_g, oar_p, probe_teacher
+from megatron_oar.attribution.probes import NONE, ProbeConfig, ProbeOutput, ProbePlan, plan_probes
+from megatron_oar.attribution.spans import SpanFinder
+
+METHODS = ("oar_g", "oar_p")
+
+
+@dataclass
+class AttributionConfig:
+    method: str = "oar_g"  # oar_g | oar_p
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    sigma: float = 1e-3  # OAR-G noise std on the scored tokens' embeddings
+    seed: int = 0  # OAR-G noise: seeded per (seed, step, sample id)
+    micro_batch_size: int = 4  # sequences per micro-batch (OAR-G and the teacher pass)
+    perturb_micro_batch_size: int = 16  # masked copies per micro-batch (OAR-P)
+    length_bucket: int = 64  # OAR-P copies are padded up to a multiple of this
+    serial: bool = False  # OAR-P one copy at a time (only for the paper's cost comparison)
+    pad_id: int | None = None  # OAR-P mask token; None: the tokenizer's pad token
+    allow_fp8: bool = False  # run OAR-G's backward under FP8 autocast (default: bf16)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.probe, dict):
+            self.probe = ProbeConfig(**self.probe)
+        if self.method not in METHODS:
+            raise ValueError(f"attribution.method must be one of {METHODS}, got {self.method!r}")
+        if self.sigma <= 0:
+            raise ValueError(f"attribution.sigma must be > 0, got {self.sigma}")
+        for name in ("micro_batch_size", "perturb_micro_batch_size", "length_bucket"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"attribution.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class Attribution:
+    importance: torch.Tensor  # [B, L] float32, 0 where not scored
+    score_mask: torch.Tensor  # [B, L] the tokens that were scored
+    kinds: list[str]  # probe used per row (none: not scored)
+    stats: dict[str, float]
+
+
+def resolve_pad_id(cfg: AttributionConfig, tokenizer) -> int:
+    if cfg.pad_id is not None:
+        return cfg.pad_id
+    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    if pad is None:
+        raise ValueError("OAR-P needs attribution.pad_id, or a tokenizer with a pad token")
+    return int(pad)
+
+
+def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, vocab_size: int,
+                       seq_adv: torch.Tensor | None = None, step: int = 0, tokenizer=None,
+                       plan: ProbePlan | None = None, teacher: ProbeOutput | None = None) -> Attribution:
+    """Importance ``[B, L]`` of every scored response token of ``batch`` (any TP/PP layout).
+
+    ``plan`` and ``teacher`` may come from the trainer's old-logprob pass (no extra forward);
+    otherwise the plan is built here (``tokenizer`` is needed for answer probes) and the teacher
+    is computed by one clean forward-only pass.
+    """
+    start = time.perf_counter()
+    if plan is None:
+        finder = SpanFinder(tokenizer, cfg.probe.answer_pattern) if tokenizer is not None else None
+        plan = plan_probes(batch, cfg.probe, step, finder)
+    selected = plan.scored_rows()
+    if seq_adv is not None:
+        selected &= (seq_adv != 0).cpu()
+    rows = selected.nonzero().flatten().tolist()
+    score_mask = plan.score_mask & selected.to(plan.score_mask.device).unsqueeze(-1)
+    importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
+    copies = 0
+    if rows:
+        if teacher is None:
+            teacher = probe_teacher(model, batch, plan, rows, vocab_size, cfg.micro_batch_size)
+        if cfg.method == "oar_g":
+            importance = oar_g(model, batch, plan, teacher, rows, vocab_size, sigma=cfg.sigma,
+                               seed=cfg.seed, step=step, micro_batch_size=cfg.micro_batch_size,
+                               allow_fp8=cfg.allow_fp8)
+        else:
+            importance, copies = oar_p(model, batch, plan, teacher, rows, vocab_size,
+                                       pad_id=resolve_pad_id(cfg, tokenizer),
+                                       micro_batch_size=cfg.perturb_micro_batch_size,
+                                       length_bucket=cfg.length_bucket, serial=cfg.serial,
+                                       joint_importance=cfg.probe.joint_importance)
+    kinds = plan.kinds
+    stats = {
+        "scored_sequences": float(len(rows)),
+        "scored_tokens": float(score_mask.sum()),
+        "fallback_last_token": float(sum(k == "last_token" for k in kinds) if cfg.probe.kind != "last_token" else 0),
+        "unscored_no_answer": float(sum(k == NONE for k in kinds)),
+        "masked_forwards": float(copies),
+        "seconds": time.perf_counter() - start,
+    }
+    return Attribution(importance * score_mask, score_mask, kinds, stats)
+
+
+__all__ = ["Attribution", "AttributionConfig", "ProbeConfig", "ProbeOutput", "ProbePlan", "SequenceBatch",
+           "SpanFinder", "compute_importance", "plan_probes", "probe_teacher"]

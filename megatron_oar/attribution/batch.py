@@ -1,0 +1,46 @@
+"""The token batch that attribution (and the trainer's Megatron passes) work on.
+
+Each row is ``prompt + response`` starting at position 0 and right-padded to ``L``. Every
+``[B, L]`` tensor in this package (importance, score masks) uses these full-sequence positions;
+position ``p``'s logits predict token ``p + 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SequenceBatch:
+    tokens: torch.Tensor  # [B, L] int64
+    prompt_lens: torch.Tensor  # [B]: the response starts here
+    lengths: torch.Tensor  # [B]: prompt + response, <= L
+    sample_ids: torch.Tensor | None = None  # [B] stable ids (noise seeds); default 0..B-1
+
+    def __post_init__(self) -> None:
+        b, length = self.tokens.shape
+        if self.prompt_lens.shape != (b,) or self.lengths.shape != (b,):
+            raise ValueError(f"prompt_lens and lengths must be [{b}], got "
+                             f"{tuple(self.prompt_lens.shape)} and {tuple(self.lengths.shape)}")
+        if (self.lengths > length).any() or (self.prompt_lens < 1).any() \
+                or (self.prompt_lens > self.lengths).any():
+            raise ValueError("need 1 <= prompt_len <= length <= tokens.shape[1] on every row")
+        if self.sample_ids is None:
+            self.sample_ids = torch.arange(b)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.tokens.shape[1], device=self.tokens.device).expand_as(self.tokens)
+
+    def response_mask(self) -> torch.Tensor:
+        """[B, L] True on response tokens."""
+        pos = self.positions()
+        return (pos >= self.prompt_lens.unsqueeze(-1)) & (pos < self.lengths.unsqueeze(-1))
+
+    def response_ids(self, row: int) -> list[int]:
+        return self.tokens[row, int(self.prompt_lens[row]):int(self.lengths[row])].tolist()

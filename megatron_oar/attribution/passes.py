@@ -1,0 +1,172 @@
+"""The three attribution passes: the clean probe teacher, OAR-G and OAR-P.
+
+Where results live (pipeline parallelism): the teacher ``ProbeOutput`` is on the last stage
+only (it is vocab-parallel, one slice per TP rank). OAR-G's input gradients exist on the first
+stage and OAR-P's divergences on the last; both importance tensors are broadcast over the
+pipeline group, so every rank of the model-parallel group returns the same ``[B, L]`` tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_oar.attribution.batch import SequenceBatch
+from megatron_oar.attribution.probes import ProbeOutput, ProbePlan, divergence
+from megatron_oar.attribution.schedule import (Micro, attribution_mode, broadcast_from_stage,
+                                               clean_embeddings, run_probe_schedule)
+
+SEED_MIX = (1_000_003, 998_244_353)
+
+
+def noise_seed(seed: int, step: int, sample_id: int) -> int:
+    """The per-sample noise seed: the same sample at the same step always gets the same noise."""
+    return ((seed * SEED_MIX[0] + step) * SEED_MIX[1] + sample_id) % (2 ** 63)
+
+
+def sample_noise(seed: int, length: int, hidden: int, sigma: float) -> torch.Tensor:
+    """``N(0, sigma^2)`` noise ``[length, hidden]`` (float32, CPU) from a dedicated generator."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(length, hidden, generator=g) * sigma
+
+
+def _chunks(rows: list[int], size: int) -> list[list[int]]:
+    """``rows`` in chunks of ``size``; with PP > 1 the last chunk is padded with -1 (filler),
+    because the pipeline schedule exchanges tensors of one fixed shape."""
+    out = [rows[i:i + size] for i in range(0, len(rows), size)]
+    if out and parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        out[-1] = out[-1] + [-1] * (size - len(out[-1]))
+    return out
+
+
+def _real(rows: list[int]) -> list[int]:
+    """Fillers stand in for the chunk's first row (any valid row would do: their results are dropped)."""
+    return [r if r >= 0 else rows[0] for r in rows]
+
+
+def _sequence_micros(batch: SequenceBatch, plan: ProbePlan, rows: list[int], size: int) -> list[Micro]:
+    length = int(batch.lengths[rows].max())
+    micros = []
+    for chunk in _chunks(rows, size):
+        real = _real(chunk)
+        micros.append(Micro(batch.tokens[real, :length], plan.take(real), chunk))
+    return micros
+
+
+def probe_teacher(model, batch: SequenceBatch, plan: ProbePlan, rows: list[int], vocab_size: int,
+                  micro_batch_size: int) -> ProbeOutput | None:
+    """The clean probe output P0 (and S0) of ``rows``; on the last stage, else None.
+
+    The trainer can skip this pass by building the teacher from its old-logprob forward with
+    ``ProbeOutput.from_position_logits`` at the same plan positions.
+    """
+    outputs: dict[int, ProbeOutput] = {}
+
+    def last_stage(micro: Micro, probe: ProbeOutput) -> torch.Tensor:
+        for j, r in enumerate(micro.rows):
+            if r >= 0:
+                outputs[r] = probe.take([j])
+        return probe.score.sum() * 0
+
+    with attribution_mode(model), torch.no_grad():
+        run_probe_schedule(model, _sequence_micros(batch, plan, rows, micro_batch_size), vocab_size,
+                           forward_only=True, last_stage=last_stage)
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    any_out = next(iter(outputs.values()))
+    logp = any_out.logp.new_zeros(batch.size, any_out.logp.shape[-1])
+    score = any_out.score.new_zeros(batch.size)
+    for r, out in outputs.items():
+        logp[r], score[r] = out.logp[0], out.score[0]
+    return ProbeOutput(logp, score)
+
+
+def oar_g(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeOutput | None, rows: list[int],
+          vocab_size: int, *, sigma: float, seed: int, step: int, micro_batch_size: int,
+          allow_fp8: bool = False) -> torch.Tensor:
+    """OAR-G importance ``I_t = |<dJ/de_t, e_t>|`` with ``J = KL(P0 || P_noisy)`` (or the score
+    drop for answer_joint), noise ``N(0, sigma^2)`` on the scored tokens' embeddings, one backward
+    through the schedule with parameter gradients off. Returns ``[B, L]`` on every stage."""
+    importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
+    micros = _sequence_micros(batch, plan, rows, micro_batch_size)
+
+    def first_stage(gpt, micro: Micro) -> torch.Tensor:
+        emb = clean_embeddings(gpt, micro.tokens)  # [s, m, h]
+        s, _, h = emb.shape
+        noise = torch.zeros(emb.shape, dtype=torch.float32)
+        for j, r in enumerate(_real(micro.rows)):
+            n = int(batch.lengths[r])
+            noise[:n, j] = sample_noise(noise_seed(seed, step, int(batch.sample_ids[r])), n, h, sigma)
+        noise *= micro.plan.score_mask[:, :s].T.unsqueeze(-1).cpu()
+        x = (emb + noise.to(emb.device, emb.dtype)).requires_grad_(True)
+        micro.extra = (x, emb)
+        return x
+
+    def last_stage(micro: Micro, probe: ProbeOutput) -> torch.Tensor:
+        j = divergence(teacher.take(_real(micro.rows)), probe, micro.plan, clamp=False)
+        keep = torch.tensor([r >= 0 for r in micro.rows], device=j.device)
+        return torch.where(keep, j, torch.zeros_like(j)).sum()
+
+    with attribution_mode(model, allow_fp8):
+        run_probe_schedule(model, micros, vocab_size, forward_only=False, first_stage=first_stage,
+                           last_stage=last_stage)
+    if parallel_state.is_pipeline_first_stage():
+        for micro in micros:
+            x, emb = micro.extra
+            grad = x.grad if x.grad is not None else torch.zeros_like(x)
+            scores = (grad.float() * emb.float()).sum(dim=-1).abs().T  # [m, s]
+            for j, r in enumerate(micro.rows):
+                if r >= 0:
+                    importance[r, :scores.shape[1]] = scores[j]
+    importance *= plan.score_mask
+    return broadcast_from_stage(importance, first=True)
+
+
+def _copy_micros(batch: SequenceBatch, plan: ProbePlan, copies: list[tuple[int, int]], size: int,
+                 pad_id: int, bucket: int) -> list[list[Micro]]:
+    """Masked copies grouped into schedule calls: one call per padded length (copies sorted by
+    length, padded up to a multiple of ``bucket``), micro-batches of ``size`` copies."""
+    full = batch.tokens.shape[1]
+    by_length: dict[int, list[tuple[int, int]]] = {}
+    for i, t in sorted(copies, key=lambda c: (-int(batch.lengths[c[0]]), c)):
+        padded = min(-(-int(batch.lengths[i]) // bucket) * bucket, full)
+        by_length.setdefault(padded, []).append((i, t))
+    calls = []
+    for length, group in by_length.items():
+        micros = []
+        for chunk in _chunks(list(range(len(group))), size):
+            members = [group[c] if c >= 0 else None for c in chunk]
+            real = [m if m is not None else members[0] for m in members]
+            tokens = batch.tokens[[i for i, _ in real], :length].clone()
+            tokens[torch.arange(len(real)), torch.tensor([t for _, t in real])] = pad_id
+            micros.append(Micro(tokens, plan.take([i for i, _ in real]), [
+                i if m is not None else -1 for m, (i, _) in zip(members, real)], [t for _, t in real]))
+        calls.append(micros)
+    return calls
+
+
+def oar_p(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeOutput | None, rows: list[int],
+          vocab_size: int, *, pad_id: int, micro_batch_size: int, length_bucket: int = 64,
+          serial: bool = False, joint_importance: str = "drop") -> tuple[torch.Tensor, int]:
+    """OAR-P importance ``I_t = KL(P_final || P_final^(t))`` (score drop for answer_joint) with
+    token t replaced by ``pad_id``: one forward-only copy per scored token, batched
+    ``micro_batch_size`` copies at a time (``serial``: one copy per schedule call, the paper's
+    naive baseline). Returns ``[B, L]`` on every stage and the number of copies run."""
+    importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
+    copies = [(i, int(t)) for i in rows for t in plan.score_mask[i].nonzero().flatten()]
+    if serial:
+        calls = [m for i, t in copies for m in _copy_micros(batch, plan, [(i, t)], 1, pad_id, 1)]
+    else:
+        calls = _copy_micros(batch, plan, copies, micro_batch_size, pad_id, length_bucket)
+
+    def last_stage(micro: Micro, probe: ProbeOutput) -> torch.Tensor:
+        d = divergence(teacher.take(_real(micro.rows)), probe, micro.plan, joint_importance)
+        for j, (r, t) in enumerate(zip(micro.rows, micro.extra)):
+            if r >= 0:
+                importance[r, t] = d[j]
+        return d.sum() * 0
+
+    with attribution_mode(model), torch.no_grad():
+        for micros in calls:
+            run_probe_schedule(model, micros, vocab_size, forward_only=True, last_stage=last_stage)
+    return broadcast_from_stage(importance, first=False), len(copies)

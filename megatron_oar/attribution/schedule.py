@@ -1,0 +1,168 @@
+"""Probe passes through megatron-core's own pipeline schedule.
+
+:func:`run_probe_schedule` runs micro-batches through ``get_forward_backward_func()``. On the
+first pipeline stage a callback may supply the decoder input (noisy embeddings for OAR-G); on
+the last stage the model returns final-norm hidden states and the output layer is applied at
+the probe positions only (``plan.pos``), so the ``[s, b, V/TP]`` logits of the whole sequence
+are never formed. A last-stage callback turns the probe output into a scalar objective (OAR-G
+differentiates it) and records per-row results.
+
+:func:`attribution_mode` puts the model in the state every attribution pass needs: eval mode,
+parameter gradients off, no gradient scaling/reduction hooks, FP8 autocast off (unless allowed),
+and restores all of it afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                           gather_from_sequence_parallel_region,
+                                           scatter_to_sequence_parallel_region)
+
+from megatron_oar.attribution.probes import ProbeOutput, ProbePlan
+
+# Model-config hooks that belong to training steps; attribution must not fire them.
+TRAINING_HOOKS = ("grad_scale_func", "finalize_model_grads_func", "no_sync_func", "grad_sync_func",
+                  "param_sync_func")
+
+
+def unwrap(model):
+    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@contextlib.contextmanager
+def attribution_mode(model, allow_fp8: bool = False):
+    gpt = unwrap(model)
+    config = gpt.config
+    saved_hooks = {name: getattr(config, name, None) for name in TRAINING_HOOKS}
+    saved_fp8 = config.fp8
+    requires = [(p, p.requires_grad) for p in model.parameters()]
+    training = model.training
+    post_process = gpt.post_process
+    try:
+        for p, _ in requires:
+            p.requires_grad_(False)
+        for name in TRAINING_HOOKS:
+            setattr(config, name, None)
+        if not allow_fp8:
+            config.fp8 = None  # bf16 dgrad; TE's amax history stays untouched
+        model.eval()
+        gpt.post_process = False  # hidden states out of the last stage: logits only at probes
+        yield gpt
+    finally:
+        gpt.post_process = post_process
+        model.train(training)
+        config.fp8 = saved_fp8
+        for name, value in saved_hooks.items():
+            setattr(config, name, value)
+        for p, flag in requires:
+            p.requires_grad_(flag)
+
+
+def clean_embeddings(gpt, tokens: torch.Tensor) -> torch.Tensor:
+    """Full ``[s, b, h]`` input embeddings of ``tokens [b, s]``, detached (first stage only)."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    with torch.no_grad():
+        emb = gpt.embedding(input_ids=tokens, position_ids=positions)
+        if gpt.config.sequence_parallel:
+            emb = gather_from_sequence_parallel_region(emb, tensor_parallel_output_grad=False)
+    return emb.detach()
+
+
+def to_decoder_input(gpt, full: torch.Tensor) -> torch.Tensor:
+    """A full ``[s, b, h]`` tensor as the first stage's decoder input (scattered under SP;
+    the scatter's backward gathers the gradient back to the full tensor)."""
+    return scatter_to_sequence_parallel_region(full) if gpt.config.sequence_parallel else full
+
+
+def probe_logits(gpt, hidden: torch.Tensor, plan: ProbePlan) -> torch.Tensor:
+    """Vocab-parallel logits ``[N, V/TP]`` at ``plan``'s positions from last-stage hidden states."""
+    if gpt.config.sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden)  # backward: reduce-scatter sums TP parts
+    picked = hidden.transpose(0, 1)[plan.row.to(hidden.device), plan.pos.to(hidden.device)]
+    if not gpt.config.sequence_parallel:
+        picked = copy_to_tensor_model_parallel_region(picked)  # backward: all-reduce sums TP parts
+    return F.linear(picked, output_weight(gpt))
+
+
+def output_weight(gpt) -> torch.Tensor:
+    """The output layer's vocab-parallel weight (the embedding's when tied and on the first stage).
+
+    Not ``shared_embedding_or_output_weight()``: that looks at ``post_process``, which
+    attribution_mode switches off."""
+    if gpt.share_embeddings_and_output_weights and gpt.pre_process:
+        return gpt.embedding.word_embeddings.weight
+    return gpt.output_layer.weight
+
+
+@dataclass
+class Micro:
+    """One micro-batch: ``tokens [m, s]``, its probe plan, and the batch rows it stands for
+    (``-1`` for filler rows that only pad the micro-batch to the schedule's fixed size)."""
+
+    tokens: torch.Tensor
+    plan: ProbePlan
+    rows: list[int]
+    extra: object = None  # per-method payload (noise, masked positions)
+
+
+FirstStageFn = Callable[[object, Micro], torch.Tensor]
+LastStageFn = Callable[[Micro, ProbeOutput], torch.Tensor]
+
+
+def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_only: bool,
+                       last_stage: LastStageFn, first_stage: FirstStageFn | None = None) -> None:
+    """Run ``micros`` (all the same shape) through megatron's schedule, inside attribution_mode.
+
+    ``first_stage(gpt, micro)`` returns the full ``[s, m, h]`` decoder input (or None for the
+    model's own embedding); ``last_stage(micro, probe_output)`` returns a scalar whose gradient
+    the backward pass propagates (ignored when ``forward_only``).
+    """
+    if not micros:
+        return
+    gpt = unwrap(model)
+    m, s = micros[0].tokens.shape
+    n = len(micros)
+
+    def step(data_iter, chunk):
+        micro = next(data_iter)
+        positions = torch.arange(s, device=micro.tokens.device).expand_as(micro.tokens)
+        decoder_input = None
+        if first_stage is not None and parallel_state.is_pipeline_first_stage():
+            decoder_input = to_decoder_input(gpt, first_stage(gpt, micro))
+        hidden = chunk(micro.tokens, positions, attention_mask=None, decoder_input=decoder_input)
+
+        def loss(out):
+            probe = ProbeOutput.from_position_logits(probe_logits(gpt, out, micro.plan), micro.plan,
+                                                     vocab_size)
+            objective = last_stage(micro, probe)
+            # the schedule divides by the number of micro-batches: undo it so every
+            # sequence's gradient is d J_i / d input, whatever the micro-batching
+            return objective * n, {}
+
+        return hidden, loss
+
+    get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(micros), model=[model], num_microbatches=n,
+        seq_length=s, micro_batch_size=m, forward_only=forward_only)
+
+
+def broadcast_from_stage(tensor: torch.Tensor, first: bool) -> torch.Tensor:
+    """Send ``tensor`` from the first (or last) pipeline stage to every stage."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return tensor
+    src = (parallel_state.get_pipeline_model_parallel_first_rank() if first
+           else parallel_state.get_pipeline_model_parallel_last_rank())
+    dist.broadcast(tensor, src=src, group=parallel_state.get_pipeline_model_parallel_group())
+    return tensor

@@ -1,0 +1,72 @@
+"""Plain single-process references for OAR-G and OAR-P on a transformers model.
+
+Written from the paper's definitions, one sequence at a time, with torch autograd and brute
+force: the Megatron implementation must match these whatever its TP/PP layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_oar.attribution.batch import SequenceBatch
+from megatron_oar.attribution.passes import noise_seed, sample_noise
+from megatron_oar.attribution.probes import ProbePlan
+
+
+def probe(logits: torch.Tensor, plan: ProbePlan, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs over the vocabulary, mean answer log-likelihood) of one sequence's probe."""
+    sel = plan.row == row
+    pos, target = plan.pos[sel], plan.target[sel]
+    logits = logits.double()
+    logp = torch.log_softmax(logits[pos].mean(0), dim=-1)
+    score = torch.log_softmax(logits[pos], dim=-1).gather(-1, target.unsqueeze(-1)).mean()
+    return logp, score
+
+
+def divergence(teacher, student, kind: str, clamp: bool, joint_importance: str = "drop"):
+    if kind == "answer_joint":
+        drop = teacher[1] - student[1]
+        if clamp:
+            drop = drop.abs() if joint_importance == "abs" else drop.clamp_min(0)
+        return drop
+    p = teacher[0].exp()
+    return (p * (teacher[0] - student[0])).sum()
+
+
+def _logits(model, ids=None, embeds=None) -> torch.Tensor:
+    if embeds is not None:
+        return model(inputs_embeds=embeds.unsqueeze(0)).logits[0]
+    return model(ids.unsqueeze(0)).logits[0]
+
+
+@torch.no_grad()
+def oar_p(model, batch: SequenceBatch, plan: ProbePlan, rows: list[int], pad_id: int,
+          joint_importance: str = "drop") -> torch.Tensor:
+    out = torch.zeros(batch.tokens.shape)
+    for i in rows:
+        ids = batch.tokens[i, :int(batch.lengths[i])]
+        teacher = probe(_logits(model, ids), plan, i)
+        for t in plan.score_mask[i].nonzero().flatten().tolist():
+            masked = ids.clone()
+            masked[t] = pad_id
+            student = probe(_logits(model, masked), plan, i)
+            out[i, t] = divergence(teacher, student, plan.kinds[i], True, joint_importance)
+    return out
+
+
+def oar_g(model, batch: SequenceBatch, plan: ProbePlan, rows: list[int], sigma: float, seed: int,
+          step: int) -> torch.Tensor:
+    out = torch.zeros(batch.tokens.shape)
+    embed = model.get_input_embeddings()
+    for i in rows:
+        n = int(batch.lengths[i])
+        ids = batch.tokens[i, :n]
+        with torch.no_grad():
+            emb = embed(ids)
+            teacher = probe(_logits(model, ids), plan, i)
+        noise = sample_noise(noise_seed(seed, step, int(batch.sample_ids[i])), n, emb.shape[-1], sigma)
+        x = (emb + noise * plan.score_mask[i, :n].unsqueeze(-1)).requires_grad_(True)
+        student = probe(_logits(model, embeds=x), plan, i)
+        divergence(teacher, student, plan.kinds[i], clamp=False).backward()
+        out[i, :n] = (x.grad * emb).sum(-1).abs()
+    return out * plan.score_mask

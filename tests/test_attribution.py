@@ -1,0 +1,163 @@
+"""Attribution inside Megatron's schedule equals a plain transformers reference at every layout.
+
+OAR-G and OAR-P importance at TP1, TP2, PP2 and TP2xPP2 against single-process autograd /
+brute force (tests/attribution_reference.py) on tiny random Qwen2 models, tied and untied;
+batched OAR-P equals serial; micro-batch sizes do not change scores; parameter gradients and
+model outputs are untouched by attribution.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints_convert.convert import hf_to_megatron
+from megatron_oar.attribution import AttributionConfig, ProbeConfig, SequenceBatch, plan_probes
+from megatron_oar.attribution.spans import SpanFinder
+from tests import attribution_reference as ref
+from tests.distributed import launch
+from tests.tiny import make_tiny_qwen2
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+REL_TOL = 1e-4
+SEQ_ADV = torch.tensor([1.0, -0.5, 0.0, 2.0, 1.5])
+
+# (prompt, response): answers, a long reasoning, a zero-advantage row, and no answer at all
+TEXTS = [
+    ("12 + 3 = ", "12 + 3 is 15. <answer>15</answer>"),
+    ("7 + 5 = ", "7 + 5 = 12 so <answer>12</answer><|endoftext|>"),
+    ("4 + 4 = ", "8. <answer>8</answer>"),
+    ("30 + 6 = ", "30 + 6 = 36. 36 - 6 = 30."),
+    ("21 + 2 = ", "21 + 2 = 23. <answer>23</answer> 23"),
+]
+
+
+def make_batch(tokenizer) -> SequenceBatch:
+    rows = [(tokenizer.encode(p), tokenizer.encode(r)) for p, r in TEXTS]
+    length = max(len(p) + len(r) for p, r in rows)
+    tokens = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
+    for i, (p, r) in enumerate(rows):
+        tokens[i, :len(p) + len(r)] = torch.tensor(p + r)
+    return SequenceBatch(tokens, torch.tensor([len(p) for p, _ in rows]),
+                         torch.tensor([len(p) + len(r) for p, r in rows]),
+                         sample_ids=torch.tensor([11, 12, 13, 14, 15]))
+
+
+# OAR-G uses sigma = 1e-2 here: the fp32 rounding floor of q - p0 (the gradient of the KL) grows
+# like eps / sigma, and at the default 1e-3 two correct fp32 implementations differ by up to ~7e-4
+# relative (measured); at 1e-2 the floor is ~1e-5, so 1e-4 tests the implementation, not rounding.
+SIGMA = 1e-2
+CASES = {
+    "oar_g_answer_mean": AttributionConfig(method="oar_g", micro_batch_size=2, sigma=SIGMA),
+    "oar_g_last_token": AttributionConfig(method="oar_g", sigma=SIGMA, probe=ProbeConfig(kind="last_token")),
+    "oar_g_answer_joint": AttributionConfig(method="oar_g", sigma=SIGMA, probe=ProbeConfig(kind="answer_joint")),
+    "oar_g_mbs1": AttributionConfig(method="oar_g", sigma=SIGMA, micro_batch_size=1),
+    "oar_p_answer_mean": AttributionConfig(method="oar_p", perturb_micro_batch_size=8, length_bucket=8),
+    "oar_p_answer_joint": AttributionConfig(method="oar_p", probe=ProbeConfig(kind="answer_joint",
+                                                                              joint_importance="abs")),
+    "oar_p_serial": AttributionConfig(method="oar_p", serial=True),
+    "oar_p_mbs3": AttributionConfig(method="oar_p", perturb_micro_batch_size=3, length_bucket=64),
+}
+
+
+def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
+    from megatron.core import parallel_state as ps
+    from transformers import AutoTokenizer
+
+    from megatron_oar.attribution import compute_importance
+    from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
+    from megatron_oar.models.checkpoint import load_model
+    from megatron_oar.models.forward import forward_logits
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+
+    init_runtime(ParallelConfig(tp=tp, pp=pp))
+    model = build_gpt_model(read_hf_config(Path(ckpt) / "hf"), ModelOptions())
+    meta = load_model(model, ckpt)
+    tok = AutoTokenizer.from_pretrained(str(Path(ckpt) / "hf"))
+    batch = make_batch(tok)
+    for p in model.parameters():  # a stale gradient from "training" that must survive
+        p.grad = torch.full_like(p, 0.5)
+    before = forward_logits(model, batch.tokens, vocab_size=meta.vocab_size)
+    model.train()
+    results = {}
+    for name, cfg in CASES.items():
+        attr = compute_importance(model, batch, cfg, vocab_size=meta.vocab_size, seq_adv=SEQ_ADV,
+                                  step=3, tokenizer=tok)
+        results[name] = (attr.importance, attr.score_mask, attr.kinds, attr.stats)
+    after = forward_logits(model, batch.tokens, vocab_size=meta.vocab_size)
+    results["grads_untouched"] = all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
+    results["requires_grad_restored"] = all(p.requires_grad for p in model.parameters())
+    results["outputs_unchanged"] = before is None or torch.equal(before, after)
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, results)
+    if torch.distributed.get_rank() == 0:
+        torch.save(gathered, out)
+    del ps
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def setup(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("attr_tied" if request.param else "attr_untied")
+    # larger weights than HF's default init, so that masking a token moves the probe well above
+    # fp32 rounding (with std 0.02 the KLs are ~1e-5 and HF-vs-Megatron rounding dominates)
+    hf = make_tiny_qwen2(root / "hf", tied=request.param, seed=5, initializer_range=0.3)
+    ckpt = root / "ckpt"
+    hf_to_megatron(hf, ckpt, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    batch = make_batch(tok)
+    refs = {}
+    for name, cfg in CASES.items():
+        plan = plan_probes(batch, cfg.probe, 3, SpanFinder(tok, cfg.probe.answer_pattern))
+        rows = [i for i in range(batch.size) if plan.kinds[i] != "none" and SEQ_ADV[i] != 0
+                and plan.score_mask[i].any()]
+        if cfg.method == "oar_g":
+            refs[name] = ref.oar_g(model, batch, plan, rows, cfg.sigma, cfg.seed, 3)
+        else:
+            refs[name] = ref.oar_p(model, batch, plan, rows, tok.pad_token_id, cfg.probe.joint_importance)
+    return root, ckpt, refs
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Max over rows of max|got - want| / max|want| (rows with no scores are compared exactly)."""
+    worst = 0.0
+    for g, w in zip(got, want):
+        scale = w.abs().max()
+        if scale == 0:
+            assert g.abs().max() == 0
+            continue
+        worst = max(worst, float((g - w).abs().max() / scale))
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{t}pp{p}" for t, p in LAYOUTS])
+def test_importance_matches_reference(setup, tp, pp):
+    root, ckpt, refs = setup
+    out = root / f"attr_tp{tp}pp{pp}.pt"
+    launch(_worker, tp * pp, str(ckpt), tp, pp, str(out))
+    ranks = torch.load(out, weights_only=False)
+    for rank, results in enumerate(ranks):
+        assert results["grads_untouched"], f"rank {rank}: attribution touched parameter gradients"
+        assert results["requires_grad_restored"], f"rank {rank}"
+        assert results["outputs_unchanged"], f"rank {rank}: model outputs changed"
+        for name, want in refs.items():
+            got = results[name][0]
+            err = rel_error(got, want)
+            print(f"tp={tp} pp={pp} rank={rank} {name}: rel err {err:.2e}")
+            assert err <= REL_TOL, f"{name} at tp={tp} pp={pp} rank {rank}: {err:.2e}"
+    first = ranks[0]
+    kinds = first["oar_g_answer_mean"][2]
+    # row 3 has no answer: falls back to last_token; row 2 has A = 0: not scored
+    assert kinds == ["answer_mean", "answer_mean", "answer_mean", "last_token", "answer_mean"]
+    mask = first["oar_g_answer_mean"][1]
+    assert not mask[2].any() and mask[3].any()
+    # batched and serial OAR-P agree; micro-batch sizes change nothing
+    torch.testing.assert_close(first["oar_p_answer_mean"][0], first["oar_p_serial"][0], rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(first["oar_p_answer_mean"][0], first["oar_p_mbs3"][0], rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(first["oar_g_answer_mean"][0], first["oar_g_mbs1"][0], rtol=1e-5, atol=1e-12)
+    assert first["oar_p_answer_mean"][3]["masked_forwards"] == float(mask.sum())
