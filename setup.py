@@ -27,6 +27,7 @@ setup(
         "rich",
         "tqdm",
         "tensorboard",
+        "pyarrow",
     ],
     extras_require={
         # H100 users: Transformer Engine layers / FP8 and CUDA vLLM rollouts.
