@@ -157,7 +157,8 @@ def test_importance_matches_reference(setup, tp, pp):
     mask = first["oar_g_answer_mean"][1]
     assert not mask[2].any() and mask[3].any()
     # batched and serial OAR-P agree; micro-batch sizes change nothing
-    torch.testing.assert_close(first["oar_p_answer_mean"][0], first["oar_p_serial"][0], rtol=1e-5, atol=1e-9)
-    torch.testing.assert_close(first["oar_p_answer_mean"][0], first["oar_p_mbs3"][0], rtol=1e-5, atol=1e-9)
-    torch.testing.assert_close(first["oar_g_answer_mean"][0], first["oar_g_mbs1"][0], rtol=1e-5, atol=1e-12)
+    # (only fp32 rounding differs: other padded lengths and micro-batch shapes change GEMM blocking)
+    for a, b in [("oar_p_answer_mean", "oar_p_serial"), ("oar_p_answer_mean", "oar_p_mbs3"),
+                 ("oar_g_answer_mean", "oar_g_mbs1")]:
+        assert rel_error(first[a][0], first[b][0]) <= 2e-5, (a, b)
     assert first["oar_p_answer_mean"][3]["masked_forwards"] == float(mask.sum())
