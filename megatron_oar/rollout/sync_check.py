@@ -1,0 +1,127 @@
+"""Did the weight sync work? vLLM's logprobs of the sampled tokens against Megatron's forward.
+
+:func:`token_logprobs` runs megatron's own schedule (forward only) and computes
+``log p(x_{t+1} | x_{<=t})`` vocab-parallel (``models.vocab_parallel``: padded vocabulary rows
+masked, full-vocabulary logits never gathered).
+:func:`logprob_agreement` compares these with the logprobs vLLM reported for a
+:class:`~megatron_oar.rollout.batch.RolloutBatch`, spreading the sequences over the training
+data-parallel ranks, and returns the mean and max absolute difference over all response tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_oar.models import vocab_parallel as vp
+from megatron_oar.rollout.batch import RolloutBatch
+
+
+@dataclass(frozen=True)
+class LogprobAgreement:
+    """|Megatron logprob - vLLM logprob| over every response token of a batch."""
+
+    mean_abs_diff: float
+    max_abs_diff: float
+    num_tokens: int
+
+    def metrics(self, prefix: str = "rollout/") -> dict[str, float]:
+        return {f"{prefix}logprob_diff_mean": self.mean_abs_diff,
+                f"{prefix}logprob_diff_max": self.max_abs_diff,
+                f"{prefix}logprob_check_tokens": float(self.num_tokens)}
+
+
+def _stats_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def token_logprobs(model, tokens: torch.Tensor, vocab_size: int,
+                   micro_batch_size: int | None = None) -> torch.Tensor | None:
+    """``[B, S-1]`` log-probabilities of ``tokens[:, 1:]`` under ``model`` (temperature 1, true
+    vocabulary) through megatron's schedule; on the last pipeline stage, ``None`` elsewhere.
+    ``tokens`` must be identical on every rank of the model-parallel group."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_oar.models.forward import position_ids_for
+
+    b, s = tokens.shape
+    mbs = micro_batch_size or b
+    if b % mbs:
+        raise ValueError(f"batch {b} is not divisible by micro_batch_size {mbs}")
+    outputs: list[torch.Tensor] = []
+
+    def step(data_iter, m):
+        batch = next(data_iter)
+        logits = m(batch, position_ids_for(batch), attention_mask=None)
+
+        def collect(out):
+            outputs.append(vp.target_logprobs(out[:, :-1], batch[:, 1:], vocab_size))
+            return torch.zeros((), device=out.device), {}
+
+        return logits, collect
+
+    was_training = model.training
+    model.eval()
+    try:
+        get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(list(torch.split(tokens, mbs))),
+            model=[model], num_microbatches=b // mbs, seq_length=s, micro_batch_size=mbs,
+            forward_only=True)
+    finally:
+        model.train(was_training)
+    if not ps.is_pipeline_last_stage():
+        return None
+    return torch.cat(outputs)
+
+
+def logprob_agreement(model, batch: RolloutBatch, vocab_size: int, *,
+                      micro_batch_size: int = 1, pad_id: int = 0) -> LogprobAgreement:
+    """Collective over the world: compares ``batch``'s vLLM logprobs with Megatron's.
+
+    ``batch`` must be the same on every rank (e.g. :func:`~megatron_oar.rollout.engine.gather_rollouts`
+    of each rollout group's output). Training DP rank ``d`` checks sequences ``d, d+DP, ...``.
+    The comparison is meaningful for ``logprobs_mode='raw_logprobs'`` (temperature-1
+    log-softmax, which Megatron computes here) or for processed logprobs sampled at
+    temperature 1 with top-p 1 and no top-k; anything else raises ``ValueError``.
+    """
+    from megatron.core import parallel_state as ps
+
+    if batch.logprobs_mode != "raw_logprobs" and not (
+            batch.temperature == 1.0 and batch.top_p == 1.0 and batch.top_k in (0, -1)):
+        raise ValueError(
+            f"logprobs_mode={batch.logprobs_mode!r} with temperature={batch.temperature}, "
+            f"top_p={batch.top_p}, top_k={batch.top_k}: vLLM's logprobs are of the processed "
+            "distribution, not Megatron's temperature-1 softmax; use logprobs_mode='raw_logprobs' "
+            "or sample the check batch at temperature 1, top_p 1, top_k off")
+    t = batch.to_tensors(pad_id=pad_id)
+    dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = list(range(d, t.tokens.shape[0], dp))
+    stats = torch.zeros(2, dtype=torch.float64, device=_stats_device())  # sum |diff|, count
+    peak = torch.zeros(1, dtype=torch.float64, device=_stats_device())
+    if rows:
+        pad_rows = (-len(rows)) % micro_batch_size
+        idx = torch.tensor(rows + [rows[-1]] * pad_rows)
+        length = int((t.prompt_lengths[idx] + t.response_lengths[idx]).max())
+        tokens = t.tokens[idx, :length].to(_stats_device())
+        ours = token_logprobs(model, tokens, vocab_size, micro_batch_size)
+        contributes = ours is not None and ps.get_tensor_model_parallel_rank() == 0
+        if contributes:
+            n = len(rows)
+            mask = t.response_mask[idx[:n], 1:length].to(ours.device)
+            theirs = t.logprobs[idx[:n], 1:length].to(ours.device)
+            diff = (ours[:n].double() - theirs.double()).abs()[mask]
+            if diff.numel():
+                stats[0] += diff.sum()
+                stats[1] += diff.numel()
+                peak[0] = diff.max()
+    dist.all_reduce(stats)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    count = int(stats[1].item())
+    return LogprobAgreement(mean_abs_diff=float(stats[0] / max(count, 1)),
+                            max_abs_diff=float(peak[0]), num_tokens=count)
