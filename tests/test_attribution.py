@@ -66,7 +66,7 @@ def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
     from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
-    from megatron_oar.attribution import compute_importance
+    from megatron_oar.attribution import ProbeOutput, compute_importance
     from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
     from megatron_oar.models.checkpoint import load_model
     from megatron_oar.models.forward import forward_logits
@@ -87,6 +87,15 @@ def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
                                   step=3, tokenizer=tok)
         results[name] = (attr.importance, attr.score_mask, attr.kinds, attr.stats)
     after = forward_logits(model, batch.tokens, vocab_size=meta.vocab_size)
+    if tp == 1 and pp == 1:
+        # the trainer's path: the teacher from an old-logprob forward's logits, no extra pass
+        cfg = CASES["oar_g_answer_mean"]
+        plan = plan_probes(batch, cfg.probe, 3, SpanFinder(tok, cfg.probe.answer_pattern))
+        local = torch.nn.functional.pad(after, (0, meta.padded_vocab_size - meta.vocab_size))  # the TP1 slice
+        teacher = ProbeOutput.from_position_logits(local[plan.row, plan.pos], plan, meta.vocab_size)
+        reused = compute_importance(model, batch, cfg, vocab_size=meta.vocab_size, seq_adv=SEQ_ADV,
+                                    step=3, plan=plan, teacher=teacher)
+        results["teacher_reused"] = reused.importance
     results["grads_untouched"] = all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
     results["requires_grad_restored"] = all(p.requires_grad for p in model.parameters())
     results["outputs_unchanged"] = before is None or torch.equal(before, after)
@@ -151,6 +160,8 @@ def test_importance_matches_reference(setup, tp, pp):
             print(f"tp={tp} pp={pp} rank={rank} {name}: rel err {err:.2e}")
             assert err <= REL_TOL, f"{name} at tp={tp} pp={pp} rank {rank}: {err:.2e}"
     first = ranks[0]
+    if "teacher_reused" in first:
+        assert rel_error(first["teacher_reused"], first["oar_g_answer_mean"][0]) <= 1e-5
     kinds = first["oar_g_answer_mean"][2]
     # row 3 has no answer: falls back to last_token; row 2 has A = 0: not scored
     assert kinds == ["answer_mean", "answer_mean", "answer_mean", "last_token", "answer_mean"]

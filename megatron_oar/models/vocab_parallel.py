@@ -97,6 +97,9 @@ def entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def kl_divergence(teacher_logp: torch.Tensor, student_logp: torch.Tensor) -> torch.Tensor:
     """``KL(P || Q)`` from local log-prob slices of P (teacher) and Q (student), all-reduced."""
+    if teacher_logp.shape != student_logp.shape:
+        raise ValueError(f"teacher log-probs {tuple(teacher_logp.shape)} and student log-probs "
+                         f"{tuple(student_logp.shape)} differ: both must be this rank's padded vocab slice")
     p = teacher_logp.exp()
     absent = p == 0  # padded rows (and underflow): they contribute 0, never NaN
     diff = teacher_logp.masked_fill(absent, 0.0) - student_logp.masked_fill(absent, 0.0)

@@ -1,0 +1,451 @@
+"""The trainer's configuration: one dataclass schema, YAML + dotted overrides, validation.
+
+.. code-block:: python
+
+    cfg = load_config("examples/qwen2.5-7b_oar_g.yaml", ["train.steps=10", "credit=oar_p"])
+    validate(cfg, world_size=8, hf_config=read_hf_config(cfg.model.hf_dir()))
+    save_config(cfg, Path(cfg.run_dir) / "config.yaml")
+
+Sections are the components' own dataclasses (``parallel`` is a ``ParallelConfig``, ``rollout`` a
+``RolloutConfig``, ``shaping`` a ``CreditConfig``, ...), so the trainer hands them on as they are.
+A setting that two components carry has one key; :data:`DERIVED` lists the copies, which
+``Config.sync()`` fills in and which a YAML file or an override may not set.
+
+Errors are :class:`ConfigError` (a ``ValueError``) naming the key and where it came from, e.g.
+``examples/x.yaml: unknown key 'train.stepz' (did you mean 'steps'?)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import (ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException,
+                              ValidationError)
+
+from megatron_oar.algorithms import CreditConfig, PolicyLossConfig
+from megatron_oar.attribution import AttributionConfig
+from megatron_oar.data import ANSWER_FORMATS, PRESETS, TEMPLATES, ArithmeticConfig, FieldMap
+from megatron_oar.models.checkpoint import HF_DIR, META_FILE
+from megatron_oar.models.qwen2 import DTYPES, ModelConfigError, ModelOptions, check_layout, parse_arch
+from megatron_oar.rewards import RewardConfig
+from megatron_oar.rollout.config import RolloutConfig
+from megatron_oar.runtime.distributed import ParallelConfig
+
+log = logging.getLogger(__name__)
+
+# credit -> (CreditConfig.scheme, AttributionConfig.method or None when no attribution runs)
+CREDITS = {"grpo": ("grpo", None), "random": ("random", None), "entropy": ("entropy", None),
+           "oar_g": ("oar", "oar_g"), "oar_p": ("oar", "oar_p")}
+RESERVED_CREDITS = {"oar_p_screened": "screened OAR-P (exact perturbation on OAR-G's top tokens) "
+                                      "is not implemented yet; use oar_g or oar_p"}
+# copy -> the one key it is copied from (Config.sync); YAML and overrides may set only the latter
+DERIVED = {"model.sequence_parallel": "parallel.sequence_parallel", "shaping.scheme": "credit",
+           "attribution.method": "credit", "rollout.n": "train.group_size"}
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+_ABSENT = object()
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the key and its source."""
+
+
+def credit_scheme(credit: str) -> tuple[str, str | None]:
+    """``credit`` -> ``(CreditConfig.scheme, AttributionConfig.method or None)``."""
+    if credit in RESERVED_CREDITS:
+        raise ConfigError(f"credit={credit!r}: {RESERVED_CREDITS[credit]}")
+    if credit not in CREDITS:
+        raise ConfigError(f"credit={credit!r}: expected one of {list(CREDITS)}")
+    return CREDITS[credit]
+
+
+@dataclass
+class ModelConfig(ModelOptions):
+    """``ModelOptions`` (spec, dtype, fp8, ...) plus where the weights and tokenizer are.
+    ``sequence_parallel`` is copied from ``parallel.sequence_parallel``."""
+
+    path: str = ""                # HF model dir, or a Megatron checkpoint dir written by oar-convert
+    tokenizer: str | None = None  # HF tokenizer dir; null: the model's (see hf_dir())
+
+    def hf_dir(self) -> Path:
+        """Where config.json and the tokenizer are: ``path``, or ``path/hf`` for a checkpoint."""
+        p = Path(self.path)
+        return p / HF_DIR if (p / META_FILE).is_file() else p
+
+    def tokenizer_dir(self) -> Path:
+        return Path(self.tokenizer) if self.tokenizer else self.hf_dir()
+
+
+@dataclass
+class SyntheticConfig(ArithmeticConfig):
+    """The built-in arithmetic task (``make_arithmetic(n, seed, cfg)``) instead of dataset files."""
+
+    n: int = 2000  # problems generated
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # JSONL / JSON / Parquet; or `synthetic`
+    eval_files: list[str] = field(default_factory=list)   # evaluated every train.eval_interval steps
+    fields: str = "auto"             # preset (data.PRESETS: dapo, math500, gsm8k, ...) or auto
+    field_map: FieldMap | None = None  # custom dotted paths {prompt, answer, ...}; replaces `fields`
+    eval_fields: str = "auto"        # the same for eval_files
+    template: str = "answer_tag"     # prompt template (data.TEMPLATES)
+    strict: bool = False             # a malformed row is an error instead of a counted skip
+    max_prompt_tokens: int = 1024    # longer rendered prompts are dropped (counted)
+    limit: int | None = None         # read at most this many training examples
+    synthetic: SyntheticConfig | None = None  # {n, seed, operators, ...}: arithmetic, no files
+
+
+@dataclass
+class AdvantageConfig:
+    """Group-relative sequence advantages (Eq. 2)."""
+
+    std_normalize: bool = True  # divide by the group std (false: Dr.GRPO)
+    eps: float = 1e-6
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0             # where cosine / linear decay ends (at train.steps)
+    lr_schedule: str = "constant"   # constant | cosine | linear (after warm-up)
+    warmup_steps: int = 0           # linear warm-up from 0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0          # global grad-norm clip (0: off)
+    use_distributed_optimizer: bool = True  # shard optimizer state over DP (megatron ZeRO-1)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100                # policy-update steps (one rollout batch each)
+    prompts_per_step: int = 64      # prompts per step; each gets group_size completions
+    group_size: int = 8             # G completions per prompt (copied into rollout.n)
+    micro_batch_size: int = 4       # sequences per micro-batch per DP rank (logprob + update passes)
+    mini_batches: int = 1           # optimizer steps per PPO epoch (the step's samples split evenly)
+    ppo_epochs: int = 1             # passes over the step's samples
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill them
+    max_refill_rounds: int = 3      # extra rollout rounds per step for refilling
+    overlong_filter: bool = False   # no loss on truncated (length-capped) responses
+    max_nonfinite_steps: int = 3    # abort after this many non-finite (loss/grad) steps in a row
+    eval_interval: int = 0          # steps between evaluations on data.eval_files (0: never)
+    seed: int = 1                   # prompt order; megatron: parallel.seed, vLLM: rollout.seed
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None          # null: {run_dir}/checkpoints
+    interval: int = 50              # steps between saves (0: only at the end)
+    keep_last: int = 2              # checkpoints kept (0: all)
+    resume: str | None = "auto"     # auto: latest in dir, if any | none (or null): fresh | a path
+    export_hf_at_end: bool = True   # also write an HF model dir after the last step
+
+
+@dataclass
+class LogConfig:
+    dir: str | None = None          # null: {run_dir}/logs
+    interval: int = 1               # steps between metric records
+    jsonl: bool = True              # {dir}/metrics.jsonl
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "megatron-oar"
+    wandb_name: str | None = None   # null: the run_dir's name
+    console: bool = True            # progress line per step (rank 0)
+
+
+@dataclass
+class Config:
+    credit: str = "oar_g"           # grpo | random | entropy | oar_g | oar_p
+    run_dir: str = "runs/default"   # checkpoints, logs and the resolved config.yaml
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tp, pp, sequence_parallel
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)     # vLLM engine + sampling
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    shaping: CreditConfig = field(default_factory=CreditConfig)       # OAR tau/beta, entropy alpha
+    attribution: AttributionConfig = field(default_factory=AttributionConfig)  # OAR-G/-P, probe
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # clip, agg, kl_coef
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        self.checkpoint.dir = self.checkpoint.dir or str(Path(self.run_dir) / "checkpoints")
+        self.log.dir = self.log.dir or str(Path(self.run_dir) / "logs")
+        self.checkpoint.resume = self.checkpoint.resume or "none"
+        self.sync()
+
+    def sync(self) -> None:
+        """Copies the one-place settings into the components that also carry them (DERIVED)."""
+        scheme, method = credit_scheme(self.credit)
+        self.model.sequence_parallel = self.parallel.sequence_parallel
+        self.shaping.scheme = scheme
+        if method is not None:
+            self.attribution.method = method
+        self.rollout.n = self.train.group_size
+
+    @property
+    def uses_attribution(self) -> bool:
+        return credit_scheme(self.credit)[1] is not None
+
+
+# ----------------------------------------------------------------------------------- loading
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _omegaconf_error(e: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(e, "full_key", None) or ""
+    if isinstance(e, ConfigKeyError):
+        hint = re.search(r"Did you mean: '([^']+)'", str(e))
+        return ConfigError(f"{source}: unknown key '{key}'"
+                           + (f" (did you mean '{hint.group(1)}'?)" if hint else ""))
+    if isinstance(e, MissingMandatoryValue):
+        return ConfigError(f"{source}: '{key}' needs a value")
+    if isinstance(e, ValidationError) and key:
+        return ConfigError(f"{source}: bad value for '{key}': {_first_line(e)}")
+    return ConfigError(f"{source}: {key + ': ' if key else ''}{_first_line(e)}")
+
+
+def _merge(base: DictConfig, other: DictConfig, source: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, other)
+    except OmegaConfBaseException as e:
+        raise _omegaconf_error(e, source) from None
+
+
+def _reject_derived(node: DictConfig, source: str) -> None:
+    for key, owner in DERIVED.items():
+        try:
+            present = OmegaConf.select(node, key, default=_ABSENT) is not _ABSENT
+        except OmegaConfBaseException:  # e.g. the section is not a mapping; merge will say so
+            present = False
+        if present:
+            raise ConfigError(f"{source}: '{key}' is set from '{owner}'; set that key instead")
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        node = OmegaConf.load(path)
+    except (yaml.YAMLError, UnicodeDecodeError, OmegaConfBaseException) as e:
+        raise ConfigError(f"{path}: not valid YAML ({_first_line(e)})") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return node
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """The YAML file ``path`` merged onto the schema's defaults, then the ``key=value``
+    ``overrides`` in order; returns a :class:`Config` of plain dataclass instances."""
+    node = OmegaConf.structured(Config)
+    source = str(path) if path is not None else "<defaults>"
+    if path is not None:
+        raw = _read_yaml(Path(path))
+        _reject_derived(raw, source)
+        node = _merge(node, raw, source)
+    for item in overrides:
+        where = f"override {item!r}"
+        key, eq, _ = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"{where}: expected key=value (e.g. train.steps=10)")
+        try:
+            dot = OmegaConf.from_dotlist([item])
+        except (yaml.YAMLError, OmegaConfBaseException) as e:
+            raise ConfigError(f"{where}: {_first_line(e)}") from None
+        _reject_derived(dot, where)
+        node = _merge(node, dot, where)
+    if overrides:
+        source += " + overrides"
+    return _to_config(node, source)
+
+
+def _to_config(node: DictConfig, source: str) -> Config:
+    """Section by section, so a component's own ``__post_init__`` error names its section."""
+    kwargs: dict[str, Any] = {}
+    for f in fields(Config):
+        try:
+            value = node[f.name]
+            kwargs[f.name] = OmegaConf.to_object(value) if isinstance(value, DictConfig) else value
+        except OmegaConfBaseException as e:
+            raise _omegaconf_error(e, source) from None
+        except (ValueError, TypeError) as e:  # the component's own __post_init__
+            msg = str(e) if str(e).startswith(f"{f.name}.") else f"{f.name}: {e}"
+            raise ConfigError(f"{source}: {msg}") from None
+    try:
+        return Config(**kwargs)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def save_config(cfg: Config, path: str | Path) -> Path:
+    """Writes the resolved config as YAML (temp file + rename); ``load_config(path)`` reloads it."""
+    cfg.sync()
+    data = OmegaConf.to_container(OmegaConf.structured(cfg))
+    for key in DERIVED:  # written once, under the key they come from
+        section, name = key.split(".")
+        data[section].pop(name, None)
+    text = ("# megatron-oar resolved config (save_config); rerun with: oar train --config <this file>\n"
+            + OmegaConf.to_yaml(data))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+# -------------------------------------------------------------------------------- validation
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def _at_least(cfg: Config, keys: str, minimum: int = 1) -> None:
+    for key in keys.split():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        _need(value >= minimum, f"{key}={value}: must be >= {minimum}")
+
+
+def _one_of(key: str, value: Any, allowed: Sequence) -> None:
+    _need(value in allowed, f"{key}={value!r}: expected one of {list(allowed)}")
+
+
+def _component(check, *args) -> None:
+    """Runs a component's own ``validate``; its ValueError already names the key."""
+    try:
+        check(*args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def validate(cfg: Config, world_size: int | None = None, hf_config: dict | None = None) -> None:
+    """Raises :class:`ConfigError` naming the key for a setting that cannot work, before any work.
+
+    ``world_size`` adds the layout and batch-divisibility checks; ``hf_config`` (the model's
+    config.json as a dict) adds TP/PP against heads, KV groups and layers, and context length.
+    """
+    cfg.sync()
+    m, p, d, r, t, o = cfg.model, cfg.parallel, cfg.data, cfg.rollout, cfg.train, cfg.optim
+
+    # model and layout
+    _need(bool(m.path), "model.path: not set (an HF model dir or an oar-convert checkpoint dir)")
+    _one_of("model.spec", m.spec, ("auto", "local", "te"))
+    _one_of("model.dtype", m.dtype, tuple(DTYPES))
+    _one_of("model.fp8", m.fp8, (None, "hybrid", "e4m3"))
+    _one_of("model.fp8_recipe", m.fp8_recipe, FP8_RECIPES)
+    _one_of("model.recompute", m.recompute, (None, "selective", "full"))
+    _need(not m.fp8 or m.spec == "te", f"model.fp8={m.fp8!r} needs model.spec=te (got {m.spec!r})")
+    _at_least(cfg, "model.vocab_multiple parallel.tp parallel.pp")
+    _need(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel needs parallel.tp > 1")
+    dp = 1
+    if world_size is not None:
+        _need(world_size % (p.tp * p.pp) == 0,
+              f"parallel.tp*parallel.pp = {p.tp}*{p.pp} does not divide the world size {world_size}")
+        dp = world_size // (p.tp * p.pp)
+    _component(r.validate, world_size)
+
+    # batch arithmetic
+    _at_least(cfg, "train.steps train.prompts_per_step train.micro_batch_size train.mini_batches "
+                   "train.ppo_epochs train.max_nonfinite_steps")
+    _at_least(cfg, "train.group_size", 2)  # a group of one always has zero advantage
+    _at_least(cfg, "train.max_refill_rounds train.eval_interval", 0)
+    samples = t.prompts_per_step * t.group_size
+    _need(samples % t.mini_batches == 0, f"train.mini_batches={t.mini_batches} does not divide "
+                                         f"train.prompts_per_step*train.group_size = {samples}")
+    mini = samples // t.mini_batches
+    _need(mini % (t.micro_batch_size * dp) == 0,
+          f"train.prompts_per_step*train.group_size = {samples} samples per step"
+          + (f" in {t.mini_batches} mini-batches of {mini}" if t.mini_batches > 1 else "")
+          + f" is not divisible by train.micro_batch_size*DP = {t.micro_batch_size}*{dp}")
+
+    # data and lengths
+    _need(bool(d.train_files) != (d.synthetic is not None),
+          "data.train_files and data.synthetic: set exactly one (dataset files or the arithmetic task)")
+    _one_of("data.fields", d.fields, ("auto", *PRESETS))
+    _one_of("data.eval_fields", d.eval_fields, ("auto", *PRESETS))
+    if d.field_map is not None:
+        _one_of("data.field_map.answer_format", d.field_map.answer_format, ANSWER_FORMATS)
+    _one_of("data.template", d.template, tuple(TEMPLATES))
+    _at_least(cfg, "data.max_prompt_tokens")
+    _need(d.limit is None or d.limit >= 1, f"data.limit={d.limit}: must be >= 1 or null")
+    if d.synthetic is not None:
+        _component(d.synthetic.validate)
+        _need(d.synthetic.n >= t.prompts_per_step, f"data.synthetic.n={d.synthetic.n}: fewer problems "
+                                                   f"than train.prompts_per_step={t.prompts_per_step}")
+    _need(d.max_prompt_tokens + r.max_new_tokens <= r.max_model_len,
+          f"data.max_prompt_tokens + rollout.max_new_tokens = {d.max_prompt_tokens}+{r.max_new_tokens} "
+          f"exceeds rollout.max_model_len={r.max_model_len}")
+
+    # the model's shape
+    if hf_config is not None:
+        try:
+            arch = parse_arch(hf_config, source=f"{m.path or 'model'}/config.json")
+            check_layout(arch, p.tp, p.pp, m.vocab_multiple, flag="parallel.tp")
+            check_layout(arch, r.tp, 1, m.vocab_multiple, flag="rollout.tp")
+        except ModelConfigError as e:
+            raise ConfigError(str(e)) from None
+        _need(r.max_model_len <= arch.max_position_embeddings,
+              f"rollout.max_model_len={r.max_model_len} exceeds the model's "
+              f"max_position_embeddings={arch.max_position_embeddings}")
+
+    # algorithm
+    answer_probe = cfg.uses_attribution and cfg.attribution.probe.kind.startswith("answer")
+    _need(not answer_probe or bool(m.tokenizer or m.path),
+          f"attribution.probe.kind={cfg.attribution.probe.kind!r} (credit={cfg.credit}) needs a "
+          "tokenizer to find answer spans: set model.tokenizer")
+    _need(cfg.loss.agg != "seq_mean_token_sum_norm" or cfg.loss.norm_len is not None,
+          "loss.norm_len: seq_mean_token_sum_norm needs a constant (e.g. rollout.max_new_tokens)")
+    _need(cfg.advantage.eps >= 0, f"advantage.eps={cfg.advantage.eps}: must be >= 0")
+    _component(cfg.rewards.validate)
+
+    # optimizer, checkpoints, logs
+    _need(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
+    _need(0 <= o.min_lr <= o.lr, f"optim.min_lr={o.min_lr}: must be in [0, optim.lr={o.lr}]")
+    _one_of("optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
+    for key in ("adam_beta1", "adam_beta2"):
+        _need(0 <= getattr(o, key) < 1, f"optim.{key}={getattr(o, key)}: must be in [0, 1)")
+    for key in ("weight_decay", "clip_grad"):
+        _need(getattr(o, key) >= 0, f"optim.{key}={getattr(o, key)}: must be >= 0")
+    _need(o.adam_eps > 0, f"optim.adam_eps={o.adam_eps}: must be > 0")
+    _at_least(cfg, "optim.warmup_steps checkpoint.interval checkpoint.keep_last", 0)
+    _at_least(cfg, "log.interval")
+    _warn_mismatches(cfg)
+
+
+def _warn_mismatches(cfg: Config) -> None:
+    """Legal but probably unintended combinations (logged, not raised)."""
+    boxed = cfg.data.template == "boxed"
+    if boxed and cfg.uses_attribution and cfg.attribution.probe.answer_pattern != "boxed":
+        log.warning("data.template=boxed but attribution.probe.answer_pattern looks for <answer> tags")
+    if boxed and cfg.rewards.format_weight and cfg.rewards.format_style != "boxed":
+        log.warning("data.template=boxed but rewards.format_style=%s", cfg.rewards.format_style)
+    if any("</answer>" in s for s in cfg.rollout.stop):
+        log.warning("rollout.stop has '</answer>': vLLM drops stop strings from its output, so the "
+                    "answer tag would be cut off")

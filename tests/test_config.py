@@ -1,0 +1,331 @@
+"""The trainer's config: schema, YAML + overrides, validation, the example configs."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from megatron_oar.algorithms import CreditConfig, PolicyLossConfig
+from megatron_oar.attribution import AttributionConfig, ProbeConfig
+from megatron_oar.config import (CREDITS, DERIVED, Config, ConfigError, credit_scheme, load_config,
+                                 save_config, validate)
+from megatron_oar.models.qwen2 import ModelOptions
+from megatron_oar.rewards import RewardConfig
+from megatron_oar.rollout.config import RolloutConfig
+from megatron_oar.runtime.distributed import ParallelConfig
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def qwen(**kw) -> dict:
+    """A Qwen2 config.json as a dict (no weights needed for validation)."""
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+            "rms_norm_eps": 1e-6, "use_sliding_window": False, "rope_scaling": None, **kw}
+
+
+# The real architectures' shapes (their config.json values).
+HF = {
+    "math-1.5b": qwen(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                      num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096,
+                      rope_theta=10000.0, tie_word_embeddings=True),
+    "7b": qwen(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
+               rope_theta=1e6, tie_word_embeddings=False),
+    "math-7b": qwen(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                    num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096,
+                    rope_theta=10000.0, tie_word_embeddings=False),
+    "tiny": qwen(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                 rope_theta=1e6, tie_word_embeddings=False),
+}
+# example -> (architecture, world size of the cluster it is written for)
+CASES = {
+    "qwen2.5-math-1.5b_oar_g.yaml": ("math-1.5b", 8),
+    "qwen2.5-7b_oar_g.yaml": ("7b", 8),
+    "qwen2.5-7b_oar_p.yaml": ("7b", 8),
+    "qwen2.5-math-7b_oar_g.yaml": ("math-7b", 8),
+    "tiny_cpu.yaml": ("tiny", 2),
+}
+
+
+def example(name: str, *overrides: str) -> Config:
+    return load_config(EXAMPLES / name, list(overrides))
+
+
+def raises(match: str):
+    return pytest.raises(ConfigError, match=match)
+
+
+# ------------------------------------------------------------------------------------ examples
+
+def test_every_example_is_covered():
+    assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == sorted(CASES)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_example_loads_and_validates(name):
+    arch, world = CASES[name]
+    cfg = example(name)
+    validate(cfg, world_size=world, hf_config=HF[arch])
+    header = (EXAMPLES / name).read_text().splitlines()[:6]
+    assert header[0].startswith("# ") and any(f"--config examples/{name}" in line for line in header)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("qwen")])
+def test_real_examples_use_the_paper_settings(name):
+    cfg = example(name)
+    assert (cfg.train.group_size, cfg.train.prompts_per_step, cfg.rollout.n) == (8, 64, 8)
+    assert cfg.optim.lr == 1e-6 and cfg.optim.use_distributed_optimizer
+    assert (cfg.rollout.temperature, cfg.rollout.max_new_tokens) == (1.0, 1024)
+    assert (cfg.shaping.scheme, cfg.shaping.tau, cfg.shaping.beta) == ("oar", 0.4, 2.0)
+    assert (cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.agg) == (0.2, 0.28, "token_mean")
+    assert cfg.model.dtype == "bf16" and cfg.rollout.dtype == "bf16"
+    assert cfg.data.train_files == ["data/dapo-math-17k.parquet"] and cfg.data.fields == "dapo"
+    assert cfg.attribution.method == cfg.credit
+
+
+def test_tiny_example_is_cpu_sized():
+    cfg = example("tiny_cpu.yaml")
+    assert (cfg.parallel.tp, cfg.model.dtype, cfg.model.spec, cfg.train.group_size) == (2, "fp32", "local", 4)
+    assert cfg.data.synthetic is not None and not cfg.data.train_files
+    assert cfg.rollout.max_new_tokens == 16 and cfg.rollout.cpu_kv_cache_gib <= 0.5
+
+
+def test_sections_are_component_dataclasses():
+    cfg = example("qwen2.5-7b_oar_g.yaml")
+    for value, cls in ((cfg.model, ModelOptions), (cfg.parallel, ParallelConfig),
+                       (cfg.rollout, RolloutConfig), (cfg.rewards, RewardConfig),
+                       (cfg.shaping, CreditConfig), (cfg.loss, PolicyLossConfig),
+                       (cfg.attribution, AttributionConfig), (cfg.attribution.probe, ProbeConfig)):
+        assert isinstance(value, cls), (value, cls)
+    assert not OmegaConf.is_config(cfg.data.train_files) and isinstance(cfg.data.train_files, list)
+    assert cfg.checkpoint.dir == "runs/qwen2.5-7b_oar_g/checkpoints"
+
+
+def test_model_paths(tmp_path):
+    cfg = load_config(None, [f"model.path={tmp_path}", "checkpoint.resume=null"])
+    assert cfg.model.hf_dir() == tmp_path and cfg.model.tokenizer_dir() == tmp_path
+    (tmp_path / "oar_checkpoint.json").write_text("{}")  # an oar-convert checkpoint dir
+    assert cfg.model.hf_dir() == tmp_path / "hf" and cfg.model.tokenizer_dir() == tmp_path / "hf"
+    assert load_config(None, ["model.tokenizer=tok"]).model.tokenizer_dir() == Path("tok")
+    assert cfg.checkpoint.resume == "none" and cfg.log.dir == "runs/default/logs"
+
+
+# ----------------------------------------------------------------------------------- overrides
+
+def test_overrides():
+    cfg = example("qwen2.5-7b_oar_g.yaml", "train.steps=10", "credit=oar_p", "attribution.sigma=0.01",
+                  "data.train_files=[a.jsonl,b.parquet]", "rollout.stop=[</answer>]", "model.tokenizer=tok")
+    assert cfg.train.steps == 10 and cfg.attribution.sigma == 0.01
+    assert (cfg.credit, cfg.attribution.method, cfg.shaping.scheme) == ("oar_p", "oar_p", "oar")
+    assert cfg.data.train_files == ["a.jsonl", "b.parquet"] and cfg.rollout.stop == ["</answer>"]
+    assert cfg.model.tokenizer == "tok"
+
+
+def test_overrides_apply_in_order_and_fill_optional_sections():
+    cfg = load_config(None, ["model.path=m", "train.steps=3", "train.steps=5", "data.synthetic.n=100",
+                             "data.field_map={prompt: q, answer: a}"])
+    assert cfg.train.steps == 5 and cfg.data.synthetic.n == 100 and cfg.data.synthetic.operators == "+-*"
+    assert (cfg.data.field_map.prompt, cfg.data.field_map.answer) == ("q", "a")
+
+
+# ------------------------------------------------------------------------------- load errors
+
+def test_unknown_key_in_file_names_key_and_file(tmp_path):
+    bad = tmp_path / "x.yaml"
+    bad.write_text("model: {path: m}\ntrain:\n  stepz: 3\n")
+    with raises(rf"{bad}: unknown key 'train.stepz' \(did you mean 'steps'\?\)"):
+        load_config(bad, [])
+
+
+def test_unknown_key_override():
+    with raises(r"override 'train.stepz=1': unknown key 'train.stepz'"):
+        example("tiny_cpu.yaml", "train.stepz=1")
+    with raises(r"unknown key 'nosuchsection'"):
+        example("tiny_cpu.yaml", "nosuchsection=1")
+
+
+def test_wrong_type_names_key(tmp_path):
+    with raises(r"override 'train.steps=ten': bad value for 'train.steps'"):
+        example("tiny_cpu.yaml", "train.steps=ten")
+    bad = tmp_path / "t.yaml"
+    bad.write_text("optim:\n  lr: fast\n")
+    with raises(rf"{bad}: bad value for 'optim.lr'"):
+        load_config(bad, [])
+
+
+@pytest.mark.parametrize("item", ["train.steps", "=3"])
+def test_override_syntax(item):
+    with raises("expected key=value"):
+        load_config(None, [item])
+
+
+def test_file_errors(tmp_path):
+    with raises("no such config file"):
+        load_config(tmp_path / "missing.yaml", [])
+    (tmp_path / "bad.yaml").write_text("train: [unclosed\n")
+    with raises("bad.yaml: not valid YAML"):
+        load_config(tmp_path / "bad.yaml", [])
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with raises("list.yaml: expected a mapping"):
+        load_config(tmp_path / "list.yaml", [])
+
+
+def test_component_post_init_errors_name_the_section():
+    with raises(r"shaping: tau must be in \[0, 1\]"):
+        example("tiny_cpu.yaml", "shaping.tau=2")
+    with raises(r"attribution.sigma must be > 0"):
+        example("tiny_cpu.yaml", "attribution.sigma=-1")
+    with raises(r"probe.kind must be one of"):
+        example("tiny_cpu.yaml", "attribution.probe.kind=nope")
+    with raises(r"'data.field_map.answer' needs a value"):
+        example("tiny_cpu.yaml", "data.field_map.prompt=q")
+
+
+# ------------------------------------------------------------------------------------- credit
+
+def test_credit_mapping():
+    assert credit_scheme("grpo") == ("grpo", None)
+    assert credit_scheme("random") == ("random", None)
+    assert credit_scheme("entropy") == ("entropy", None)
+    assert credit_scheme("oar_g") == ("oar", "oar_g")
+    assert credit_scheme("oar_p") == ("oar", "oar_p")
+    for credit, (scheme, method) in CREDITS.items():
+        cfg = example("tiny_cpu.yaml", f"credit={credit}")
+        assert cfg.shaping.scheme == scheme and cfg.uses_attribution == (method is not None)
+        if method:
+            assert cfg.attribution.method == method
+        validate(cfg, world_size=2, hf_config=HF["tiny"])
+
+
+def test_bad_credit():
+    with raises(r"credit='oar_p_screened': screened OAR-P .* not implemented yet"):
+        example("tiny_cpu.yaml", "credit=oar_p_screened")
+    with raises(r"credit='ppo': expected one of"):
+        example("tiny_cpu.yaml", "credit=ppo")
+
+
+# --------------------------------------------------------------------------- one key, two places
+
+def test_sequence_parallel_is_one_key(tmp_path):
+    cfg = example("qwen2.5-7b_oar_g.yaml", "parallel.sequence_parallel=true")
+    assert cfg.parallel.sequence_parallel is True and cfg.model.sequence_parallel is True
+    validate(cfg, world_size=8, hf_config=HF["7b"])
+    with raises(r"'model.sequence_parallel' is set from 'parallel.sequence_parallel'"):
+        example("qwen2.5-7b_oar_g.yaml", "model.sequence_parallel=true")
+    bad = tmp_path / "sp.yaml"
+    bad.write_text("model:\n  path: m\n  sequence_parallel: false\n")
+    with raises(rf"{bad}: 'model.sequence_parallel' is set from 'parallel.sequence_parallel'"):
+        load_config(bad, [])
+    with raises(r"parallel.sequence_parallel needs parallel.tp > 1"):
+        validate(example("qwen2.5-math-1.5b_oar_g.yaml", "parallel.sequence_parallel=true"), world_size=8)
+
+
+@pytest.mark.parametrize("key", sorted(DERIVED))
+def test_derived_keys_are_rejected(key):
+    with raises(f"'{key}' is set from '{DERIVED[key]}'"):
+        example("tiny_cpu.yaml", f"{key}=1")
+
+
+def test_group_size_feeds_rollout_n():
+    cfg = example("tiny_cpu.yaml", "train.group_size=8")
+    assert cfg.rollout.n == 8
+
+
+# --------------------------------------------------------------------------------- validation
+
+def test_tp_must_divide_heads_and_kv_groups():
+    with raises(r"parallel.tp=8 does not divide num_attention_heads=28"):
+        validate(example("qwen2.5-7b_oar_g.yaml", "parallel.tp=8"), world_size=8, hf_config=HF["7b"])
+    small = "qwen2.5-math-1.5b_oar_g.yaml"
+    with raises(r"parallel.tp=4 does not divide num_key_value_heads=2"):
+        validate(example(small, "parallel.tp=4"), world_size=8, hf_config=HF["math-1.5b"])
+    with raises(r"rollout.tp=4 does not divide num_key_value_heads=2"):
+        validate(example(small, "rollout.tp=4"), world_size=8, hf_config=HF["math-1.5b"])
+    with raises(r"parallel.pp=3 does not divide num_hidden_layers=4"):
+        validate(example("tiny_cpu.yaml", "parallel.tp=1", "parallel.pp=3"), world_size=3,
+                 hf_config=HF["tiny"])
+
+
+def test_world_size_layout():
+    with raises(r"parallel.tp\*parallel.pp = 4\*1 does not divide the world size 6"):
+        validate(example("qwen2.5-7b_oar_g.yaml", "parallel.tp=4"), world_size=6)
+    with raises(r"rollout.tp=3.*does not divide the world size 8"):
+        validate(example("qwen2.5-7b_oar_g.yaml", "rollout.tp=3"), world_size=8)
+
+
+def test_batch_must_divide():
+    cfg = example("qwen2.5-7b_oar_g.yaml", "train.micro_batch_size=3")
+    with raises(r"train.prompts_per_step\*train.group_size = 512 .* train.micro_batch_size\*DP = 3\*4"):
+        validate(cfg, world_size=8)
+    with raises(r"train.mini_batches=3 does not divide"):
+        validate(example("qwen2.5-7b_oar_g.yaml", "train.mini_batches=3"), world_size=8)
+    # 512 samples in 8 mini-batches of 64; micro 4 * DP 8 = 32 divides, micro 16 * DP 8 does not
+    small = "qwen2.5-math-1.5b_oar_g.yaml"
+    validate(example(small, "train.mini_batches=8", "train.micro_batch_size=4"), world_size=8)
+    with raises("in 8 mini-batches of 64"):
+        validate(example(small, "train.mini_batches=8", "train.micro_batch_size=16"), world_size=8)
+
+
+def test_lengths():
+    with raises(r"data.max_prompt_tokens \+ rollout.max_new_tokens = 1024\+2048 exceeds "
+                r"rollout.max_model_len=2048"):
+        validate(example("qwen2.5-7b_oar_g.yaml", "rollout.max_new_tokens=2048"))
+    with raises(r"rollout.max_model_len=8192 exceeds the model's max_position_embeddings=4096"):
+        validate(example("qwen2.5-math-7b_oar_g.yaml", "rollout.max_model_len=8192"), world_size=8,
+                 hf_config=HF["math-7b"])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["model.fp8=hybrid"], r"model.fp8='hybrid' needs model.spec=te"),
+    (["model.dtype=fp64"], r"model.dtype='fp64'"),
+    (["model.path=''"], r"model.path: not set"),
+    (["train.group_size=1"], r"train.group_size=1: must be >= 2"),
+    (["data.train_files=[x.jsonl]"], r"data.train_files and data.synthetic: set exactly one"),
+    (["data.synthetic=null"], r"data.train_files and data.synthetic: set exactly one"),
+    (["data.synthetic.n=2"], r"data.synthetic.n=2: fewer problems than train.prompts_per_step=4"),
+    (["data.synthetic.operators=^"], r"data.synthetic.operators"),
+    (["data.template=nope"], r"data.template='nope'"),
+    (["data.fields=nope"], r"data.fields='nope'"),
+    (["rollout.temperature=-1"], r"rollout.temperature"),
+    (["rewards.extractors=[nope]"], r"rewards.extractors"),
+    (["loss.agg=seq_mean_token_sum_norm"], r"loss.norm_len"),
+    (["optim.lr_schedule=step"], r"optim.lr_schedule='step'"),
+    (["optim.min_lr=1"], r"optim.min_lr=1.0"),
+    (["optim.adam_beta2=1.0"], r"optim.adam_beta2=1.0"),
+    (["checkpoint.keep_last=-1"], r"checkpoint.keep_last=-1"),
+])
+def test_validation_names_the_key(overrides, match):
+    with raises(match):
+        validate(example("tiny_cpu.yaml", *overrides), world_size=2, hf_config=HF["tiny"])
+
+
+def test_fp8_with_te_spec_is_allowed():
+    cfg = example("qwen2.5-7b_oar_g.yaml", "model.fp8=hybrid", "model.spec=te")
+    validate(cfg, world_size=8, hf_config=HF["7b"])
+
+
+# ------------------------------------------------------------------------------ save and load
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_save_load_round_trip(tmp_path, name):
+    cfg = example(name, "credit=oar_p", "parallel.sequence_parallel=true", "data.limit=10")
+    out = save_config(cfg, tmp_path / "run" / "config.yaml")
+    assert out.read_text().startswith("# ")
+    assert [p.name for p in out.parent.iterdir()] == ["config.yaml"]  # no temp file left
+    again = load_config(out, [])
+    assert again == cfg
+    for f in fields(Config):
+        assert type(getattr(again, f.name)) is type(getattr(cfg, f.name))
+    assert "sequence_parallel" not in OmegaConf.load(out).model  # one key: parallel.sequence_parallel
+
+
+def test_save_overwrites_atomically(tmp_path):
+    path = tmp_path / "config.yaml"
+    save_config(example("tiny_cpu.yaml"), path)
+    save_config(example("tiny_cpu.yaml", "train.steps=7"), path)
+    assert load_config(path, []).train.steps == 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
