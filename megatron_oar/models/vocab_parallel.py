@@ -23,6 +23,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
+from megatron_oar.models.qwen2 import mask_padded_vocab
+
 
 def vocab_slice(local_size: int) -> tuple[int, int]:
     """``[start, end)`` of this TP rank's slice of the padded vocabulary."""
@@ -32,9 +34,7 @@ def vocab_slice(local_size: int) -> tuple[int, int]:
 
 def masked_logits(logits: torch.Tensor, vocab_size: int, dtype=torch.float32) -> torch.Tensor:
     """Local logits in ``dtype`` with the padded vocabulary rows at -inf."""
-    start, _ = vocab_slice(logits.shape[-1])
-    ids = torch.arange(start, start + logits.shape[-1], device=logits.device)
-    return logits.to(dtype).masked_fill(ids >= vocab_size, float("-inf"))
+    return mask_padded_vocab(logits.to(dtype), vocab_size, vocab_slice(logits.shape[-1])[0])
 
 
 def _tp_max(x: torch.Tensor) -> torch.Tensor:
