@@ -1,12 +1,15 @@
 """Forward passes through megatron-core's own pipeline schedule.
 
-``forward_logits`` runs ``get_forward_backward_func()`` (forward only) over micro-batches and
-returns the full-vocabulary logits (gathered over TP, padded rows dropped) on the last
-pipeline stage; other stages get ``None``. Used by the converter's verify and the tests; the
-trainer and attribution passes use the same schedule with their own loss functions.
+``forward_map`` runs ``get_forward_backward_func()`` (forward only) over micro-batches and
+applies a function to each micro-batch's vocab-parallel logits on the last pipeline stage;
+other stages get ``None``. ``forward_logits`` uses it for the full-vocabulary logits (gathered
+over TP, padded rows dropped; converter verify, tests), the rollout sync check for token
+log-probs. Attribution passes use the same schedule with their own loss functions.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from megatron.core import parallel_state
@@ -19,9 +22,13 @@ def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward_logits(model, tokens: torch.Tensor, micro_batch_size: int | None = None,
-                   vocab_size: int | None = None) -> torch.Tensor | None:
-    """Logits ``[B, S, vocab]`` for ``tokens [B, S]`` (identical on every rank's input)."""
+def forward_map(model, tokens: torch.Tensor, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                micro_batch_size: int | None = None) -> torch.Tensor | None:
+    """``cat(fn(logits, micro_tokens))`` over micro-batches of ``tokens [B, S]``, forward only.
+
+    ``logits`` are the vocab-parallel ``[mbs, S, V/TP]`` logits of one micro-batch. Runs in eval
+    mode (the previous mode is restored); the result is on the last pipeline stage, else None.
+    """
     b, s = tokens.shape
     mbs = micro_batch_size or b
     if b % mbs:
@@ -34,22 +41,36 @@ def forward_logits(model, tokens: torch.Tensor, micro_batch_size: int | None = N
         logits = m(batch, position_ids_for(batch), attention_mask=None)
 
         def collect(out):
-            full = gather_from_tensor_model_parallel_region(out)
-            outputs.append(full if vocab_size is None else full[..., :vocab_size])
+            outputs.append(fn(out, batch))
             return torch.zeros((), device=out.device), {}
 
         return logits, collect
 
+    was_training = model.training
     model.eval()
-    get_forward_backward_func()(
-        forward_step_func=step,
-        data_iterator=iter(micro),
-        model=[model],
-        num_microbatches=len(micro),
-        seq_length=s,
-        micro_batch_size=mbs,
-        forward_only=True,
-    )
+    try:
+        get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iter(micro),
+            model=[model],
+            num_microbatches=len(micro),
+            seq_length=s,
+            micro_batch_size=mbs,
+            forward_only=True,
+        )
+    finally:
+        model.train(was_training)
     if not parallel_state.is_pipeline_last_stage():
         return None
     return torch.cat(outputs)
+
+
+def forward_logits(model, tokens: torch.Tensor, micro_batch_size: int | None = None,
+                   vocab_size: int | None = None) -> torch.Tensor | None:
+    """Logits ``[B, S, vocab]`` for ``tokens [B, S]`` (identical on every rank's input)."""
+
+    def gather(out, _):
+        full = gather_from_tensor_model_parallel_region(out)
+        return full if vocab_size is None else full[..., :vocab_size]
+
+    return forward_map(model, tokens, gather, micro_batch_size)

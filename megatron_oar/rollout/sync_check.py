@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_oar.models import vocab_parallel as vp
+from megatron_oar.models.forward import forward_map
 from megatron_oar.rollout.batch import RolloutBatch
 
 
@@ -39,45 +40,14 @@ def _stats_device() -> torch.device:
     return torch.device("cpu")
 
 
-@torch.no_grad()
 def token_logprobs(model, tokens: torch.Tensor, vocab_size: int,
                    micro_batch_size: int | None = None) -> torch.Tensor | None:
     """``[B, S-1]`` log-probabilities of ``tokens[:, 1:]`` under ``model`` (temperature 1, true
     vocabulary) through megatron's schedule; on the last pipeline stage, ``None`` elsewhere.
     ``tokens`` must be identical on every rank of the model-parallel group."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_oar.models.forward import position_ids_for
-
-    b, s = tokens.shape
-    mbs = micro_batch_size or b
-    if b % mbs:
-        raise ValueError(f"batch {b} is not divisible by micro_batch_size {mbs}")
-    outputs: list[torch.Tensor] = []
-
-    def step(data_iter, m):
-        batch = next(data_iter)
-        logits = m(batch, position_ids_for(batch), attention_mask=None)
-
-        def collect(out):
-            outputs.append(vp.target_logprobs(out[:, :-1], batch[:, 1:], vocab_size))
-            return torch.zeros((), device=out.device), {}
-
-        return logits, collect
-
-    was_training = model.training
-    model.eval()
-    try:
-        get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(list(torch.split(tokens, mbs))),
-            model=[model], num_microbatches=b // mbs, seq_length=s, micro_batch_size=mbs,
-            forward_only=True)
-    finally:
-        model.train(was_training)
-    if not ps.is_pipeline_last_stage():
-        return None
-    return torch.cat(outputs)
+    return forward_map(model, tokens,
+                       lambda out, batch: vp.target_logprobs(out[:, :-1], batch[:, 1:], vocab_size),
+                       micro_batch_size)
 
 
 def logprob_agreement(model, batch: RolloutBatch, vocab_size: int, *,
