@@ -75,12 +75,15 @@ def resolve_pad_id(cfg: AttributionConfig, tokenizer) -> int:
 
 def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, vocab_size: int,
                        seq_adv: torch.Tensor | None = None, step: int = 0, tokenizer=None,
-                       plan: ProbePlan | None = None, teacher: ProbeOutput | None = None) -> Attribution:
+                       plan: ProbePlan | None = None, teacher: ProbeOutput | None = None,
+                       external_teacher: bool = False) -> Attribution:
     """Importance ``[B, L]`` of every scored response token of ``batch`` (any TP/PP layout).
 
     ``plan`` and ``teacher`` may come from the trainer's old-logprob pass (no extra forward);
     otherwise the plan is built here (``tokenizer`` is needed for answer probes) and the teacher
-    is computed by one clean forward-only pass.
+    is computed by one clean forward-only pass. ``external_teacher=True`` says the caller's
+    ``teacher`` is the one to use even where it is None (pipeline stages other than the last,
+    which never read it), so no rank runs the teacher pass.
     """
     start = time.perf_counter()
     if plan is None:
@@ -94,7 +97,7 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
     importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
     copies = 0
     if rows:
-        if teacher is None:
+        if teacher is None and not external_teacher:
             teacher = probe_teacher(model, batch, plan, rows, vocab_size, cfg.micro_batch_size)
         if cfg.method == "oar_g":
             importance = oar_g(model, batch, plan, teacher, rows, vocab_size, sigma=cfg.sigma,

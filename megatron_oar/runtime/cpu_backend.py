@@ -6,10 +6,13 @@ megatron-core assumes CUDA in a handful of places (see DESIGN.md section 3):
   ``torch.cuda.current_device()`` and call ``torch.cuda.synchronize()``;
 * rotary embeddings move ``inv_freq`` to ``torch.cuda.current_device()``;
 * the RNG tracker (``model_parallel_cuda_manual_seed``, ``_get_cuda_rng_state``,
-  ``_set_cuda_rng_state``) reads and writes the CUDA generator.
+  ``_set_cuda_rng_state``) reads and writes the CUDA generator;
+* the optimizers (mixed-precision, distributed, grad clipping) assert
+  ``param.type() == 'torch.cuda.FloatTensor'`` (and the Half/BFloat16 names).
 
 :func:`enable` redirects exactly these: a :class:`~torch.overrides.TorchFunctionMode`
-maps every CUDA device argument to CPU, ``torch.cuda.current_device`` answers 0 (which
+maps every CUDA device argument to CPU and answers ``Tensor.type()`` with the CUDA type
+name (``torch.cuda.FloatTensor`` for a CPU float tensor), ``torch.cuda.current_device`` answers 0 (which
 the mode maps to CPU), ``synchronize`` is a no-op, and "the CUDA generator" becomes the
 CPU default generator, so megatron's RNG-tracker forks (dropout in TP regions) work and
 stay deterministic. It is a no-op when CUDA is available, and it refuses to run then.
@@ -45,6 +48,10 @@ class CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's optimizers check ``param.type() == 'torch.cuda.FloatTensor'``
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": torch.device("cpu")}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):

@@ -96,8 +96,10 @@ def init_runtime(parallel: ParallelConfig | None = None) -> RuntimeInfo:
     if cuda:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        if world_size == 1:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if world_size == 1:  # a plain `python` run: the variables torchrun would set
+            for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                                ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+                os.environ.setdefault(name, value)
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if cuda else "gloo"
         dist.init_process_group(

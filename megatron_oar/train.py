@@ -1,0 +1,59 @@
+"""``torchrun --nproc-per-node N -m megatron_oar.train --config X.yaml [key=value ...]``
+
+Also ``oar train`` (which starts torchrun itself when ``--nproc-per-node`` > 1). Overrides are
+dotted keys of the config schema (``megatron_oar.config``), e.g. ``train.steps=10 credit=grpo``;
+``--resume auto|none|PATH`` sets ``checkpoint.resume``. Config errors are reported before any
+work starts, naming the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megatron_oar.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="YAML config (see examples/)")
+    p.add_argument("--resume", default=None,
+                   help="auto (latest complete checkpoint, if any) | none | a step directory")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=10")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace):
+    from megatron_oar.config import load_config
+
+    overrides = list(args.overrides)
+    if args.resume is not None:
+        overrides.append(f"checkpoint.resume={args.resume}")
+    return load_config(args.config, overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank{rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from megatron_oar.config import ConfigError
+
+    try:
+        cfg = config_from_args(args)
+        from megatron_oar.runtime import destroy_runtime
+        from megatron_oar.trainer import Trainer
+
+        try:
+            Trainer(cfg).run()
+        finally:
+            destroy_runtime()
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""The RL training loop, top to bottom (DESIGN.md section 1).
+
+.. code-block:: python
+
+    cfg = load_config("examples/tiny_cpu.yaml", ["train.steps=20"])
+    Trainer(cfg).run()           # inside torchrun; or `oar train --config ...`
+
+One step::
+
+    prompts --rollout (vLLM)--> completions --verify--> rewards --Eq. 2--> A_i
+      --old-logprob pass--> log-probs, entropy, probe teacher P0   (one Megatron forward)
+      --attribution (oar_g / oar_p)--> importance I_t              (only rows with A_i != 0)
+      --credit (Eqs. 14-17 / random / entropy)--> A_t
+      --PPO-clip updates (mini-batches x epochs, megatron optimizer)--> theta
+      --weight sync--> vLLM;  log;  checkpoint
+
+Every rank runs the same code on the same step data; each DP rank trains on its rows
+``d, d + DP, ...`` of the step's ``prompts_per_step * group_size`` completions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from megatron_oar.algorithms import assign_credit, credit_metrics, group_advantages
+from megatron_oar.attribution import SequenceBatch, SpanFinder, compute_importance, plan_probes
+from megatron_oar.config import Config, ConfigError, save_config, validate
+from megatron_oar.models.checkpoint import CheckpointMeta
+from megatron_oar.models.qwen2 import parse_arch, read_hf_config
+from megatron_oar.runtime import init_runtime
+from megatron_oar.training import checkpoint as ckpt
+from megatron_oar.training.logger import MetricsLogger
+from megatron_oar.training.passes import TrainBatch, old_logprob_pass, reference_logprobs, update_step
+from megatron_oar.training.policy import build_policy, build_reference, init_checkpoint
+from megatron_oar.training.rollouts import StepData, collect
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient norm."""
+
+
+def load_examples(cfg: Config, tokenizer):
+    from megatron_oar.data import make_arithmetic, read_examples
+
+    d = cfg.data
+    if d.synthetic is not None:
+        return make_arithmetic(d.synthetic.n, d.synthetic.seed, d.synthetic)
+    examples, stats = read_examples(d.train_files, d.field_map or d.fields, strict=d.strict,
+                                    tokenizer=tokenizer, max_prompt_tokens=d.max_prompt_tokens,
+                                    template=d.template, limit=d.limit)
+    if len(examples) < cfg.train.prompts_per_step:
+        raise ConfigError(f"data.train_files: {len(examples)} usable examples ({stats.malformed} "
+                          f"malformed, {stats.too_long} too long), fewer than "
+                          f"train.prompts_per_step={cfg.train.prompts_per_step}")
+    return examples
+
+
+class Trainer:
+    """Builds everything from a :class:`Config`; :meth:`run` trains. Collective: every torchrun
+    rank constructs one. ``engine`` lets a caller share a running :class:`RolloutEngine`."""
+
+    def __init__(self, cfg: Config, *, engine=None):
+        from transformers import AutoTokenizer
+
+        from megatron_oar.data import PromptSampler
+        from megatron_oar.rewards import RewardScorer
+        from megatron_oar.rollout import RolloutEngine
+
+        self.cfg = cfg
+        hf_dir = cfg.model.hf_dir()
+        hf_config = read_hf_config(hf_dir / "config.json")
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        validate(cfg, world_size=world, hf_config=hf_config)  # before any work
+        self.rt = init_runtime(cfg.parallel)
+        self.rank = self.rt.rank
+        self.arch = parse_arch(hf_config)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.tokenizer_dir()))
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
+            else self.tokenizer.eos_token_id
+        self.finder = SpanFinder(self.tokenizer, cfg.attribution.probe.answer_pattern)
+        self.control = dist.new_group(backend="gloo")  # small object messages
+        self.sampler = PromptSampler(load_examples(cfg, self.tokenizer), cfg.train.prompts_per_step,
+                                     seed=cfg.train.seed)
+        t = cfg.train
+        self.optimizer_steps_per_step = t.mini_batches * t.ppo_epochs
+        start = init_checkpoint(cfg.model.path, cfg.run_dir, cfg.model.dtype)
+        self.meta = CheckpointMeta.read(start)
+        self.policy = build_policy(hf_config, cfg.model, cfg.optim, checkpoint=start,
+                                   total_optimizer_steps=t.steps * self.optimizer_steps_per_step)
+        self.reference = build_reference(hf_config, cfg.model, start) if cfg.loss.kl_coef > 0 else None
+        self.hf_files = start / "hf" if (start / "hf").is_dir() else hf_dir
+        self.step = 0
+        self.nonfinite_in_row = 0
+        self.nonfinite_total = 0
+        resume = ckpt.resolve_resume(cfg.checkpoint.resume, cfg.checkpoint.dir)
+        if resume is not None:
+            state = ckpt.load_checkpoint(resume, self.policy)
+            self.step = int(state["step"])
+            self.sampler.load_state_dict(state["sampler"])
+            self.nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
+            self.nonfinite_total = int(state.get("nonfinite_total", 0))
+            if self.rank == 0:
+                log.info("resumed from %s at step %d", resume, self.step)
+        if self.rank == 0:
+            save_config(cfg, Path(cfg.run_dir) / "config.yaml")
+        self.own_engine = engine is None
+        self.engine = engine or RolloutEngine(hf_dir, cfg.rollout, tokenizer=cfg.model.tokenizer_dir())
+        self.scorer = RewardScorer(cfg.rewards)
+        self.logger = MetricsLogger(cfg.log, run_name=Path(cfg.run_dir).name, total_steps=t.steps,
+                                    start_step=self.step, enabled=self.rank == 0, hparams=asdict(cfg))
+        self.last_checkpoint: Path | None = resume
+
+    # ---------------------------------------------------------------------------- the loop
+
+    def run(self) -> dict[str, float]:
+        """Trains from ``self.step`` to ``train.steps``; returns the last step's metrics."""
+        cfg, metrics = self.cfg, {}
+        try:
+            with self.logger.phase("sync"):
+                self.engine.sync_weights(self.policy.model)
+            while self.step < cfg.train.steps:
+                metrics = self.train_step()
+                self.step += 1
+                self.logger.log(self.step, metrics)
+                interval = cfg.checkpoint.interval
+                if self.step == cfg.train.steps or (interval and self.step % interval == 0):
+                    self.save()
+            if cfg.checkpoint.export_hf_at_end and self.last_checkpoint is not None:
+                self.export_hf(self.last_checkpoint)
+        finally:
+            self.close()
+        return metrics
+
+    def train_step(self) -> dict[str, float]:
+        cfg, step, lg = self.cfg, self.step, self.logger
+        t0 = time.perf_counter()
+
+        with lg.phase("generate"):
+            data = collect(self.engine, self.scorer, self.sampler, self.tokenizer, step=step,
+                           group_size=cfg.train.group_size, template=cfg.data.template,
+                           seed=cfg.rollout.seed, dynamic_sampling=cfg.train.dynamic_sampling,
+                           max_refill_rounds=cfg.train.max_refill_rounds, group=self.control)
+        rewards = torch.tensor([s.reward for s in data.samples])
+        seq_adv = group_advantages(rewards, group_size=cfg.train.group_size,
+                                   std_normalize=cfg.advantage.std_normalize, eps=cfg.advantage.eps)
+        batch = self.local_batch(data, seq_adv)
+        mbs = cfg.train.micro_batch_size
+        vocab = self.arch.vocab_size
+
+        plan = None
+        if cfg.uses_attribution:
+            seqs = SequenceBatch(batch.tokens, batch.prompt_lens, batch.lengths, batch.sample_ids)
+            plan = plan_probes(seqs, cfg.attribution.probe, step, self.finder)
+        with lg.phase("logprob"):
+            batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(
+                self.policy.model, batch, vocab, mbs, plan=plan)
+            if self.reference is not None:
+                batch.ref_logprobs = reference_logprobs(self.reference, batch, vocab, mbs)
+
+        importance = score_mask = None
+        attr_stats: dict[str, float] = {}
+        if cfg.uses_attribution:
+            with lg.phase("attribution"):
+                attr = compute_importance(self.policy.model, seqs, cfg.attribution, vocab_size=vocab,
+                                          seq_adv=batch.seq_adv, step=step, tokenizer=self.tokenizer,
+                                          plan=plan, teacher=teacher, external_teacher=True)
+            importance, score_mask, attr_stats = attr.importance, attr.score_mask, attr.stats
+        credit = assign_credit(cfg.shaping, batch.seq_adv, batch.loss_mask, importance=importance,
+                               entropy=batch.entropy, score_mask=score_mask,
+                               generator=self._generator())
+        batch.advantages = credit.advantages
+
+        with lg.phase("update"):
+            updates = self.update(batch)
+
+        with lg.phase("sync"):
+            sync = self.engine.sync_weights(self.policy.model)
+
+        metrics = dict(data.metrics)
+        metrics.update(self.batch_metrics(batch, credit, updates, attr_stats))
+        metrics["rollout/sync_seconds"] = sync.seconds
+        metrics["perf/tokens_per_s"] = data.metrics["rollout/gen_tokens"] / (time.perf_counter() - t0)
+        return metrics
+
+    def local_batch(self, data: StepData, seq_adv: torch.Tensor) -> TrainBatch:
+        """This DP rank's rows ``d, d + DP, ...`` as padded tensors."""
+        dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        rows = list(range(d, len(data.samples), dp))
+        samples = [data.samples[i] for i in rows]
+        length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        b = len(samples)
+        tokens = torch.full((b, length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(b, length, dtype=torch.bool)
+        rollout_lp = torch.zeros(b, length)
+        prompt_lens, lengths = torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long)
+        for i, s in enumerate(samples):
+            p, n = len(s.prompt_ids), len(s.prompt_ids) + len(s.response_ids)
+            tokens[i, :n] = torch.tensor(s.prompt_ids + s.response_ids)
+            rollout_lp[i, p:n] = torch.tensor(s.logprobs)
+            prompt_lens[i], lengths[i] = p, n
+            overlong = self.cfg.train.overlong_filter and s.finish_reason == "length"
+            mask[i, p:n] = not overlong
+        adv = seq_adv[rows] * mask.any(dim=-1)  # overlong-filtered rows: no loss, not scored
+        device = self.rt.device
+        return TrainBatch(tokens.to(device), prompt_lens.to(device), lengths.to(device),
+                          torch.tensor(rows, device=device), mask.to(device), rollout_lp.to(device),
+                          adv.to(device))
+
+    def update(self, batch: TrainBatch) -> list:
+        """``ppo_epochs`` passes of ``mini_batches`` optimizer steps; the non-finite guard."""
+        t = self.cfg.train
+        per = batch.size // t.mini_batches
+        results = []
+        for _ in range(t.ppo_epochs):
+            for m in range(t.mini_batches):
+                mini = batch.select(list(range(m * per, (m + 1) * per)))
+                results.append(update_step(self.policy, mini, self.cfg.loss, self.arch.vocab_size,
+                                           t.micro_batch_size))
+        skipped = sum(not r.applied for r in results)
+        self.nonfinite_total += skipped
+        self.nonfinite_in_row = self.nonfinite_in_row + 1 if skipped else 0
+        if self.nonfinite_in_row >= t.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"step {self.step + 1}: non-finite loss or gradient norm in {self.nonfinite_in_row} "
+                f"steps in a row (train.max_nonfinite_steps={t.max_nonfinite_steps}; last grad norm "
+                f"{results[-1].grad_norm}); the updates were skipped. Lower optim.lr, check "
+                "model.dtype and the data; resume from the last checkpoint once fixed")
+        if skipped and self.rank == 0:
+            log.warning("step %d: %d of %d updates skipped (non-finite loss or gradient norm)",
+                        self.step + 1, skipped, len(results))
+        return results
+
+    def _generator(self) -> torch.Generator:
+        """Per-step generator (random credit): reproducible and independent of resumes."""
+        seed = (self.cfg.train.seed * 1_000_003 + self.step) * 1009 + ps.get_data_parallel_rank()
+        return torch.Generator(device=self.rt.device).manual_seed(seed)
+
+    # ---------------------------------------------------------------------------- metrics
+
+    def batch_metrics(self, batch: TrainBatch, credit, updates: list, attr_stats: dict) -> dict:
+        """Credit, entropy, mismatch and loss metrics, averaged over DP ranks."""
+        mask = batch.loss_mask
+        tokens = mask.sum().clamp_min(1)
+        cm = credit_metrics(credit.weights, credit.advantages, mask, batch.seq_adv)
+        local = {
+            "entropy": (batch.entropy * mask).sum() / tokens,
+            "rollout/logprob_mismatch": ((batch.rollout_logprobs - batch.old_logprobs).abs() * mask).sum() / tokens,
+            **{f"credit/{k}": v for k, v in cm.items()},
+            **{f"attribution/{k}": torch.tensor(v) for k, v in attr_stats.items()},
+        }
+        keys = sorted(local)
+        vec = torch.stack([torch.as_tensor(local[k], dtype=torch.float64).to(mask.device) for k in keys])
+        dist.all_reduce(vec, group=ps.get_data_parallel_group())
+        out = {k: float(v) / ps.get_data_parallel_world_size() for k, v in zip(keys, vec)}
+        for k in [k for k in out if k.startswith("attribution/") and k != "attribution/seconds"]:
+            out[k] *= ps.get_data_parallel_world_size()  # counts: summed over DP, not averaged
+        applied = [r for r in updates if r.applied]
+        for key in (applied[0].stats if applied else {}):
+            out[f"loss/{key}"] = sum(r.stats[key] for r in applied) / len(applied)
+        out["loss/grad_norm"] = sum(r.grad_norm for r in updates) / len(updates)
+        out["optim/lr"] = float(self.policy.optimizer.param_groups[0]["lr"])
+        out["guard/skipped_updates"] = float(sum(not r.applied for r in updates))
+        out["guard/nonfinite_total"] = float(self.nonfinite_total)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints, export
+
+    def save(self) -> Path:
+        state = {"sampler": self.sampler.state_dict(), "nonfinite_in_row": self.nonfinite_in_row,
+                 "nonfinite_total": self.nonfinite_total, "credit": self.cfg.credit}
+        with self.logger.phase("checkpoint"):
+            self.last_checkpoint = ckpt.save_checkpoint(
+                self.cfg.checkpoint.dir, self.step, self.policy, state, self.meta, self.hf_files,
+                keep_last=self.cfg.checkpoint.keep_last)
+        return self.last_checkpoint
+
+    def export_hf(self, checkpoint: Path) -> Path:
+        """Rank 0 writes ``{run_dir}/hf/<step dir>`` (HF safetensors) with the converter."""
+        from checkpoints_convert.convert import megatron_to_hf
+
+        out = Path(self.cfg.run_dir) / "hf" / checkpoint.name
+        if self.rank == 0 and not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            megatron_to_hf(checkpoint, out, progress=False)
+            log.info("exported %s -> %s", checkpoint, out)
+        dist.barrier()
+        return out
+
+    def close(self) -> None:
+        """Collective: closes the logger and verifier pool, and the vLLM engine if this trainer
+        made it (a shared engine stays up for its owner)."""
+        self.logger.close()
+        self.scorer.close()
+        if self.own_engine:
+            self.engine.shutdown()

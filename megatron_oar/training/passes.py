@@ -1,0 +1,225 @@
+"""The trainer's two Megatron passes over this DP rank's sequences.
+
+* :func:`old_logprob_pass`: one forward-only pass under theta_old that yields the log-probs of the
+  sampled tokens, their entropies, and (when a probe plan is given) the outcome-probe teacher P0
+  from the logits at the probe positions, so attribution needs no clean pass of its own.
+* :func:`update_step`: one optimizer step on a mini-batch: PPO-clip forward/backward through
+  megatron's schedule, gradient checks (the non-finite guard), clipping and Adam.
+
+Every ``[B, L]`` tensor is aligned with ``tokens``: column ``t`` holds the value for token ``t``
+(computed from the logits at ``t - 1``); column 0 is never a response token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_oar.algorithms import PolicyLossConfig, ppo_clip_loss
+from megatron_oar.attribution.probes import ProbeOutput, ProbePlan
+from megatron_oar.attribution.schedule import broadcast_from_stage
+from megatron_oar.models import vocab_parallel as vp
+from megatron_oar.models.forward import forward_map, position_ids_for
+
+
+@dataclass
+class TrainBatch:
+    """This DP rank's sequences of one step (prompt + response, right-padded)."""
+
+    tokens: torch.Tensor           # [B, L] long
+    prompt_lens: torch.Tensor      # [B]
+    lengths: torch.Tensor          # [B] prompt + response
+    sample_ids: torch.Tensor       # [B] index in the step's global batch (noise seeds)
+    loss_mask: torch.Tensor        # [B, L] response tokens that get a loss (overlong filter)
+    rollout_logprobs: torch.Tensor  # [B, L] vLLM's log-probs (the mismatch metric)
+    seq_adv: torch.Tensor          # [B] group advantage
+    old_logprobs: torch.Tensor | None = None  # [B, L] theta_old (old_logprob_pass)
+    entropy: torch.Tensor | None = None       # [B, L]
+    ref_logprobs: torch.Tensor | None = None  # [B, L] reference policy (loss.kl_coef > 0)
+    advantages: torch.Tensor | None = None    # [B, L] token advantages (credit assignment)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    def select(self, rows: torch.Tensor | list[int]) -> "TrainBatch":
+        """The rows ``rows`` of every per-sequence tensor, trimmed to their longest sequence."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        length = int(self.lengths[rows].max())
+        out = {}
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if t is not None:
+                t = t[rows]
+                out[f.name] = t[:, :length] if t.dim() == 2 else t
+        return TrainBatch(**out)
+
+
+def _shifted(values: torch.Tensor) -> torch.Tensor:
+    """``[m, S-1]`` values for tokens 1..S-1 -> ``[m, S]`` aligned with the tokens (0 at column 0)."""
+    return torch.cat([values.new_zeros(values.shape[0], 1), values], dim=1)
+
+
+@torch.no_grad()
+def old_logprob_pass(model, batch: TrainBatch, vocab_size: int, micro_batch_size: int, *,
+                     plan: ProbePlan | None = None) -> tuple[torch.Tensor, torch.Tensor, ProbeOutput | None]:
+    """``(logprobs [B, L], entropy [B, L], teacher)`` under the current weights, forward only.
+
+    Log-probs and entropies are returned on every pipeline stage (broadcast from the last);
+    the teacher (vocab-parallel, ``plan`` order) exists on the last stage only, else None.
+    """
+    positions: list[torch.Tensor] = []
+    mbs = micro_batch_size
+    counter = [0]
+
+    def per_micro(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        k = counter[0]
+        counter[0] += 1
+        if plan is not None:
+            sel = (plan.row >= k * mbs) & (plan.row < (k + 1) * mbs)
+            rows, pos = (plan.row[sel] - k * mbs).to(logits.device), plan.pos[sel].to(logits.device)
+            positions.append(logits[rows, pos].float())
+        lp = vp.target_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size)
+        ent = vp.entropy(logits[:, :-1], vocab_size)
+        return torch.stack([_shifted(lp.float()), _shifted(ent.float())], dim=1)
+
+    out = forward_map(model, batch.tokens, per_micro, mbs)
+    if out is None:  # not the last pipeline stage
+        out = torch.zeros(batch.size, 2, batch.tokens.shape[1], dtype=torch.float32,
+                          device=batch.tokens.device)
+    out = broadcast_from_stage(out.contiguous(), first=False)
+    teacher = None
+    if plan is not None and ps.is_pipeline_last_stage():
+        teacher = ProbeOutput.from_position_logits(torch.cat(positions), plan, vocab_size)
+    return out[:, 0], out[:, 1], teacher
+
+
+def reference_logprobs(ref_model, batch: TrainBatch, vocab_size: int, micro_batch_size: int) -> torch.Tensor:
+    """``[B, L]`` log-probs of the sampled tokens under the frozen reference model."""
+    out = forward_map(ref_model, batch.tokens,
+                      lambda logits, tokens: _shifted(vp.target_logprobs(
+                          logits[:, :-1], tokens[:, 1:], vocab_size).float()), micro_batch_size)
+    if out is None:
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
+    return broadcast_from_stage(out.contiguous(), first=False)
+
+
+@dataclass
+class StepResult:
+    applied: bool          # False: non-finite loss or gradient, the update was skipped
+    grad_norm: float
+    stats: dict[str, float]  # loss statistics, token-weighted over the mini-batch (all ranks)
+
+
+def _global_counts(mask: torch.Tensor, group) -> tuple[int, int]:
+    counts = torch.tensor([float(mask.sum()), float(mask.any(dim=-1).sum())], dtype=torch.float64,
+                          device=mask.device)
+    dist.all_reduce(counts, group=group)
+    return int(counts[0]), int(counts[1])
+
+
+def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_size: int,
+                micro_batch_size: int) -> StepResult:
+    """One optimizer step on ``batch`` (this DP rank's share of one mini-batch).
+
+    The loss is the exact mini-batch loss of Eq. 18 (token / sequence counts are global over DP),
+    so micro-batching and DP change nothing but rounding. Collective over the world.
+    """
+    model, optimizer = policy.model, policy.optimizer
+    mbs = micro_batch_size
+    n_micro = batch.size // mbs
+    dp_group = ps.get_data_parallel_group()
+    num_tokens, num_seqs = _global_counts(batch.loss_mask, dp_group)
+    # megatron's schedule divides each micro-batch loss by n_micro and DDP averages over DP; the
+    # loss below is already normalised by the global counts, so undo both.
+    scale = n_micro * ps.get_data_parallel_world_size()
+    want_entropy = loss_cfg.entropy_coef > 0
+    micros = [batch.select(range(i, i + mbs)) for i in range(0, batch.size, mbs)]
+    seq_len = max(m.tokens.shape[1] for m in micros)
+    micros = [_pad_to(m, seq_len) for m in micros]
+    sums = torch.zeros(2, dtype=torch.float64, device=batch.tokens.device)  # loss, finite flag
+
+    def step(data_iter, chunk):
+        micro = next(data_iter)
+        logits = chunk(micro.tokens, position_ids_for(micro.tokens), attention_mask=None)
+
+        def loss_func(out):
+            lp = _shifted(vp.target_logprobs(out[:, :-1], micro.tokens[:, 1:], vocab_size))
+            ent = _shifted(vp.entropy(out[:, :-1], vocab_size)) if want_entropy else None
+            loss, stats = ppo_clip_loss(
+                lp, micro.old_logprobs.to(lp.dtype), micro.advantages, micro.loss_mask, loss_cfg,
+                ref_logprobs=micro.ref_logprobs, entropy=ent, num_tokens=num_tokens,
+                num_seqs=num_seqs)
+            sums[0] += loss.detach().double()
+            stats["num_tokens"] = micro.loss_mask.sum().to(lp.dtype)
+            return loss * scale, stats
+
+        return logits, loss_func
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    records = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter(micros), model=[model],
+        num_microbatches=n_micro, seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
+
+    # The non-finite guard: every rank must take the same decision.
+    optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    finite = math.isfinite(grad_norm) and bool(torch.isfinite(sums[0]))
+    sums[1] = 0.0 if finite else 1.0
+    dist.all_reduce(sums[1:])
+    applied = bool(sums[1] == 0)
+    if applied:
+        optimizer.step()
+        policy.scheduler.step(increment=1)
+    else:
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+    return StepResult(applied, grad_norm, _reduce_stats(records, sums[0], batch.tokens.device))
+
+
+def _pad_to(batch: TrainBatch, length: int) -> TrainBatch:
+    """Right-pads every ``[B, L]`` tensor to ``length`` (the schedule needs one shape)."""
+    extra = length - batch.tokens.shape[1]
+    if extra == 0:
+        return batch
+    out = {}
+    for f in fields(batch):
+        t = getattr(batch, f.name)
+        if t is not None and t.dim() == 2:
+            t = torch.nn.functional.pad(t, (0, extra))
+        out[f.name] = t
+    return TrainBatch(**out)
+
+
+def _reduce_stats(records: list[dict], loss_sum: torch.Tensor, device) -> dict[str, float]:
+    """Token-weighted means of the micro-batch statistics, over the micro-batches and DP; the
+    loss is summed over micro-batches (and DP). Statistics exist on the last pipeline stage and
+    are shared with the other stages."""
+    keys = sorted(records[0]) if records else []
+    keys = [k for k in keys if k != "num_tokens"]
+    maxed = {"ratio_max"}
+    values = torch.zeros(len(keys) + 2, dtype=torch.float64, device=device)
+    peak = torch.zeros(max(len(keys), 1), dtype=torch.float64, device=device)
+    last = ps.is_pipeline_last_stage()
+    if last and ps.get_tensor_model_parallel_rank() == 0:
+        for rec in records:
+            n = float(rec["num_tokens"])
+            for i, k in enumerate(keys):
+                if k in maxed:
+                    peak[i] = max(peak[i], float(rec[k]))
+                else:
+                    values[i] += float(rec[k]) * n
+            values[-2] += n
+        values[-1] = loss_sum
+    dist.all_reduce(values)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    tokens = max(float(values[-2]), 1.0)
+    out = {k: (float(peak[i]) if k in maxed else float(values[i]) / tokens) for i, k in enumerate(keys)}
+    out["loss"] = float(values[-1])
+    return out

@@ -1,0 +1,124 @@
+"""The policy being trained: a megatron-core ``GPTModel`` shard in megatron's DDP wrapper, its
+optimizer (megatron's, distributed over DP when ``optim.use_distributed_optimizer``) and the LR
+schedule (megatron's ``OptimizerParamScheduler``).
+
+Initial weights come from ``model.path``: an oar checkpoint (``oar-convert hf-to-megatron``, or a
+step directory a training run wrote) is loaded as is; an HF directory is converted once, by rank 0
+in a child process, into ``{run_dir}/init_checkpoint`` (reused by later runs and resumes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_oar.models.checkpoint import META_FILE, load_model
+from megatron_oar.models.qwen2 import DTYPES, build_gpt_model
+
+log = logging.getLogger(__name__)
+
+INIT_CHECKPOINT = "init_checkpoint"
+
+
+@dataclass
+class Policy:
+    model: object       # megatron DistributedDataParallel around ``gpt``
+    gpt: object         # the GPTModel shard
+    optimizer: object   # megatron MegatronOptimizer (ChainedOptimizer)
+    scheduler: object   # megatron OptimizerParamScheduler
+
+    def parameters_digest(self) -> torch.Tensor:
+        """A cheap fingerprint of this rank's weights (tests, logging): float64 sum of |w|."""
+        return torch.stack([p.detach().double().abs().sum() for p in self.gpt.parameters()]).sum()
+
+
+def init_checkpoint(model_path: str | Path, run_dir: str | Path, dtype: str) -> Path:
+    """Collective: the oar checkpoint to start from (converting an HF directory on rank 0)."""
+    path = Path(model_path)
+    if (path / META_FILE).is_file():
+        return path
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path={model_path}: neither an oar checkpoint ({META_FILE}) "
+                                "nor an HF model directory (config.json)")
+    out = Path(run_dir) / INIT_CHECKPOINT
+    if dist.get_rank() == 0 and not (out / META_FILE).is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # The converter runs as its own one-process megatron world, so not in this torchrun rank.
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                            "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
+        log.info("converting %s -> %s (once; later runs reuse it)", path, out)
+        done = subprocess.run([sys.executable, "-m", "checkpoints_convert.cli", "hf-to-megatron",
+                               "--hf", str(path), "--out", str(out), "--dtype", dtype,
+                               "--no-progress"], env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"converting model.path={model_path} to {out} failed:\n"
+                               f"{done.stderr[-3000:]}")
+    dist.barrier()
+    return out
+
+
+def _optimizer_config(optim, dtype: str):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad, bf16=dtype == "bf16", fp16=dtype == "fp16",
+        params_dtype=DTYPES[dtype], use_distributed_optimizer=optim.use_distributed_optimizer,
+        # fp16 only: dynamic loss scaling as Megatron-LM does it
+        initial_loss_scale=2.0 ** 16 if dtype == "fp16" else None)
+
+
+def build_scheduler(optimizer, optim, total_optimizer_steps: int):
+    """Linear warm-up from 0, then constant / cosine / linear decay to ``min_lr`` at the end."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_steps = max(total_optimizer_steps, optim.warmup_steps + 1)
+    style = optim.lr_schedule
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=optim.lr,
+        min_lr=optim.lr if style == "constant" else optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps, lr_decay_steps=decay_steps,
+        lr_decay_style="constant" if style == "constant" else style,
+        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=decay_steps,
+        wd_incr_style="constant")
+
+
+def build_policy(hf_config: dict, model_cfg, optim, *, checkpoint: str | Path,
+                 total_optimizer_steps: int) -> Policy:
+    """Collective: the model shard loaded from ``checkpoint``, wrapped for training."""
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    gpt = build_gpt_model(hf_config, model_cfg, perform_initialization=False)
+    load_model(gpt, checkpoint)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=optim.use_distributed_optimizer, check_for_nan_in_grad=False)
+    model = DistributedDataParallel(gpt.config, ddp_config, gpt)
+    optimizer = get_megatron_optimizer(_optimizer_config(optim, model_cfg.dtype), [model])
+    # The hooks megatron's schedule calls during a training step (attribution passes null them).
+    gpt.config.finalize_model_grads_func = finalize_model_grads
+    gpt.config.grad_scale_func = optimizer.scale_loss
+    gpt.config.no_sync_func = model.no_sync
+    scheduler = build_scheduler(optimizer, optim, total_optimizer_steps)
+    return Policy(model, gpt, optimizer, scheduler)
+
+
+def build_reference(hf_config: dict, model_cfg, checkpoint: str | Path):
+    """Collective: a frozen copy of the initial policy for the reference KL (``loss.kl_coef``)."""
+    ref = build_gpt_model(hf_config, model_cfg, perform_initialization=False)
+    load_model(ref, checkpoint)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref

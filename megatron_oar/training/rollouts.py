@@ -1,0 +1,144 @@
+"""One training step's data: prompts -> vLLM completions -> rewards -> the groups to train on.
+
+Each rollout group (``world_size / rollout.tp`` of them) generates its share of the prompts; the
+completions are gathered on every rank, every rank verifies a strided share of them with its
+own verifier pool, and the rewards are gathered back, so all ranks hold the same step data.
+
+Dynamic sampling (DAPO): groups whose rewards are all equal carry no gradient; with
+``train.dynamic_sampling`` they are dropped and more prompts are generated (up to
+``train.max_refill_rounds`` extra rounds) until ``prompts_per_step`` informative groups exist. If
+the rounds run out, dropped groups fill the remaining places (counted in ``dynamic/filled``).
+
+Sampling seeds derive from ``(rollout.seed, step, round, prompt)``, so a resumed run samples
+exactly what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_oar.data import Example, render_prompt
+
+SEED_SPACE = 2**31 - 2**20  # room for seed + j (vLLM's per-completion seed)
+
+
+@dataclass
+class Sample:
+    """One completion with its reward; ``group`` indexes its prompt within the step."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str
+    reference: str
+    group: int
+    reward: float = 0.0
+    accuracy: float = 0.0
+    format: float = 0.0
+    status: str = ""
+
+
+@dataclass
+class StepData:
+    samples: list[Sample]    # prompts_per_step groups of group_size, group-major
+    metrics: dict[str, float]
+
+
+def sampling_seed(base: int, step: int, round_: int, prompt: int) -> int:
+    digest = hashlib.blake2b(f"{base}:{step}:{round_}:{prompt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % SEED_SPACE
+
+
+def _generate(engine, tokenizer, prompts: list[Example], template: str, seeds: list[int]) -> list[Sample]:
+    """This rollout group's share of ``prompts``, generated and gathered on every rank."""
+    n_groups, k = engine.dp_size, engine.dp_rank
+    per = -(-len(prompts) // n_groups)
+    mine = range(k * per, min((k + 1) * per, len(prompts)))
+    ids = [tokenizer(render_prompt(prompts[i].prompt, template, tokenizer),
+                     add_special_tokens=False)["input_ids"] for i in mine]
+    batch = engine.gather(engine.generate(ids, seeds=[seeds[i] for i in mine]))
+    out = []
+    for c in batch.completions():
+        out.append(Sample(c.prompt_ids, c.response_ids, c.logprobs, c.finish_reason, c.text,
+                          prompts[c.prompt_index].answer, c.prompt_index))
+    return out
+
+
+def _score(samples: list[Sample], scorer, group) -> None:
+    """Every rank verifies samples ``rank::world``; results are shared with all ranks."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = list(range(rank, len(samples), world))
+    part = None
+    if mine:
+        res = scorer([samples[i].text for i in mine], [samples[i].reference for i in mine])
+        part = (mine, res.rewards.tolist(), res.accuracy.tolist(), res.format.tolist(), res.status)
+    parts: list = [None] * world
+    dist.all_gather_object(parts, part, group=group)
+    for p in parts:
+        if p is None:
+            continue
+        for i, r, a, f, s in zip(*p):
+            samples[i].reward, samples[i].accuracy, samples[i].format, samples[i].status = r, a, f, s
+
+
+def collect(engine, scorer, sampler, tokenizer, *, step: int, group_size: int, template: str,
+            seed: int, dynamic_sampling: bool, max_refill_rounds: int, group) -> StepData:
+    """Collective: the step's ``sampler.batch_size`` groups of ``group_size`` scored completions."""
+    want = sampler.batch_size
+    kept: list[list[Sample]] = []
+    dropped: list[list[Sample]] = []
+    generated: list[Sample] = []
+    gen_seconds = 0.0
+    rounds = 0
+    while True:
+        prompts = next(sampler)
+        seeds = [sampling_seed(seed, step, rounds, i) for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        samples = _generate(engine, tokenizer, prompts, template, seeds)
+        gen_seconds += time.perf_counter() - t0
+        _score(samples, scorer, group)
+        generated += samples
+        for g in range(len(prompts)):
+            members = samples[g * group_size:(g + 1) * group_size]
+            rewards = {s.reward for s in members}
+            (kept if (len(rewards) > 1 or not dynamic_sampling) else dropped).append(members)
+        rounds += 1
+        if len(kept) >= want or not dynamic_sampling or rounds > max_refill_rounds:
+            break
+    filled = max(0, want - len(kept))
+    groups = (kept + dropped[:filled])[:want]
+    out = []
+    for g, members in enumerate(groups):
+        for s in members:
+            s.group = g
+            out.append(s)
+    return StepData(out, _metrics(out, generated, rounds, filled, gen_seconds))
+
+
+def _metrics(samples: list[Sample], generated: list[Sample], rounds: int, filled: int,
+             gen_seconds: float) -> dict[str, float]:
+    n = max(len(samples), 1)
+    lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
+    gen_tokens = sum(len(s.response_ids) for s in generated)
+    statuses = [s.status for s in samples]
+    return {
+        "reward/mean": sum(s.reward for s in samples) / n,
+        "reward/accuracy": sum(s.accuracy for s in samples) / n,
+        "reward/format": sum(s.format for s in samples) / n,
+        "reward/no_answer": statuses.count("no_answer") / n,
+        "reward/generated_accuracy": sum(s.accuracy for s in generated) / max(len(generated), 1),
+        "response/length_mean": float(lengths.mean()) if len(samples) else 0.0,
+        "response/length_max": float(lengths.max()) if len(samples) else 0.0,
+        "response/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / n,
+        "rollout/generated_sequences": float(len(generated)),
+        "rollout/gen_tokens": float(gen_tokens),
+        "rollout/gen_tokens_per_s": gen_tokens / gen_seconds if gen_seconds > 0 else 0.0,
+        "dynamic/rounds": float(rounds),
+        "dynamic/filled": float(filled),
+    }
