@@ -27,6 +27,7 @@ setup(
         "rich",
         "tqdm",
         "tensorboard",
+        "matplotlib",
         "pyarrow",
     ],
     extras_require={

@@ -1,11 +1,13 @@
 """``oar``: the megatron-oar command line.
 
-    oar demo [--out DIR]   tiny end-to-end demo (today: the converter round trip at TP2 / PP2)
-    oar info               versions, device and which fused kernels megatron-core will use
-    oar bench convert ...  converter peak memory vs model and layer size
+    oar train --config X.yaml [--nproc-per-node N] [--resume auto|none|DIR] [key=value ...]
+    oar plot RUN_DIR [--out PNG]   training curves from RUN_DIR/logs/metrics.jsonl
+    oar demo [--out DIR]           tiny end-to-end demo: SFT warm-up, then OAR-G GRPO at TP=2
+    oar info                       versions, device and which fused kernels megatron-core will use
+    oar bench convert ...          converter peak memory vs model and layer size
 
-Training, evaluation, analysis and the other benchmarks (`oar train|eval|analyze|viz|plan`)
-arrive with the issues that build them.
+Evaluation, analysis and the other benchmarks (`oar eval|analyze|viz|plan`) arrive with the
+issues that build them.
 """
 
 from __future__ import annotations
@@ -71,6 +73,23 @@ def _demo(out: Path) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    """Runs megatron_oar.train in this process (inside torchrun, or one process), or starts
+    torchrun with ``--nproc-per-node`` processes."""
+    import os
+    import subprocess
+
+    from megatron_oar import train
+
+    argv = ["--config", str(args.config), *(["--resume", args.resume] if args.resume else []),
+            *args.overrides]
+    if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={args.nproc_per_node}", "-m", "megatron_oar.train", *argv]
+        return subprocess.call(cmd)
+    return train.main(argv)
+
+
 def _info() -> int:
     import torch
 
@@ -95,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="tiny end-to-end demo on CPU")
     d.add_argument("--out", type=Path, default=Path("demo_out"), help="output directory (replaced)")
+    t = sub.add_parser("train", help="RL training (GRPO / OAR-G / OAR-P / baselines)")
+    t.add_argument("--config", required=True, type=Path, help="YAML config (see examples/)")
+    t.add_argument("--nproc-per-node", type=int, default=1,
+                   help="processes to start with torchrun (1: run in this process)")
+    t.add_argument("--resume", default=None, help="auto | none | a checkpoint step directory")
+    t.add_argument("overrides", nargs="*", help="key=value config overrides")
+    pl = sub.add_parser("plot", help="training curves of a run to PNG")
+    pl.add_argument("args", nargs=argparse.REMAINDER, help="RUN_DIR [--out PNG] [--keys ...]")
     sub.add_parser("info", help="versions and kernels")
     b = sub.add_parser("bench", help="benchmarks (suite name, then its own options)")
     b.add_argument("suite", choices=["convert"])
@@ -102,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args.out)
+    if args.command == "train":
+        return _train(args)
+    if args.command == "plot":
+        from megatron_oar import plot
+
+        return plot.main(args.args)
     if args.command == "bench":
         from benchmarks import convert_memory
 

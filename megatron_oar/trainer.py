@@ -253,7 +253,7 @@ class Trainer:
         tokens = mask.sum().clamp_min(1)
         cm = credit_metrics(credit.weights, credit.advantages, mask, batch.seq_adv)
         local = {
-            "entropy": (batch.entropy * mask).sum() / tokens,
+            "policy/entropy": (batch.entropy * mask).sum() / tokens,
             "rollout/logprob_mismatch": ((batch.rollout_logprobs - batch.old_logprobs).abs() * mask).sum() / tokens,
             **{f"credit/{k}": v for k, v in cm.items()},
             **{f"attribution/{k}": torch.tensor(v) for k, v in attr_stats.items()},
@@ -267,7 +267,7 @@ class Trainer:
         applied = [r for r in updates if r.applied]
         for key in (applied[0].stats if applied else {}):
             out[f"loss/{key}"] = sum(r.stats[key] for r in applied) / len(applied)
-        out["loss/grad_norm"] = sum(r.grad_norm for r in updates) / len(updates)
+        out["optim/grad_norm"] = sum(r.grad_norm for r in updates) / len(updates)
         out["optim/lr"] = float(self.policy.optimizer.param_groups[0]["lr"])
         out["guard/skipped_updates"] = float(sum(not r.applied for r in updates))
         out["guard/nonfinite_total"] = float(self.nonfinite_total)

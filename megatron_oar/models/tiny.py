@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -11,18 +12,34 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
              max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1_000_000.0)
 
 
-def make_tokenizer(out: Path, vocab_size: int = 1000) -> None:
-    """A byte-level BPE tokenizer trained on arithmetic strings, saved HF-style."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+def make_tokenizer(out: Path, vocab_size: int = 1000, corpus: Iterable[str] | None = None) -> None:
+    """A byte-level BPE tokenizer trained on arithmetic strings, saved HF-style.
+
+    ``corpus``: the texts to train on (default: a fixed set of ``"a + b = c. <answer>c</answer>"``
+    lines). With a corpus, ``vocab_size`` is the trainer's target (specials and the 256 byte
+    symbols included; BPE stops earlier when the corpus runs out of merges), and the text is
+    split the way transformers' ``Qwen2Tokenizer`` splits it (single digits, NFC), which is what
+    ``AutoTokenizer`` rebuilds from these files next to a Qwen2 ``config.json``: the saved
+    ``tokenizer.json`` and the loaded tokenizer then agree token for token.
+    """
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers, decoders
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if corpus is not None:
+        from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size - 8, 400),
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size - 8, 400) if corpus is None else vocab_size,
                                   special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = [f"{a} + {b} = {a + b}. <answer>{a + b}</answer>" for a in range(40) for b in range(7)]
+    if corpus is None:
+        corpus = [f"{a} + {b} = {a + b}. <answer>{a + b}</answer>" for a in range(40) for b in range(7)]
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
                                    pad_token="<|endoftext|>")

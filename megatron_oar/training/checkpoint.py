@@ -168,6 +168,44 @@ def save_checkpoint(root: str | Path, step: int, policy, trainer_state: dict, me
 
 # ----------------------------------------------------------------------------------- load
 
+def _torch_adams(optimizer):
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            yield inner
+
+
+def _restore_adam_steps(optimizer, steps: int) -> None:
+    """Sets torch Adam's per-parameter ``step`` to the number of applied updates.
+
+    Megatron's distributed optimizer does not round-trip torch Adam's ``step`` (it comes back as
+    the placeholder, and as one tensor shared by every parameter, which torch would advance once
+    per parameter per update), so the bias correction would restart after a resume. The trainer
+    steps the LR scheduler exactly when Adam steps, so its count is the right value.
+    """
+    for inner in _torch_adams(optimizer):
+        for state in inner.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(float(steps), dtype=torch.float32)
+
+
+def _init_torch_adam_state(optimizer) -> None:
+    """Gives a fresh torch Adam(W) the state entries a loaded state will overwrite.
+
+    Without Transformer Engine / Apex, megatron wraps ``torch.optim.AdamW``, and its distributed
+    optimizer's ``state_dict()`` reads every parameter's ``step`` (asserting one value) before its
+    loading path initialises any state, so a never-stepped optimizer cannot be loaded into. TE's
+    and Apex's fused Adam keep ``step`` elsewhere and do not need this.
+    """
+    for inner in _torch_adams(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(p.data),
+                                      "exp_avg_sq": torch.zeros_like(p.data)}
+
+
 def load_checkpoint(path: str | Path, policy) -> dict:
     """Collective: restores weights, optimizer, LR schedule and RNG from ``path``; returns the
     trainer state (``step``, ``sampler``, ...)."""
@@ -176,11 +214,15 @@ def load_checkpoint(path: str | Path, policy) -> dict:
     path = Path(path)
     state = json.loads((path / STATE_FILE).read_text())
     load_model(policy.gpt, path)
+    _init_torch_adam_state(policy.optimizer)
     optim_sd = policy.optimizer.sharded_state_dict(
         policy.gpt.sharded_state_dict(), is_loading=True,
         metadata={"distrib_optim_sharding_type": state.get("optim_sharding", OPTIM_SHARDING)})
-    policy.optimizer.load_state_dict(dist_checkpointing.load(optim_sd, str(path / OPTIM_DIR)))
+    loaded = dist_checkpointing.load(optim_sd, str(path / OPTIM_DIR))
+    with torch.no_grad():  # fp32 main params are views of the (grad-requiring) model params
+        policy.optimizer.load_state_dict(loaded)
     policy.scheduler.load_state_dict(state["scheduler"])
+    _restore_adam_steps(policy.optimizer, policy.scheduler.num_steps)
     rng = path / RNG_DIR / f"rank_{_rank():05d}.pt"
     if state.get("world_size") == dist.get_world_size() and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))

@@ -25,6 +25,10 @@ from megatron_oar.models.qwen2 import DTYPES, build_gpt_model
 log = logging.getLogger(__name__)
 
 INIT_CHECKPOINT = "init_checkpoint"
+# torchrun's variables; a child that saw them would try to join this world (and hang)
+_LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+                  "MASTER_PORT"}
 
 
 @dataclass
@@ -52,8 +56,7 @@ def init_checkpoint(model_path: str | Path, run_dir: str | Path, dtype: str) -> 
         out.parent.mkdir(parents=True, exist_ok=True)
         # The converter runs as its own one-process megatron world, so not in this torchrun rank.
         env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                            "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
+               if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
         log.info("converting %s -> %s (once; later runs reuse it)", path, out)
         done = subprocess.run([sys.executable, "-m", "checkpoints_convert.cli", "hf-to-megatron",
                                "--hf", str(path), "--out", str(out), "--dtype", dtype,
@@ -99,7 +102,9 @@ def build_policy(hf_config: dict, model_cfg, optim, *, checkpoint: str | Path,
                                            finalize_model_grads)
     from megatron.core.optimizer import get_megatron_optimizer
 
-    gpt = build_gpt_model(hf_config, model_cfg, perform_initialization=False)
+    # perform_initialization stays on: with CPU initialisation megatron marks the TP-sharded
+    # parameters (tensor_model_parallel, partition_dim) only while initialising them
+    gpt = build_gpt_model(hf_config, model_cfg)
     load_model(gpt, checkpoint)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -116,7 +121,7 @@ def build_policy(hf_config: dict, model_cfg, optim, *, checkpoint: str | Path,
 
 def build_reference(hf_config: dict, model_cfg, checkpoint: str | Path):
     """Collective: a frozen copy of the initial policy for the reference KL (``loss.kl_coef``)."""
-    ref = build_gpt_model(hf_config, model_cfg, perform_initialization=False)
+    ref = build_gpt_model(hf_config, model_cfg)
     load_model(ref, checkpoint)
     ref.eval()
     for p in ref.parameters():

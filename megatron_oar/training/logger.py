@@ -1,0 +1,380 @@
+"""The trainer's metrics: one record per step to JSONL, TensorBoard, wandb and the console.
+
+.. code-block:: python
+
+    logger = MetricsLogger(cfg.log, run_name="qwen-7b", total_steps=100, start_step=step,
+                           enabled=rank == 0, hparams=asdict(cfg))
+    with logger.phase("generate"):     # live status "step 3/100 · generate 12s · ETA 2m10s"
+        ...                            # elapsed seconds -> time/generate of this step
+    logger.log(step, {"reward/mean": 0.4, ...})
+    logger.close()
+
+Every rank builds one; only the one with ``enabled=True`` (rank 0) writes, the others still time
+their phases, so callers need no ``if rank == 0``. ``step`` counts completed policy updates
+(1 .. total_steps), the same number as the checkpoint's, so resuming from checkpoint ``k`` first
+drops the JSONL records ``step > k`` that a crashed run wrote after its last checkpoint (and
+TensorBoard hides its events past ``k``). A fresh run (``start_step=0``) appends to what is there.
+
+``metrics.jsonl`` is the source of truth (``oar plot`` reads it): one JSON object per line,
+``{"step": int, "wall_time": unix seconds, **metrics}``, floats only, NaN/inf written as null.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # config imports megatron-core; `oar plot` only needs read_metrics
+    from typing import Self  # Python 3.11+; annotations only
+
+    from megatron_oar.config import LogConfig
+
+log = logging.getLogger(__name__)
+
+JSONL_NAME = "metrics.jsonl"
+RESERVED_KEYS = ("step", "wall_time")
+
+# The per-step console line: (metric key, short label, format); absent keys are left out.
+# Adjust the keys here when the trainer's metric names change.
+CONSOLE_METRICS: list[tuple[str, str, str]] = [
+    ("reward/mean", "reward", "{:.3f}"),
+    ("reward/accuracy", "acc", "{:.1%}"),
+    ("response/length_mean", "len", "{:.0f}"),
+    ("policy/entropy", "ent", "{:.3f}"),
+    ("credit/ess_ratio", "ess", "{:.2f}"),
+    ("loss/clip_frac", "clip", "{:.3f}"),
+    ("loss/ref_kl", "kl", "{:.4f}"),
+    ("loss/approx_kl", "kl_old", "{:.4f}"),
+    ("time/step", "time", "{:.1f}s"),
+    ("perf/tokens_per_s", "tok/s", "{:,.0f}"),
+]
+
+_clock = time.perf_counter  # durations; a module attribute so tests can substitute a fake clock
+
+
+def format_duration(seconds: float | None) -> str:
+    """``130`` -> ``"2m10s"``; ``"?"`` when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    s = round(max(seconds, 0.0))
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d{h:02d}h"
+    if h:
+        return f"{h}h{m:02d}m"
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts -> dotted keys: ``{"optim": {"lr": 1}}`` -> ``{"optim.lr": 1}``."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _to_float(key: str, value: Any) -> float:
+    """Python / numpy / 0-d torch scalars -> float, None -> NaN (written as null); anything else
+    is the caller's bug."""
+    if value is None:
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"metric {key!r}: expected a number or a scalar tensor, got "
+                        f"{type(value).__name__} {value!r:.80}") from e
+
+
+def _parse_lines(data: bytes) -> list[tuple[bytes, dict | None]]:
+    """Each line of a metrics file with its record; ``None`` for a torn or unparseable line."""
+    out = []
+    for line in data.splitlines(keepends=True):
+        rec = None
+        if line.endswith(b"\n") and line.strip():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                pass
+        if rec is not None and not (isinstance(rec, dict) and isinstance(rec.get("step"), int)):
+            rec = None
+        out.append((line, rec))
+    return out
+
+
+def truncate_after(path: Path, step: int | None) -> int:
+    """Drops the records with ``step > step`` (none when ``step`` is None) and torn lines from
+    ``path``, atomically.
+
+    The kept lines stay byte for byte; the file is rewritten (temp file in the same dir, fsync,
+    ``os.replace``) only when something is dropped. Returns how many lines were dropped.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = _parse_lines(path.read_bytes())
+    keep = [line for line, rec in lines
+            if rec is not None and (step is None or rec["step"] <= step)]
+    dropped = len(lines) - len(keep)
+    if dropped:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.writelines(keep)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        log.warning("%s: dropped %d line(s): torn, or records after step %s (written after the "
+                    "checkpoint this run resumes from)", path, dropped, step)
+    return dropped
+
+
+def read_metrics(run_dir_or_file: str | Path) -> list[dict]:
+    """The records of a metrics file, in file order; non-finite values are ``None``.
+
+    Accepts the file itself, a run dir (reads ``<run_dir>/logs/metrics.jsonl``) or a log dir
+    holding ``metrics.jsonl``. A torn last line (a crash mid-write) is skipped; a bad line
+    elsewhere is an error naming the file and line.
+    """
+    p = Path(run_dir_or_file)
+    if p.is_dir():
+        candidates = [p / "logs" / JSONL_NAME, p / JSONL_NAME]
+        p = next((c for c in candidates if c.is_file()), candidates[0])
+    if not p.exists():
+        raise FileNotFoundError(f"no metrics file or run dir: {p}")
+    if not p.is_file():
+        raise FileNotFoundError(f"no metrics file: {p}")
+    lines = _parse_lines(p.read_bytes())
+    for i, (line, rec) in enumerate(lines[:-1]):
+        if rec is None and line.strip():
+            raise ValueError(f"{p}:{i + 1}: not a metrics record: {line[:80]!r}")
+    return [rec for _, rec in lines if rec is not None]
+
+
+class MetricsLogger:
+    """Per-step metrics to JSONL / TensorBoard / wandb / console; phase timings; live status.
+
+    See the module docstring. With ``enabled=False`` nothing is written or printed, but
+    :meth:`phase` and :meth:`log` still time and return records.
+    """
+
+    def __init__(self, cfg: LogConfig, *, run_name: str, total_steps: int, start_step: int = 0,
+                 enabled: bool = True, hparams: dict | None = None):
+        self.cfg = cfg
+        self.run_name = run_name
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.enabled = enabled
+        self.last_step = start_step
+        self._times: dict[str, float] = defaultdict(float)
+        self._phases: list[tuple[str, float]] = []  # open phases (name, start), outermost first
+        self._t0 = self._t_last = _clock()    # construction, previous log() call
+        self._jsonl = self._tb = self._wandb = self._console = self._live = None
+        self._closed = False
+        if cfg.interval < 1:
+            raise ValueError(f"log.interval must be >= 1, got {cfg.interval}")
+        if not enabled:
+            return
+        if cfg.wandb:  # first: a missing package must fail before any file is touched
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError("log.wandb=true needs the wandb package: pip install wandb "
+                                  "(or set log.wandb=false)") from e
+        if cfg.jsonl or cfg.tensorboard or cfg.wandb:
+            if not cfg.dir:
+                raise ValueError("log.dir is not set (Config sets it to {run_dir}/logs)")
+            log_dir = Path(cfg.dir)
+            log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if cfg.jsonl:
+                truncate_after(log_dir / JSONL_NAME, start_step if start_step > 0 else None)
+                self._jsonl = open(log_dir / JSONL_NAME, "a", encoding="utf-8")  # noqa: SIM115
+            if cfg.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+                # purge_step hides the events a crashed run wrote after the checkpoint we resume.
+                self._tb = SummaryWriter(str(log_dir / "tensorboard"),
+                                         purge_step=start_step + 1 if start_step > 0 else None)
+                if hparams:
+                    self._tb.add_text("hparams", _markdown_table(flatten(hparams)), start_step)
+            if cfg.wandb:
+                self._wandb = wandb.init(project=cfg.wandb_project,
+                                         name=cfg.wandb_name or run_name, config=hparams,
+                                         id=_wandb_run_id(log_dir), dir=str(log_dir),
+                                         resume="allow")
+            if cfg.console:
+                from rich.console import Console
+                self._console = Console()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- timing -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Adds the block's wall seconds to ``time/<name>`` of the step being logged."""
+        t = _clock()
+        self._phases.append((name, t))
+        if len(self._phases) == 1:
+            self._start_live()
+        try:
+            yield
+        finally:
+            self._times[f"time/{name}"] += _clock() - t
+            if len(self._phases) == 1:
+                self._stop_live()
+            self._phases.pop()
+
+    def eta(self) -> float | None:
+        """Seconds to ``total_steps`` from the mean step time since construction; None: unknown."""
+        done = self.last_step - self.start_step
+        if done <= 0:
+            return None
+        per_step = (self._t_last - self._t0) / done
+        return max(0.0, per_step * (self.total_steps - self.last_step) - (_clock() - self._t_last))
+
+    # -- records ------------------------------------------------------------------------------
+
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
+        """Closes step ``step``: adds ``time/<phase>`` and ``time/step``, resets the timers and,
+        every ``log.interval`` steps and at the last step, writes the record. Returns it."""
+        bad = [k for k in RESERVED_KEYS if k in metrics]
+        if bad:
+            raise ValueError(f"metric names {bad} are reserved for the record itself")
+        now = _clock()
+        record = {"time/step": now - self._t_last, **self._times}
+        record.update(metrics)
+        record = {k: _to_float(k, v) for k, v in record.items()}
+        self._times.clear()
+        self._t_last, self.last_step = now, step
+        due = step % self.cfg.interval == 0 or step >= self.total_steps
+        if self.enabled and due and not self._closed:
+            self._write(step, record)
+        return record
+
+    def _write(self, step: int, record: dict[str, float]) -> None:
+        if self._jsonl is not None:
+            clean = {k: (v if math.isfinite(v) else None) for k, v in record.items()}
+            line = json.dumps({"step": int(step), "wall_time": time.time(), **clean},
+                              allow_nan=False)
+            self._jsonl.write(line + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(record, step=step)
+        if self._console is not None:
+            self._console.print(self._summary(step, record), soft_wrap=True, highlight=False)
+
+    def _summary(self, step: int, record: dict[str, float]):
+        """The compact per-step console line (CONSOLE_METRICS, then ETA)."""
+        from rich.text import Text
+        line = Text()
+        line.append(f"step {step}/{self.total_steps}", style="bold")
+        fields = [(label, fmt.format(record[key])) for key, label, fmt in CONSOLE_METRICS
+                  if key in record]
+        for label, value in fields + [("ETA", format_duration(self.eta()))]:
+            line.append(f" │ {label} ", style="dim")
+            line.append(value)
+        return line
+
+    # -- live status (TTY only) ---------------------------------------------------------------
+
+    def _start_live(self) -> None:
+        if self._console is None or not self._console.is_terminal or self._closed:
+            return
+        from rich.errors import LiveError
+        from rich.live import Live
+        try:
+            self._live = Live(_Status(self), console=self._console, transient=True,
+                              refresh_per_second=4)
+            self._live.start()
+        except LiveError:  # another live display owns this console: go without
+            self._live = None
+
+    def _stop_live(self) -> None:
+        if self._live is not None:
+            live, self._live = self._live, None
+            live.stop()
+
+    def status_text(self) -> str:
+        """``step 3/100 · train › forward 12s · ETA 2m10s``: the open phases, the innermost's
+        elapsed time, and the ETA."""
+        if self._phases:
+            phase = " › ".join(n for n, _ in self._phases)
+            phase += f" {format_duration(_clock() - self._phases[-1][1])}"
+        else:
+            phase = "idle"
+        return (f"step {self.last_step + 1}/{self.total_steps} · {phase} · "
+                f"ETA {format_duration(self.eta())}")
+
+    # -- shutdown -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Flushes and closes every writer; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_live()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Status:
+    """The live line's renderable: re-rendered on every refresh, so the ETA counts down."""
+
+    def __init__(self, logger: MetricsLogger):
+        from rich.spinner import Spinner
+        self.logger = logger
+        self.spinner = Spinner("dots")
+
+    def __rich__(self):
+        self.spinner.update(text=self.logger.status_text())
+        return self.spinner
+
+
+def _markdown_table(flat: dict[str, Any]) -> str:
+    rows = "\n".join(f"| {k} | {str(v).replace('|', '/')} |" for k, v in sorted(flat.items()))
+    return "| key | value |\n|---|---|\n" + rows
+
+
+def _wandb_run_id(log_dir: Path) -> str:
+    """The wandb run id kept in ``{log.dir}/wandb_run_id`` so a resumed run continues the same
+    wandb run (``resume="allow"`` only resumes when the id is the same)."""
+    path = log_dir / "wandb_run_id"
+    if path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    import wandb
+    run_id = wandb.util.generate_id()
+    path.write_text(run_id + "\n")
+    return run_id

