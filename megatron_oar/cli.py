@@ -13,64 +13,14 @@ issues that build them.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import time
 from pathlib import Path
 
 
-def _demo(out: Path) -> int:
-    import torch
-    from rich.console import Console
-    from rich.table import Table
-    from safetensors.torch import load_file
+def _demo(args: argparse.Namespace) -> int:
+    from megatron_oar.demo import run_demo
 
-    from checkpoints_convert import cli as convert_cli
-    from megatron_oar.models.tiny import make_tiny_qwen2
-
-    console = Console()
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    rows = []
-
-    def step(title, fn):
-        console.rule(f"[bold]{title}")
-        t = time.perf_counter()
-        rc = fn()
-        rows.append((title, "ok" if rc in (0, None) else f"FAILED (exit {rc})",
-                     f"{time.perf_counter() - t:.1f}s"))
-        if rc not in (0, None):
-            raise SystemExit(rc)
-
-    hf, ckpt, back = out / "hf", out / "ckpt", out / "hf_export"
-    # vocab 1000 (not a multiple of 128) so padding and trimming are exercised.
-    step("make a tiny random Qwen2 + tokenizer", lambda: make_tiny_qwen2(hf, seed=0) and 0)
-    step("oar-convert hf-to-megatron --tp 2",
-         lambda: convert_cli.main(["hf-to-megatron", "--hf", str(hf), "--out", str(ckpt),
-                                   "--tp", "2", "--no-progress"]))
-    for tp, pp in ((2, 1), (1, 2)):
-        step(f"oar-convert verify --tp {tp} --pp {pp}",
-             lambda tp=tp, pp=pp: convert_cli.main(["verify", "--hf", str(hf), "--ckpt", str(ckpt),
-                                                    "--tp", str(tp), "--pp", str(pp)]))
-    step("oar-convert megatron-to-hf",
-         lambda: convert_cli.main(["megatron-to-hf", "--ckpt", str(ckpt), "--out", str(back),
-                                   "--no-progress"]))
-
-    def bit_exact():
-        a, b = load_file(str(hf / "model.safetensors")), load_file(str(back / "model.safetensors"))
-        same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        console.print(f"HF -> Megatron -> HF: {len(a)} tensors, bit-exact: {same}")
-        return 0 if same else 1
-
-    step("HF -> Megatron -> HF is bit-exact", bit_exact)
-    table = Table(title=f"oar demo ({out})")
-    for col in ("step", "result", "time"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(*r)
-    console.print(table)
-    return 0
+    return run_demo(args.out, steps=args.steps, sft_steps=args.sft_steps)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -114,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="tiny end-to-end demo on CPU")
     d.add_argument("--out", type=Path, default=Path("demo_out"), help="output directory (replaced)")
+    d.add_argument("--steps", type=int, default=None, help="RL steps (default: the example's)")
+    d.add_argument("--sft-steps", type=int, default=None, help="warm-up steps (default: 300)")
     t = sub.add_parser("train", help="RL training (GRPO / OAR-G / OAR-P / baselines)")
     t.add_argument("--config", required=True, type=Path, help="YAML config (see examples/)")
     t.add_argument("--nproc-per-node", type=int, default=1,
@@ -128,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "demo":
-        return _demo(args.out)
+        return _demo(args)
     if args.command == "train":
         return _train(args)
     if args.command == "plot":

@@ -89,9 +89,9 @@ def test_real_examples_use_the_paper_settings(name):
 
 def test_tiny_example_is_cpu_sized():
     cfg = example("tiny_cpu.yaml")
-    assert (cfg.parallel.tp, cfg.model.dtype, cfg.model.spec, cfg.train.group_size) == (2, "fp32", "local", 4)
+    assert (cfg.parallel.tp, cfg.model.dtype, cfg.model.spec, cfg.train.group_size) == (2, "fp32", "local", 8)
     assert cfg.data.synthetic is not None and not cfg.data.train_files
-    assert cfg.rollout.max_new_tokens == 16 and cfg.rollout.cpu_kv_cache_gib <= 0.5
+    assert cfg.rollout.max_new_tokens == 24 and cfg.rollout.cpu_kv_cache_gib <= 0.5
 
 
 def test_sections_are_component_dataclasses():
