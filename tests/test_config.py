@@ -286,7 +286,7 @@ def test_lengths():
     (["train.group_size=1"], r"train.group_size=1: must be >= 2"),
     (["data.train_files=[x.jsonl]"], r"data.train_files and data.synthetic: set exactly one"),
     (["data.synthetic=null"], r"data.train_files and data.synthetic: set exactly one"),
-    (["data.synthetic.n=2"], r"data.synthetic.n=2: fewer problems than train.prompts_per_step=4"),
+    (["data.synthetic.n=2"], r"data.synthetic.n=2: fewer problems than train.prompts_per_step=8"),
     (["data.synthetic.operators=^"], r"data.synthetic.operators"),
     (["data.template=nope"], r"data.template='nope'"),
     (["data.fields=nope"], r"data.fields='nope'"),

@@ -140,7 +140,8 @@ def _resume_worker(ckpt: str, root: str, out: str) -> None:
     from megatron_oar.trainer import Trainer
 
     common = ("parallel.tp=1", "optim.use_distributed_optimizer=true", "checkpoint.interval=2",
-              "train.steps=4", "train.mini_batches=2", "credit=oar_g")
+              "train.steps=4", "train.mini_batches=2", "credit=oar_g",
+              "checkpoint.keep_last=1")
     full_dir, cut_dir = Path(root) / "full", Path(root) / "cut"
     cfg = _config(ckpt, str(full_dir), *common)
     engine = _engine(cfg)
