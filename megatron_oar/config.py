@@ -91,6 +91,7 @@ class SyntheticConfig(ArithmeticConfig):
 
     n: int = 2000  # problems generated
     seed: int = 0
+    eval_n: int = 0  # held-out eval problems: drawn with seed + 1, training prompts removed
 
 
 @dataclass
@@ -141,7 +142,10 @@ class TrainConfig:
     max_refill_rounds: int = 3      # extra rollout rounds per step for refilling
     overlong_filter: bool = False   # no loss on truncated (length-capped) responses
     max_nonfinite_steps: int = 3    # abort after this many non-finite (loss/grad) steps in a row
-    eval_interval: int = 0          # steps between evaluations on data.eval_files (0: never)
+    eval_interval: int = 0          # steps between evaluations on the eval set (0: never)
+    eval_n: int = 1                 # completions per eval prompt
+    eval_temperature: float = 0.0   # 0: greedy (then eval_n must be 1)
+    eval_max_prompts: int | None = None  # use the first N eval prompts (null: all)
     seed: int = 1                   # prompt order; megatron: parallel.seed, vLLM: rollout.seed
 
 
@@ -376,6 +380,13 @@ def validate(cfg: Config, world_size: int | None = None, hf_config: dict | None 
                    "train.ppo_epochs train.max_nonfinite_steps")
     _at_least(cfg, "train.group_size", 2)  # a group of one always has zero advantage
     _at_least(cfg, "train.max_refill_rounds train.eval_interval", 0)
+    _at_least(cfg, "train.eval_n")
+    _need(t.eval_temperature >= 0, f"train.eval_temperature={t.eval_temperature}: must be >= 0")
+    _need(t.eval_temperature > 0 or t.eval_n == 1,
+          f"train.eval_n={t.eval_n} with train.eval_temperature=0 (greedy) repeats one completion; "
+          "set a temperature or eval_n=1")
+    _need(t.eval_max_prompts is None or t.eval_max_prompts >= 1,
+          f"train.eval_max_prompts={t.eval_max_prompts}: must be >= 1 or null")
     samples = t.prompts_per_step * t.group_size
     _need(samples % t.mini_batches == 0, f"train.mini_batches={t.mini_batches} does not divide "
                                          f"train.prompts_per_step*train.group_size = {samples}")
@@ -399,6 +410,11 @@ def validate(cfg: Config, world_size: int | None = None, hf_config: dict | None 
         _component(d.synthetic.validate)
         _need(d.synthetic.n >= t.prompts_per_step, f"data.synthetic.n={d.synthetic.n}: fewer problems "
                                                    f"than train.prompts_per_step={t.prompts_per_step}")
+        _need(d.synthetic.eval_n >= 0, f"data.synthetic.eval_n={d.synthetic.eval_n}: must be >= 0")
+    has_eval = bool(d.eval_files) or (d.synthetic is not None and d.synthetic.eval_n > 0)
+    _need(not t.eval_interval or has_eval,
+          f"train.eval_interval={t.eval_interval} needs an eval set: data.eval_files, or "
+          "data.synthetic.eval_n > 0 for the arithmetic task")
     _need(d.max_prompt_tokens + r.max_new_tokens <= r.max_model_len,
           f"data.max_prompt_tokens + rollout.max_new_tokens = {d.max_prompt_tokens}+{r.max_new_tokens} "
           f"exceeds rollout.max_model_len={r.max_model_len}")

@@ -20,6 +20,35 @@ from pathlib import Path
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
 
 
+def reward_table(records: list[dict], window: int = 10):
+    """The reward curve as a table: training reward averaged over ``window`` steps, and the
+    held-out evaluation logged at the window's last step (step 0: before training)."""
+    from rich.table import Table
+
+    def mean(rows, key):
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    table = Table(title=f"reward curve (training metrics: means over {window} steps)")
+    for col in ("steps", "reward", "accuracy", "held-out greedy acc", "ESS ratio", "length"):
+        table.add_column(col, justify="right")
+    by_step = {r["step"]: r for r in records}
+    if 0 in by_step:
+        table.add_row("before", "-", "-", fmt(by_step[0].get("eval/accuracy"), ".1%"), "-", "-")
+    steps = sorted(s for s in by_step if s > 0)
+    for i in range(0, len(steps), window):
+        chunk = [by_step[s] for s in steps[i:i + window]]
+        table.add_row(f"{chunk[0]['step']}-{chunk[-1]['step']}", fmt(mean(chunk, "reward/mean"), ".3f"),
+                      fmt(mean(chunk, "reward/accuracy"), ".1%"),
+                      fmt(chunk[-1].get("eval/accuracy"), ".1%"),
+                      fmt(mean(chunk, "credit/ess_ratio"), ".2f"),
+                      fmt(mean(chunk, "response/length_mean"), ".1f"))
+    return table
+
+
 def run_demo(out: Path, *, steps: int | None = None, sft_steps: int | None = None,
              nproc: int = 2) -> int:
     from rich.console import Console
@@ -57,18 +86,18 @@ def run_demo(out: Path, *, steps: int | None = None, sft_steps: int | None = Non
         return rc
 
     records = read_metrics(run_dir)
-    table = Table(title="reward curve (reward/accuracy over the step's completions)")
-    for col in ("step", "reward", "accuracy", "ESS ratio", "response length"):
-        table.add_column(col, justify="right")
-    for r in records:
-        table.add_row(str(r["step"]), f"{r['reward/mean']:.3f}", f"{r['reward/accuracy']:.1%}",
-                      f"{r.get('credit/ess_ratio') or 0:.2f}", f"{r['response/length_mean']:.1f}")
-    console.print(table)
-    k = max(1, len(records) // 4)
-    first = sum(r["reward/mean"] for r in records[:k]) / k
-    last = sum(r["reward/mean"] for r in records[-k:]) / k
+    console.print(reward_table(records))
+    steps = [r for r in records if "reward/mean" in r]
+    k = max(1, len(steps) // 5)
+    first = sum(r["reward/mean"] for r in steps[:k]) / k
+    last = sum(r["reward/mean"] for r in steps[-k:]) / k
     console.print(f"mean reward, first {k} steps: {first:.3f}; last {k} steps: {last:.3f} "
                   f"({'rising' if last > first else 'NOT rising'})")
+    evals = [r for r in records if "eval/accuracy" in r]
+    if evals:
+        console.print(f"held-out greedy accuracy: {evals[0]['eval/accuracy']:.1%} before training "
+                      f"(step {evals[0]['step']}), {evals[-1]['eval/accuracy']:.1%} after step "
+                      f"{evals[-1]['step']}")
 
     png = plot.plot_run(run_dir)
     exported = sorted((run_dir / "hf").iterdir()) if (run_dir / "hf").is_dir() else []

@@ -29,6 +29,7 @@ from megatron_oar.training.logger import read_metrics
 # (panel title, metric keys or glob patterns); adjust the keys when the trainer's names change.
 PANELS: list[tuple[str, list[str]]] = [
     ("reward", ["reward/mean", "reward/accuracy", "reward/format"]),
+    ("held-out evaluation", ["eval/accuracy", "eval/pass_at_n"]),
     ("response length (tokens)", ["response/length_mean", "response/length_max"]),
     ("entropy", ["policy/entropy"]),
     ("credit concentration", ["credit/ess_ratio", "credit/top10_mass"]),

@@ -12,7 +12,7 @@ One step::
       --attribution (oar_g / oar_p)--> importance I_t              (only rows with A_i != 0)
       --credit (Eqs. 14-17 / random / entropy)--> A_t
       --PPO-clip updates (mini-batches x epochs, megatron optimizer)--> theta
-      --weight sync--> vLLM;  log;  checkpoint
+      --weight sync--> vLLM;  [eval every train.eval_interval];  log;  checkpoint
 
 Every rank runs the same code on the same step data; each DP rank trains on its rows
 ``d, d + DP, ...`` of the step's ``prompts_per_step * group_size`` completions.
@@ -37,6 +37,7 @@ from megatron_oar.models.checkpoint import CheckpointMeta
 from megatron_oar.models.qwen2 import parse_arch, read_hf_config
 from megatron_oar.runtime import init_runtime
 from megatron_oar.training import checkpoint as ckpt
+from megatron_oar.training.evaluate import evaluate, load_eval_examples
 from megatron_oar.training.logger import MetricsLogger
 from megatron_oar.training.passes import TrainBatch, old_logprob_pass, reference_logprobs, update_step
 from megatron_oar.training.policy import build_policy, build_reference, init_checkpoint
@@ -89,8 +90,9 @@ class Trainer:
             else self.tokenizer.eos_token_id
         self.finder = SpanFinder(self.tokenizer, cfg.attribution.probe.answer_pattern)
         self.control = dist.new_group(backend="gloo")  # small object messages
-        self.sampler = PromptSampler(load_examples(cfg, self.tokenizer), cfg.train.prompts_per_step,
-                                     seed=cfg.train.seed)
+        train_examples = load_examples(cfg, self.tokenizer)
+        self.sampler = PromptSampler(train_examples, cfg.train.prompts_per_step, seed=cfg.train.seed)
+        self.eval_examples = load_eval_examples(cfg, self.tokenizer, train_examples)
         t = cfg.train
         self.optimizer_steps_per_step = t.mini_batches * t.ppo_epochs
         start = init_checkpoint(cfg.model.path, cfg.run_dir, cfg.model.dtype)
@@ -128,9 +130,14 @@ class Trainer:
         try:
             with self.logger.phase("sync"):
                 self.engine.sync_weights(self.policy.model)
+            if self.step == 0 and cfg.train.eval_interval:
+                self.logger.log(0, self.evaluate())  # the baseline, before any update
             while self.step < cfg.train.steps:
                 metrics = self.train_step()
                 self.step += 1
+                every = cfg.train.eval_interval
+                if every and (self.step % every == 0 or self.step == cfg.train.steps):
+                    metrics.update(self.evaluate())
                 self.logger.log(self.step, metrics)
                 interval = cfg.checkpoint.interval
                 if self.step == cfg.train.steps or (interval and self.step % interval == 0):
@@ -191,6 +198,15 @@ class Trainer:
         metrics["rollout/sync_seconds"] = sync.seconds
         metrics["perf/tokens_per_s"] = data.metrics["rollout/gen_tokens"] / (time.perf_counter() - t0)
         return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Collective: ``eval/*`` of the current weights (vLLM holds them after each sync)."""
+        t = self.cfg.train
+        with self.logger.phase("eval"):
+            return evaluate(self.engine, self.scorer, self.tokenizer, self.eval_examples,
+                            template=self.cfg.data.template, n=t.eval_n,
+                            temperature=t.eval_temperature, seed=self.cfg.rollout.seed,
+                            group=self.control)
 
     def local_batch(self, data: StepData, seq_adv: torch.Tensor) -> TrainBatch:
         """This DP rank's rows ``d, d + DP, ...`` as padded tensors."""

@@ -286,7 +286,7 @@ def test_lengths():
     (["train.group_size=1"], r"train.group_size=1: must be >= 2"),
     (["data.train_files=[x.jsonl]"], r"data.train_files and data.synthetic: set exactly one"),
     (["data.synthetic=null"], r"data.train_files and data.synthetic: set exactly one"),
-    (["data.synthetic.n=2"], r"data.synthetic.n=2: fewer problems than train.prompts_per_step=8"),
+    (["data.synthetic.n=2"], r"data.synthetic.n=2: fewer problems than train.prompts_per_step=16"),
     (["data.synthetic.operators=^"], r"data.synthetic.operators"),
     (["data.template=nope"], r"data.template='nope'"),
     (["data.fields=nope"], r"data.fields='nope'"),
@@ -297,6 +297,10 @@ def test_lengths():
     (["optim.min_lr=1"], r"optim.min_lr=1.0"),
     (["optim.adam_beta2=1.0"], r"optim.adam_beta2=1.0"),
     (["checkpoint.keep_last=-1"], r"checkpoint.keep_last=-1"),
+    (["data.synthetic.eval_n=0"], r"train.eval_interval=10 needs an eval set"),
+    (["train.eval_n=4"], r"train.eval_n=4 with train.eval_temperature=0"),
+    (["train.eval_temperature=-1"], r"train.eval_temperature=-1"),
+    (["train.eval_max_prompts=0"], r"train.eval_max_prompts=0"),
 ])
 def test_validation_names_the_key(overrides, match):
     with raises(match):

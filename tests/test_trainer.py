@@ -7,7 +7,8 @@ Slow tests (spawned ranks, one vLLM engine per rank shared by the runs of a test
   probes see real answer spans (the reward is a regex on the text, so a random tiny model gets
   varied rewards);
 * a run stopped after 2 steps and resumed equals the uninterrupted 4-step run bit for bit
-  (weights, and every logged metric but timings), at DP=2 with the distributed optimizer;
+  (weights, and every logged metric but timings, held-out evaluations included), at DP=2 with
+  the distributed optimizer;
 * the non-finite guard skips a NaN step without touching the weights, and aborts after
   ``train.max_nonfinite_steps`` in a row.
 
@@ -53,9 +54,10 @@ def _config(ckpt: str, run_dir: str, *extra: str):
     from megatron_oar.config import load_config
 
     return load_config(EXAMPLE, [f"model.path={ckpt}", f"run_dir={run_dir}", "train.steps=2",
-                                 "rollout.max_new_tokens=12", "checkpoint.export_hf_at_end=false",
-                                 "log.console=false", "attribution.probe.warmup_steps=0",
-                                 *REWARD, *extra])
+                                 "train.prompts_per_step=4", "train.mini_batches=1",
+                                 "train.eval_interval=0", "rollout.max_new_tokens=12",
+                                 "checkpoint.export_hf_at_end=false", "log.console=false",
+                                 "attribution.probe.warmup_steps=0", *REWARD, *extra])
 
 
 def _engine(cfg):
@@ -140,8 +142,8 @@ def _resume_worker(ckpt: str, root: str, out: str) -> None:
     from megatron_oar.trainer import Trainer
 
     common = ("parallel.tp=1", "optim.use_distributed_optimizer=true", "checkpoint.interval=2",
-              "train.steps=4", "train.mini_batches=2", "credit=oar_g",
-              "checkpoint.keep_last=1")
+              "train.steps=4", "train.mini_batches=2", "credit=oar_g", "checkpoint.keep_last=1",
+              "train.eval_interval=2", "data.synthetic.eval_n=16")
     full_dir, cut_dir = Path(root) / "full", Path(root) / "cut"
     cfg = _config(ckpt, str(full_dir), *common)
     engine = _engine(cfg)
@@ -168,7 +170,9 @@ def test_resume_is_bit_exact(model, tmp_path):
     assert res["start"] == 2
     assert res["diff"] and all(d == 0.0 for d in res["diff"].values()), res["diff"]
     full, cut = _records(tmp_path / "full"), _records(tmp_path / "cut")
-    assert [r["step"] for r in cut] == [1, 2, 3, 4]
+    assert [r["step"] for r in cut] == [0, 1, 2, 3, 4]  # step 0: the evaluation before training
+    assert [("eval/accuracy" in r) for r in cut] == [True, False, True, False, True]
+    assert cut[0]["eval/prompts"] > 0
 
     def strip(r):
         return {k: v for k, v in r.items() if not k.startswith(SKIP_TIMING)}

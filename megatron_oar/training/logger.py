@@ -53,6 +53,7 @@ CONSOLE_METRICS: list[tuple[str, str, str]] = [
     ("loss/clip_frac", "clip", "{:.3f}"),
     ("loss/ref_kl", "kl", "{:.4f}"),
     ("loss/approx_kl", "kl_old", "{:.4f}"),
+    ("eval/accuracy", "eval acc", "{:.1%}"),
     ("time/step", "time", "{:.1f}s"),
     ("perf/tokens_per_s", "tok/s", "{:,.0f}"),
 ]
@@ -265,6 +266,8 @@ class MetricsLogger:
         record = {k: _to_float(k, v) for k, v in record.items()}
         self._times.clear()
         self._t_last, self.last_step = now, step
+        if step == self.start_step:  # a record before the first update (the step-0 evaluation)
+            self._t0 = now           # is set-up, not a step: the ETA starts counting here
         due = step % self.cfg.interval == 0 or step >= self.total_steps
         if self.enabled and due and not self._closed:
             self._write(step, record)

@@ -55,14 +55,16 @@ def sampling_seed(base: int, step: int, round_: int, prompt: int) -> int:
     return int.from_bytes(digest, "little") % SEED_SPACE
 
 
-def _generate(engine, tokenizer, prompts: list[Example], template: str, seeds: list[int]) -> list[Sample]:
-    """This rollout group's share of ``prompts``, generated and gathered on every rank."""
+def generate_samples(engine, tokenizer, prompts: list[Example], template: str, seeds: list[int],
+                     **sampling) -> list[Sample]:
+    """Collective: every rollout group generates its share of ``prompts`` (``sampling``: the
+    engine's ``n``/``temperature``/... overrides); all completions, prompt-major, on every rank."""
     n_groups, k = engine.dp_size, engine.dp_rank
     per = -(-len(prompts) // n_groups)
     mine = range(k * per, min((k + 1) * per, len(prompts)))
     ids = [tokenizer(render_prompt(prompts[i].prompt, template, tokenizer),
                      add_special_tokens=False)["input_ids"] for i in mine]
-    batch = engine.gather(engine.generate(ids, seeds=[seeds[i] for i in mine]))
+    batch = engine.gather(engine.generate(ids, seeds=[seeds[i] for i in mine], **sampling))
     out = []
     for c in batch.completions():
         out.append(Sample(c.prompt_ids, c.response_ids, c.logprobs, c.finish_reason, c.text,
@@ -70,8 +72,8 @@ def _generate(engine, tokenizer, prompts: list[Example], template: str, seeds: l
     return out
 
 
-def _score(samples: list[Sample], scorer, group) -> None:
-    """Every rank verifies samples ``rank::world``; results are shared with all ranks."""
+def score_samples(samples: list[Sample], scorer, group) -> None:
+    """Collective: every rank verifies samples ``rank::world``; results are shared with all ranks."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = list(range(rank, len(samples), world))
     part = None
@@ -100,9 +102,9 @@ def collect(engine, scorer, sampler, tokenizer, *, step: int, group_size: int, t
         prompts = next(sampler)
         seeds = [sampling_seed(seed, step, rounds, i) for i in range(len(prompts))]
         t0 = time.perf_counter()
-        samples = _generate(engine, tokenizer, prompts, template, seeds)
+        samples = generate_samples(engine, tokenizer, prompts, template, seeds)
         gen_seconds += time.perf_counter() - t0
-        _score(samples, scorer, group)
+        score_samples(samples, scorer, group)
         generated += samples
         for g in range(len(prompts)):
             members = samples[g * group_size:(g + 1) * group_size]
