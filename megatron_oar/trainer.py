@@ -104,6 +104,7 @@ class Trainer:
         self.step = 0
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
+        self.loss_scale_overflows = 0  # fp16 only: skipped updates the dynamic loss scale handles
         resume = ckpt.resolve_resume(cfg.checkpoint.resume, cfg.checkpoint.dir)
         if resume is not None:
             state = ckpt.load_checkpoint(resume, self.policy)
@@ -111,6 +112,7 @@ class Trainer:
             self.sampler.load_state_dict(state["sampler"])
             self.nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
             self.nonfinite_total = int(state.get("nonfinite_total", 0))
+            self.loss_scale_overflows = int(state.get("loss_scale_overflows", 0))
             if self.rank == 0:
                 log.info("resumed from %s at step %d", resume, self.step)
         if self.rank == 0:
@@ -242,7 +244,8 @@ class Trainer:
                 mini = batch.select(list(range(m * per, (m + 1) * per)))
                 results.append(update_step(self.policy, mini, self.cfg.loss, self.arch.vocab_size,
                                            t.micro_batch_size))
-        skipped = sum(not r.applied for r in results)
+        skipped = sum(not r.applied and not r.overflow for r in results)
+        self.loss_scale_overflows += sum(r.overflow for r in results)
         self.nonfinite_total += skipped
         self.nonfinite_in_row = self.nonfinite_in_row + 1 if skipped else 0
         if self.nonfinite_in_row >= t.max_nonfinite_steps:
@@ -287,13 +290,16 @@ class Trainer:
         out["optim/lr"] = float(self.policy.optimizer.param_groups[0]["lr"])
         out["guard/skipped_updates"] = float(sum(not r.applied for r in updates))
         out["guard/nonfinite_total"] = float(self.nonfinite_total)
+        if self.policy.gpt.config.fp16:
+            out["guard/loss_scale_overflows"] = float(self.loss_scale_overflows)
         return out
 
     # ------------------------------------------------------------------ checkpoints, export
 
     def save(self) -> Path:
         state = {"sampler": self.sampler.state_dict(), "nonfinite_in_row": self.nonfinite_in_row,
-                 "nonfinite_total": self.nonfinite_total, "credit": self.cfg.credit}
+                 "nonfinite_total": self.nonfinite_total,
+                 "loss_scale_overflows": self.loss_scale_overflows, "credit": self.cfg.credit}
         with self.logger.phase("checkpoint"):
             self.last_checkpoint = ckpt.save_checkpoint(
                 self.cfg.checkpoint.dir, self.step, self.policy, state, self.meta, self.hf_files,

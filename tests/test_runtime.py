@@ -83,6 +83,22 @@ def test_kernel_report_without_apex(monkeypatch):
     line = report.line()
     assert "apex=no" in line
     assert "norm=torch (megatron WrappedTorchNorm fallback)" in line
+    assert not report.masked_softmax and "masked_softmax_fusion=off" in line
+
+
+def test_masked_softmax_fusion_follows_its_kernel(monkeypatch):
+    """The fusion is on only where megatron's kernel imports (a CUDA bf16 model without it
+    crashed in attention): checked on the TransformerConfig the model is built from."""
+    from megatron_oar.models.qwen2 import ModelOptions, parse_arch, transformer_config
+    from tests.test_config import HF
+
+    arch = parse_arch(HF["tiny"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for present in (False, True):
+        monkeypatch.setattr(kernels, "_has", lambda module, p=present: p and module == "scaled_masked_softmax_cuda")
+        assert kernels.kernel_report().masked_softmax is present
+        cfg = transformer_config(arch, ModelOptions(spec="local", dtype="bf16"), 1, 1)
+        assert cfg.masked_softmax_fusion is present
 
 
 def test_kernel_report_with_apex(monkeypatch, caplog):

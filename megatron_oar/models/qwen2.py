@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_oar.runtime.kernels import kernel_report
+
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("qwen2",)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -208,7 +210,7 @@ def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=cuda,
         bias_dropout_fusion=cuda,
-        masked_softmax_fusion=cuda,
+        masked_softmax_fusion=kernel_report().masked_softmax,  # only where its kernel imports
         apply_rope_fusion=False,
         persist_layer_norm=False,
         deallocate_pipeline_outputs=cuda,

@@ -111,9 +111,10 @@ def reference_logprobs(ref_model, batch: TrainBatch, vocab_size: int, micro_batc
 
 @dataclass
 class StepResult:
-    applied: bool          # False: non-finite loss or gradient, the update was skipped
+    applied: bool          # False: the update was skipped (non-finite, or an fp16 overflow)
     grad_norm: float
     stats: dict[str, float]  # loss statistics, token-weighted over the mini-batch (all ranks)
+    overflow: bool = False   # fp16 loss-scale overflow: skipped, and not a non-finite failure
 
 
 def _global_counts(mask: torch.Tensor, group) -> tuple[int, int]:
@@ -167,20 +168,39 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
         forward_step_func=step, data_iterator=iter(micros), model=[model],
         num_microbatches=n_micro, seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
 
-    # The non-finite guard: every rank must take the same decision.
-    optimizer.prepare_grads()
+    # megatron's optimizer.step(), split so the non-finite guard sits between gradient
+    # preparation and the update. prepare_grads runs once: with fp16 it unscales the gradients
+    # and reports a loss-scale overflow (the dynamic scaler has already lowered the scale).
+    overflow = bool(optimizer.prepare_grads())
     grad_norm = float(optimizer.get_grad_norm())
     finite = math.isfinite(grad_norm) and bool(torch.isfinite(sums[0]))
-    sums[1] = 0.0 if finite else 1.0
-    dist.all_reduce(sums[1:])
+    sums[1] = 0.0 if (finite and not overflow) else 1.0
+    dist.all_reduce(sums[1:])  # every rank takes the same decision
     applied = bool(sums[1] == 0)
     if applied:
-        optimizer.step()
+        _clip_and_step(optimizer, grad_norm)
         policy.scheduler.step(increment=1)
     else:
         model.zero_grad_buffer()
         optimizer.zero_grad()
-    return StepResult(applied, grad_norm, _reduce_stats(records, sums[0], batch.tokens.device))
+    return StepResult(applied, grad_norm, _reduce_stats(records, sums[0], batch.tokens.device),
+                      overflow=overflow)
+
+
+def _clip_and_step(optimizer, grad_norm: float) -> None:
+    """The rest of megatron's ``optimizer.step()`` once gradients are prepared: clip every
+    (chained) optimizer's gradients by the known global norm, then step."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "is_stub_optimizer", False) or opt.config.clip_grad <= 0:
+            continue
+        params = opt.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(
+                params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    optimizer.step_with_ready_grads()
 
 
 def _pad_to(batch: TrainBatch, length: int) -> TrainBatch:

@@ -1,0 +1,105 @@
+"""One training step's Megatron half, checked against transformers: shared by the CPU test
+(tests/test_train_step.py, a spawned gloo rank) and the CUDA test (tests/gpu/).
+
+A tiny Qwen2 is converted, wrapped by ``build_policy`` (megatron DDP, distributed optimizer, LR
+schedule); a batch of prompt + response rows goes through the old-logprob pass (checked against
+transformers' log-probs of the same tokens), OAR-G attribution with the pass's teacher, OAR
+credit, and one ``update_step``. The update must move the log-probs the way the advantages say:
+up for the rows with A > 0, down for A < 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SEQ_ADV = torch.tensor([1.0, 1.0, -1.0, -1.0])
+PROMPT, RESPONSE = 5, (7, 9, 6, 8)
+
+
+def make_rows(vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(tokens [4, L], prompt_lens, lengths)``: random ids, right-padded with 0."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([PROMPT + r for r in RESPONSE])
+    tokens = torch.zeros(len(RESPONSE), int(lengths.max()), dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        tokens[i, :n] = torch.randint(3, vocab, (n,), generator=g)
+    return tokens, torch.full((len(RESPONSE),), PROMPT), lengths
+
+
+def hf_logprobs(hf_dir: Path, tokens: torch.Tensor, device: str) -> torch.Tensor:
+    """``[B, L]`` transformers log-probs of ``tokens`` (column t from the logits at t - 1)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).to(device).eval()
+    with torch.no_grad():
+        logits = model(tokens.to(device)).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None].to(device))[..., 0]
+    return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], dim=1).cpu()
+
+
+def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3) -> dict:
+    """Builds, scores and updates on this process's device; returns tensors on the CPU."""
+    from checkpoints_convert.convert import hf_to_megatron
+    from megatron_oar.algorithms import CreditConfig, PolicyLossConfig, assign_credit
+    from megatron_oar.attribution import AttributionConfig, ProbeConfig, SequenceBatch
+    from megatron_oar.attribution import compute_importance, plan_probes
+    from megatron_oar.config import ModelConfig, OptimConfig
+    from megatron_oar.models.qwen2 import read_hf_config
+    from megatron_oar.models.tiny import make_tiny_qwen2
+    from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
+    from megatron_oar.training.passes import TrainBatch, old_logprob_pass, update_step
+    from megatron_oar.training.policy import build_policy
+
+    hf = make_tiny_qwen2(root / "hf", seed=7, vocab_size=256)
+    hf_to_megatron(hf, root / "ckpt", progress=False)
+    rt = init_runtime(ParallelConfig())
+    try:
+        dev = rt.device
+        hf_config = read_hf_config(root / "ckpt" / "hf" / "config.json")
+        vocab = hf_config["vocab_size"]
+        policy = build_policy(hf_config, ModelConfig(path=str(root / "ckpt"), dtype=dtype, spec="local"),
+                              OptimConfig(lr=lr, use_distributed_optimizer=True),
+                              checkpoint=root / "ckpt", total_optimizer_steps=4)
+        tokens, prompt_lens, lengths = make_rows(vocab)
+        pos = torch.arange(tokens.shape[1])
+        mask = (pos >= prompt_lens[:, None]) & (pos < lengths[:, None])
+        batch = TrainBatch(tokens.to(dev), prompt_lens.to(dev), lengths.to(dev),
+                           torch.arange(4, device=dev), mask.to(dev),
+                           torch.zeros(tokens.shape, device=dev), SEQ_ADV.to(dev))
+        seqs = SequenceBatch(batch.tokens, batch.prompt_lens, batch.lengths, batch.sample_ids)
+        attr_cfg = AttributionConfig(method="oar_g", sigma=1e-2, probe=ProbeConfig(kind="last_token"))
+        plan = plan_probes(seqs, attr_cfg.probe, 0, None)
+        batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(policy.model, batch, vocab, 2,
+                                                                      plan=plan)
+        attr = compute_importance(policy.model, seqs, attr_cfg, vocab_size=vocab, seq_adv=batch.seq_adv,
+                                  step=0, plan=plan, teacher=teacher, external_teacher=True)
+        credit = assign_credit(CreditConfig(scheme="oar"), batch.seq_adv, batch.loss_mask,
+                               importance=attr.importance, score_mask=attr.score_mask)
+        batch.advantages = credit.advantages
+        before = {k: v.detach().float().clone() for k, v in policy.gpt.state_dict().items()
+                  if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+        result = update_step(policy, batch, PolicyLossConfig(), vocab, 2)
+        after_lp, _, _ = old_logprob_pass(policy.model, batch, vocab, 2)
+        changed = max(float((v.detach().float() - before[k]).abs().max())
+                      for k, v in policy.gpt.state_dict().items() if k in before)
+        return {"old_logprobs": batch.old_logprobs.cpu(), "new_logprobs": after_lp.cpu(),
+                "mask": mask, "weights": credit.weights.cpu(), "importance": attr.importance.cpu(),
+                "applied": result.applied, "grad_norm": result.grad_norm, "changed": changed,
+                "hf_logprobs": hf_logprobs(hf, tokens, str(dev)), "stats": result.stats}
+    finally:
+        destroy_runtime()
+
+
+def check(res: dict, *, logprob_tol: float) -> None:
+    mask = res["mask"]
+    diff = (res["old_logprobs"] - res["hf_logprobs"]).abs()[mask].max()
+    assert diff <= logprob_tol, f"Megatron vs transformers log-probs differ by {float(diff):.2e}"
+    assert res["applied"] and torch.isfinite(torch.tensor(res["grad_norm"])) and res["grad_norm"] > 0
+    assert res["changed"] > 0
+    w = res["weights"]
+    torch.testing.assert_close(w.sum(-1), mask.sum(-1).to(w.dtype), rtol=1e-5, atol=1e-4)
+    assert w[mask].std() > 0, "OAR weights are uniform: the importance carried no ranking"
+    delta = ((res["new_logprobs"] - res["old_logprobs"]) * mask).sum(-1) / mask.sum(-1)
+    assert delta[SEQ_ADV > 0].mean() > 0 > delta[SEQ_ADV < 0].mean(), delta
