@@ -39,7 +39,7 @@ def hf_logprobs(hf_dir: Path, tokens: torch.Tensor, device: str) -> torch.Tensor
     return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], dim=1).cpu()
 
 
-def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3) -> dict:
+def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3, adv_scale: float = 1.0) -> dict:
     """Builds, scores and updates on this process's device; returns tensors on the CPU."""
     from checkpoints_convert.convert import hf_to_megatron
     from megatron_oar.algorithms import CreditConfig, PolicyLossConfig, assign_credit
@@ -77,14 +77,14 @@ def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3) -> dict:
                                   step=0, plan=plan, teacher=teacher, external_teacher=True)
         credit = assign_credit(CreditConfig(scheme="oar"), batch.seq_adv, batch.loss_mask,
                                importance=attr.importance, score_mask=attr.score_mask)
-        batch.advantages = credit.advantages
+        batch.advantages = credit.advantages * adv_scale  # huge: an fp16 loss-scale overflow
         before = {k: v.detach().float().clone() for k, v in policy.gpt.state_dict().items()
                   if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
         result = update_step(policy, batch, PolicyLossConfig(), vocab, 2)
         after_lp, _, _ = old_logprob_pass(policy.model, batch, vocab, 2)
         changed = max(float((v.detach().float() - before[k]).abs().max())
                       for k, v in policy.gpt.state_dict().items() if k in before)
-        return {"old_logprobs": batch.old_logprobs.cpu(), "new_logprobs": after_lp.cpu(),
+        return {"overflow": result.overflow, "old_logprobs": batch.old_logprobs.cpu(), "new_logprobs": after_lp.cpu(),
                 "mask": mask, "weights": credit.weights.cpu(), "importance": attr.importance.cpu(),
                 "applied": result.applied, "grad_norm": result.grad_norm, "changed": changed,
                 "hf_logprobs": hf_logprobs(hf, tokens, str(dev)), "stats": result.stats}
