@@ -52,6 +52,7 @@ DERIVED = {"model.sequence_parallel": "parallel.sequence_parallel", "shaping.sch
            "attribution.method": "credit", "rollout.n": "train.group_size"}
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 LR_SCHEDULES = ("constant", "cosine", "linear")
+EXECUTORS = ("local", "slurm")
 _ABSENT = object()
 
 
@@ -171,6 +172,37 @@ class LogConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """The Slurm side of ``launch`` (``oar launch --executor slurm``)."""
+
+    account: str | None = None
+    partition: str | None = None
+    time: str = "04:00:00"            # wall-clock limit, HH:MM:SS or D-HH:MM:SS
+    job_name: str | None = None       # null: the run_dir's name
+    job_dir: str = "slurm_jobs"       # where the sbatch script and job logs are written
+    container_image: str | None = None  # pyxis/enroot image; null: the nodes' own environment
+    container_mounts: list[str] = field(default_factory=list)  # "src:dst" for the container
+    exclusive: bool = True
+
+
+@dataclass
+class LaunchConfig:
+    """The cluster a config is written for: ``oar launch`` starts it there, ``oar plan`` checks
+    it fits there. The trainer itself takes its world from torchrun."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_mem_gib: float = 80.0         # per GPU (H100 SXM: 80)
+    executor: str = "local"           # local (torchrun on this node) | slurm
+    env: dict[str, str] = field(default_factory=dict)  # on top of launch_scripts/env.sh
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
 class Config:
     credit: str = "oar_g"           # grpo | random | entropy | oar_g | oar_p
     run_dir: str = "runs/default"   # checkpoints, logs and the resolved config.yaml
@@ -187,6 +219,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)  # nodes, GPUs, Slurm (oar launch/plan)
 
     def __post_init__(self) -> None:
         self.checkpoint.dir = self.checkpoint.dir or str(Path(self.run_dir) / "checkpoints")
@@ -452,6 +485,11 @@ def validate(cfg: Config, world_size: int | None = None, hf_config: dict | None 
     _need(o.adam_eps > 0, f"optim.adam_eps={o.adam_eps}: must be > 0")
     _at_least(cfg, "optim.warmup_steps checkpoint.interval checkpoint.keep_last", 0)
     _at_least(cfg, "log.interval")
+    _at_least(cfg, "launch.nodes launch.gpus_per_node")
+    _need(cfg.launch.gpu_mem_gib > 0, f"launch.gpu_mem_gib={cfg.launch.gpu_mem_gib}: must be > 0")
+    _one_of("launch.executor", cfg.launch.executor, EXECUTORS)
+    _need(bool(re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}", cfg.launch.slurm.time)),
+          f"launch.slurm.time={cfg.launch.slurm.time!r}: expected HH:MM:SS or D-HH:MM:SS")
     _warn_mismatches(cfg)
 
 
