@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One node: torchrun --standalone with GPUS_PER_NODE (default 8) processes.
+#
+#   launch_scripts/torchrun_single_node.sh CONFIG.yaml [key=value ...]
+#
+# Environment: GPUS_PER_NODE (8), RESUME (auto | none | a checkpoint step dir; default auto),
+# TORCHRUN (torchrun), DRYRUN=1 (print the command, run nothing), and everything in env.sh.
+# Relative paths (CONFIG, and model/data/run paths inside it) are relative to where you run it.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
+    echo "usage: $(basename "$0") CONFIG.yaml [key=value ...]" >&2
+    echo "  env: GPUS_PER_NODE=8 RESUME=auto DRYRUN=1 (print only); see launch_scripts/README.md" >&2
+    exit 2
+fi
+config="$1"; shift
+
+# shellcheck source=env.sh
+source "$here/env.sh"
+
+overrides=()
+if [[ -n "${OAR_ROLLOUT_GPU_MEMORY_UTILIZATION}" ]]; then
+    overrides+=("rollout.gpu_memory_utilization=${OAR_ROLLOUT_GPU_MEMORY_UTILIZATION}")
+fi
+
+cmd=("${TORCHRUN:-torchrun}" --standalone --nproc-per-node "${GPUS_PER_NODE:-8}"
+     -m megatron_oar.train --config "$config" --resume "${RESUME:-auto}" ${overrides[@]+"${overrides[@]}"} "$@")
+
+if [[ "${DRYRUN:-0}" == 1 ]]; then
+    printf '%q ' "${cmd[@]}"; echo
+    exit 0
+fi
+exec "${cmd[@]}"

@@ -1,0 +1,426 @@
+"""``oar plan``: will a config fit its cluster, and how long will a step take?
+
+Everything here is arithmetic on the config and the model's ``config.json`` (or its published
+preset, :mod:`megatron_oar.models.presets`); nothing is allocated. Per GPU it adds up:
+
+* **Megatron's resident state**, per rank of the largest pipeline stage. Parameters counted layer
+  by layer exactly as megatron-core's ``GPTModel`` shards them (``tests/test_plan.py`` checks the
+  count against a real model). Bytes per parameter as in Megatron-LM's distributed-optimizer notes
+  (docs/source/api-guide/dist_optimizer.md): bf16/fp16 weights 2 + fp32 gradient buffer 4
+  (``grad_reduce_in_fp32``) + Adam state 12 (fp32 master, m, v) divided by DP with the distributed
+  optimizer; fp32 weights 4 + 4 + 8. FP8 adds TE's 1-byte weight copy and its transpose (2 bytes
+  per linear weight). A reference model (``loss.kl_coef > 0``) adds one more copy of the weights.
+* **Activations** of the passes that run while vLLM sleeps, the largest of them:
+  - update (train mode): per layer and token, following Korthikanti et al. 2022, "Reducing
+    Activation Recomputation in Large Transformer Models" (Sec. 4), re-derived for Qwen2 (GQA,
+    SwiGLU, RMSNorm, no dropout) in 16-bit elements: the two norm inputs and the QKV and FC1
+    inputs (4h, split by TP only with sequence parallelism), Q/K/V ((a+2g)d), the attention output
+    (ad), FC1's output (2f) and SwiGLU's output (f), split by TP; plus the attention matrix
+    (a*s per token, 6 bytes: fp32 softmax and its bf16 copy) unless the TE spec's flash attention
+    or selective recompute removes it. Full recompute keeps only each layer's input (h) plus one
+    layer's activations. With 1F1B pipelining the first stage holds ``min(pp, micro-batches)``
+    micro-batches in flight (Narayanan et al. 2021, Sec. 2.2). The last stage adds the logits of
+    a micro-batch (s*b*V/TP, 10 bytes: bf16 output, fp32 log-softmax, fp32 gradient).
+  - old-logprob and reference passes (forward only): one layer's working set plus the logits.
+  - OAR-G: a forward that keeps activations for one backward to the input embeddings. It runs in
+    eval mode, where megatron-core does **not** recompute, so it is sized without recompute at
+    ``attribution.micro_batch_size`` (an upper bound: megatron's frozen-weight linears keep no
+    inputs), plus the fp32 input-embedding gradient.
+  - OAR-P: forward only, ``attribution.perturb_micro_batch_size`` masked copies, one layer at a time.
+* **vLLM**, colocated: awake during generation it holds ``rollout.gpu_memory_utilization`` of the
+  GPU (its weights, rollout-TP sharded, and the KV cache in what is left after ``VLLM_OVERHEAD``);
+  asleep (``rollout.sleep_level >= 1``) it keeps ``VLLM_ASLEEP`` and its level-1 weights move to
+  host memory. KV bytes per token: 2 (K and V) * layers * KV heads per rollout rank * head_dim *
+  2 bytes (vLLM docs, "Memory and KV cache").
+* ``Hardware.reserve_gib`` for the CUDA context, NCCL buffers and allocator fragmentation.
+
+Peak per GPU = Megatron's resident state + max(vLLM awake, activations + vLLM asleep) + reserve.
+
+Time per step, at worst-case lengths unless ``--response-tokens`` says otherwise: Megatron passes
+as FLOPs at a stated MFU (forward 2 FLOPs per matmul parameter per token plus causal attention
+2*L*a*d*s; backward 2x forward; OAR-G's input-gradient-only backward 1x; OAR-P one forward per
+scored token), generation by a roofline over decode steps (weights and KV cache read once per
+step at a stated fraction of HBM bandwidth, or compute-bound at the MFU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megatron_oar.models.qwen2 import QwenArch, parse_arch
+
+GIB = 1024 ** 3
+VLLM_OVERHEAD_GIB = 2.0  # vLLM's activations, sampler and CUDA graphs while awake
+VLLM_ASLEEP_GIB = 1.0    # what a sleeping engine keeps on the GPU
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU and the efficiencies the time estimate assumes (H100 SXM defaults)."""
+
+    gpu_mem_gib: float = 80.0
+    peak_tflops: float = 989.0   # dense bf16 (NVIDIA H100 SXM datasheet)
+    hbm_tb_s: float = 3.35       # HBM3 bandwidth
+    mfu: float = 0.35            # model-FLOPs utilisation assumed for Megatron passes
+    bandwidth_eff: float = 0.6   # fraction of HBM bandwidth a decode step reaches
+    reserve_gib: float = 4.0     # CUDA context, NCCL buffers, fragmentation
+
+
+# ------------------------------------------------------------------------------ parameters
+
+def layer_params(a: QwenArch, tp: int = 1) -> int:
+    """Parameters of one decoder layer on one TP rank (QKV with bias, proj, gated FC1, FC2,
+    two RMSNorm weights that every rank holds whole)."""
+    qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+    return ((a.hidden_size + 1) * qkv + a.num_heads * a.head_dim * a.hidden_size
+            + 3 * a.hidden_size * a.intermediate_size) // tp + 2 * a.hidden_size
+
+
+def stage_params(a: QwenArch, tp: int, pp: int, stage: int, vocab_multiple: int = 128) -> int:
+    """Parameters on one rank of pipeline ``stage`` (megatron-core's GPTModel sharding)."""
+    vocab = a.padded_vocab_size(vocab_multiple) * a.hidden_size // tp
+    n = (a.num_layers // pp) * layer_params(a, tp)
+    first, last = stage == 0, stage == pp - 1
+    if first:
+        n += vocab  # word embeddings
+    if last:
+        n += a.hidden_size  # final norm
+        # the output layer; tied embeddings keep a copy on the last stage when pp > 1
+        if not a.tie_word_embeddings or not first:
+            n += vocab
+    return n
+
+
+def total_params(a: QwenArch) -> int:
+    """Parameters of the HF model (unpadded vocabulary, as model cards count them)."""
+    vocab = a.vocab_size * a.hidden_size
+    return (a.num_layers * layer_params(a) + a.hidden_size
+            + vocab * (1 if a.tie_word_embeddings else 2))
+
+
+def matmul_params(a: QwenArch) -> int:
+    """Parameters taking part in a token's matmuls (layers' linears and the output layer)."""
+    qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+    per_layer = (a.hidden_size * qkv + a.num_heads * a.head_dim * a.hidden_size
+                 + 3 * a.hidden_size * a.intermediate_size)
+    return a.num_layers * per_layer + a.vocab_size * a.hidden_size
+
+
+# ------------------------------------------------------------------------------ activations
+
+def _layer_act_bytes(a: QwenArch, s: int, b: int, tp: int, sp: bool, flash: bool,
+                     keep_linear_inputs: bool = True) -> float:
+    """Bytes one layer keeps for backward for ``b`` sequences of ``s`` tokens (16-bit)."""
+    h, f, d = a.hidden_size, a.intermediate_size, a.head_dim
+    norm_and_linear_inputs = (4 if keep_linear_inputs else 2) * h
+    sharded = (a.num_heads + 2 * a.num_kv_heads) * d + a.num_heads * d + 3 * f
+    per_token = 2 * (norm_and_linear_inputs / (tp if sp else 1) + sharded / tp)
+    if not flash:
+        per_token += 6 * a.num_heads / tp * s
+    return per_token * s * b
+
+
+def update_activation_bytes(a: QwenArch, *, s: int, b: int, tp: int, pp: int, sp: bool,
+                            flash: bool, recompute: str | None, microbatches: int) -> float:
+    layers = a.num_layers // pp
+    in_flight = min(pp, microbatches)
+    if recompute == "full":
+        kept = 2 * a.hidden_size * s * b / (tp if sp else 1) * layers * in_flight
+        return kept + _layer_act_bytes(a, s, b, tp, sp, flash)
+    flash = flash or recompute == "selective"
+    return _layer_act_bytes(a, s, b, tp, sp, flash) * layers * in_flight
+
+
+def logits_bytes(a: QwenArch, s: int, b: int, tp: int, vocab_multiple: int) -> float:
+    return 10.0 * s * b * a.padded_vocab_size(vocab_multiple) / tp
+
+
+# ------------------------------------------------------------------------------ the plan
+
+@dataclass
+class Plan:
+    model: str
+    source: str
+    params_b: float
+    layout: dict
+    memory_gib: dict = field(default_factory=dict)   # per GPU, by component
+    phases_gib: dict = field(default_factory=dict)   # rollout / train peaks per GPU
+    vllm: dict = field(default_factory=dict)
+    flops: dict = field(default_factory=dict)        # per step, PFLOP
+    time_s: dict = field(default_factory=dict)       # per step, by phase
+    hardware: dict = field(default_factory=dict)
+    fits: bool = True
+    reasons: list = field(default_factory=list)
+    advice: list = field(default_factory=list)
+
+    @property
+    def peak_gib(self) -> float:
+        return max(self.phases_gib.values())
+
+
+def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardware,
+              source: str = "config.json", response_tokens: int | None = None,
+              prompt_tokens: int | None = None) -> Plan:
+    """The plan for ``cfg`` (a :class:`megatron_oar.config.Config`) on ``nodes`` x
+    ``gpus_per_node`` GPUs; lengths default to the config's maxima (the worst case)."""
+    a = parse_arch(hf_config, source=source)
+    m, par, t, r, at = cfg.model, cfg.parallel, cfg.train, cfg.rollout, cfg.attribution
+    world = nodes * gpus_per_node
+    tp, pp = par.tp, par.pp
+    dp = world // (tp * pp)
+    wbytes = 4 if m.dtype == "fp32" else 2
+    flash = m.spec in ("te", "auto")  # auto resolves to TE on a CUDA machine that has it
+    prompt = prompt_tokens if prompt_tokens is not None else cfg.data.max_prompt_tokens
+    resp = response_tokens if response_tokens is not None else r.max_new_tokens
+    s = prompt + resp
+    samples = t.prompts_per_step * t.group_size
+    mbs = t.micro_batch_size
+    microbatches = samples // t.mini_batches // (mbs * dp)
+
+    # --- Megatron's resident state: the heaviest stage
+    stage = [stage_params(a, tp, pp, k, m.vocab_multiple) for k in range(pp)]
+    p_rank = max(stage)
+    linear_rank = (a.num_layers // pp) * (layer_params(a, tp) - 2 * a.hidden_size)
+    opt_bytes = (12 if wbytes == 2 else 8) / (dp if cfg.optim.use_distributed_optimizer else 1)
+    mem = {
+        "weights": p_rank * wbytes,
+        "gradients": p_rank * 4,
+        "optimizer": p_rank * opt_bytes,
+        "fp8 weight copies": linear_rank * 2 if m.fp8 else 0,
+        "reference model": p_rank * wbytes if cfg.loss.kl_coef > 0 else 0,
+    }
+    resident = sum(mem.values())
+
+    # --- activations of the passes that run while vLLM sleeps
+    sp = par.sequence_parallel
+    act_update = update_activation_bytes(a, s=s, b=mbs, tp=tp, pp=pp, sp=sp, flash=flash,
+                                         recompute=m.recompute, microbatches=microbatches)
+    act_update += logits_bytes(a, s, mbs, tp, m.vocab_multiple)
+    act_forward = (_layer_act_bytes(a, s, mbs, tp, sp, flash)
+                   + logits_bytes(a, s, mbs, tp, m.vocab_multiple))
+    act_attr = 0.0
+    if cfg.uses_attribution and at.method == "oar_g":
+        act_attr = (_layer_act_bytes(a, s, at.micro_batch_size, tp, sp, flash)
+                    * (a.num_layers // pp) * min(pp, max(1, samples // (at.micro_batch_size * dp)))
+                    + 4.0 * s * at.micro_batch_size * a.hidden_size)
+    elif cfg.uses_attribution:
+        act_attr = _layer_act_bytes(a, s, at.perturb_micro_batch_size, tp, sp, flash)
+    mem["activations: update"] = act_update
+    mem["activations: old-logprob"] = act_forward
+    mem["activations: attribution"] = act_attr
+
+    # --- vLLM
+    rtp = r.tp
+    engines = world // rtp
+    vllm_weights = total_params(a) * 2 / rtp  # vLLM runs bf16 weights, vocab sharded by TP
+    share = r.gpu_memory_utilization * hw.gpu_mem_gib * GIB
+    kv_heads_rank = max(1, a.num_kv_heads // rtp)
+    kv_per_token = 2 * a.num_layers * kv_heads_rank * a.head_dim * 2
+    kv_cache = share - vllm_weights - VLLM_OVERHEAD_GIB * GIB
+    kv_tokens = max(0, int(kv_cache // kv_per_token))
+    seqs_per_engine = math.ceil(samples / engines)
+    concurrent = min(seqs_per_engine, r.max_num_seqs, kv_tokens // max(1, r.max_model_len))
+    asleep = VLLM_ASLEEP_GIB * GIB if r.sleep_level >= 1 else share
+    reserve = hw.reserve_gib * GIB
+    phases = {
+        "rollout": resident + share + reserve,
+        "train": resident + max(act_update, act_forward, act_attr) + asleep + reserve,
+    }
+    plan = Plan(
+        model=f"Qwen2, {a.num_layers} layers, hidden {a.hidden_size}",
+        source=source, params_b=total_params(a) / 1e9,
+        layout={"nodes": nodes, "gpus": world, "tp": tp, "pp": pp, "dp": dp,
+                "sequence_parallel": sp, "recompute": m.recompute, "fp8": m.fp8,
+                "rollout_tp": rtp, "engines": engines, "seq_len": s,
+                "micro_batches_per_rank": microbatches},
+        memory_gib={k: v / GIB for k, v in mem.items()},
+        phases_gib={k: v / GIB for k, v in phases.items()},
+        vllm={"share_gib": share / GIB, "weights_gib": vllm_weights / GIB,
+              "kv_cache_gib": max(0.0, kv_cache) / GIB, "kv_tokens": kv_tokens,
+              "sequences_per_engine": seqs_per_engine, "concurrent_sequences": concurrent,
+              "host_offload_gib_per_node": (vllm_weights * gpus_per_node / GIB
+                                            if r.sleep_level == 1 else 0.0)},
+        hardware=asdict(hw))
+
+    # --- verdict
+    cap = hw.gpu_mem_gib
+    for phase, gib in plan.phases_gib.items():
+        if gib > cap:
+            plan.fits = False
+            plan.reasons.append(f"{phase} phase needs {gib:.1f} GiB per GPU > {cap:g} GiB")
+    if vllm_weights + VLLM_OVERHEAD_GIB * GIB >= share:
+        plan.fits = False
+        plan.reasons.append(
+            f"vLLM's weights ({vllm_weights / GIB:.1f} GiB at rollout.tp={rtp}) leave no KV cache in "
+            f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of {cap:g} GiB")
+    elif kv_tokens < r.max_model_len:
+        plan.fits = False
+        plan.reasons.append(f"vLLM's KV cache holds {kv_tokens} tokens < rollout.max_model_len="
+                            f"{r.max_model_len}")
+    if not plan.fits:
+        plan.advice = _advice(plan, cfg, mem, phases, act_update, act_attr)
+
+    # --- FLOPs and time
+    _estimate_time(plan, cfg, a, hw, world=world, samples=samples, prompt=prompt, resp=resp,
+                   engines=engines, concurrent=max(1, concurrent), kv_per_token=kv_per_token,
+                   vllm_weights=vllm_weights)
+    return plan
+
+
+def _advice(plan, cfg, mem, phases, act_update, act_attr) -> list[str]:
+    tips = []
+    if phases["train"] >= phases["rollout"]:
+        if act_attr >= act_update and cfg.attribution.micro_batch_size > 1:
+            tips.append("attribution runs without recompute: lower attribution.micro_batch_size")
+        if cfg.model.recompute != "full":
+            tips.append("model.recompute=full")
+        if not cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
+            tips.append("parallel.sequence_parallel=true")
+        if cfg.train.micro_batch_size > 1:
+            tips.append("a smaller train.micro_batch_size")
+    else:
+        tips.append("a smaller rollout.gpu_memory_utilization (if the KV cache still holds a "
+                    "sequence)")
+    if mem["optimizer"] + mem["gradients"] > 0.3 * plan.hardware["gpu_mem_gib"] * GIB:
+        tips.append("more model parallelism (parallel.tp / parallel.pp) or more nodes")
+    return tips
+
+
+def _estimate_time(plan: Plan, cfg, a: QwenArch, hw: Hardware, *, world, samples, prompt, resp,
+                   engines, concurrent, kv_per_token, vllm_weights) -> None:
+    s = prompt + resp
+    n_mm = matmul_params(a)
+    attn_per_token = 2 * a.num_layers * a.num_heads * a.head_dim * s  # causal: mean context s/2
+    fwd_token = 2 * n_mm + attn_per_token
+    fwd_seq = fwd_token * s
+    t, at = cfg.train, cfg.attribution
+    fe = {"old-logprob": 1.0, "reference": 1.0 if cfg.loss.kl_coef > 0 else 0.0,
+          "update": t.ppo_epochs * (3.0 + (1.0 if cfg.model.recompute == "full" else 0.0))}
+    if cfg.uses_attribution and at.method == "oar_g":
+        fe["attribution"] = 2.0  # noisy forward + input-gradient-only backward
+    elif cfg.uses_attribution:
+        fe["attribution"] = float(resp)  # one forward per scored token (upper bound: all)
+    else:
+        fe["attribution"] = 0.0
+    megatron_flop = {k: v * fwd_seq * samples for k, v in fe.items()}
+    rate = world * hw.peak_tflops * 1e12 * hw.mfu
+    times = {k: v / rate for k, v in megatron_flop.items()}
+
+    # generation: prefill at the MFU, decode by a roofline per step
+    seqs = math.ceil(samples / engines)
+    rtp = cfg.rollout.tp
+    prefill = seqs * prompt * fwd_token / (rtp * hw.peak_tflops * 1e12 * hw.mfu)
+    waves = math.ceil(seqs / concurrent)
+    ctx = prompt + resp / 2
+    step_bytes = vllm_weights + concurrent * ctx * kv_per_token
+    step_flop = concurrent * (2 * n_mm + 4 * a.num_layers * a.num_heads * a.head_dim * ctx) / rtp
+    per_step = max(step_bytes / (hw.hbm_tb_s * 1e12 * hw.bandwidth_eff),
+                   step_flop / (hw.peak_tflops * 1e12 * hw.mfu))
+    times = {"generate": prefill + waves * resp * per_step, **times}
+    gen_flop = samples * s * fwd_token
+    plan.flops = {"generate": gen_flop / 1e15, **{k: v / 1e15 for k, v in megatron_flop.items()}}
+    plan.time_s = {k: v for k, v in times.items() if v > 0}
+    plan.time_s["total"] = sum(plan.time_s.values())
+
+
+# ------------------------------------------------------------------------------ output
+
+def render(plan: Plan, name: str) -> str:
+    L, v = plan.layout, plan.vllm
+    lines = [f"# plan: {name} ({plan.params_b:.2f}B parameters, {plan.source})",
+             f"{L['nodes']} node(s), {L['gpus']} GPUs of {plan.hardware['gpu_mem_gib']:g} GiB; "
+             f"TP {L['tp']} x PP {L['pp']} x DP {L['dp']}, SP {'on' if L['sequence_parallel'] else 'off'}, "
+             f"recompute {L['recompute'] or 'none'}, FP8 {L['fp8'] or 'off'}; vLLM TP {L['rollout_tp']} "
+             f"({L['engines']} engines); sequences of {L['seq_len']} tokens, "
+             f"{L['micro_batches_per_rank']} micro-batches per rank per optimizer step", "",
+             "| per GPU | GiB |", "|---|---:|"]
+    lines += [f"| {k} | {g:.2f} |" for k, g in plan.memory_gib.items() if g > 0]
+    lines += [f"| vLLM awake (weights {v['weights_gib']:.1f} + KV cache {v['kv_cache_gib']:.1f} "
+              f"+ overhead) | {v['share_gib']:.2f} |",
+              f"| **peak, rollout phase** | **{plan.phases_gib['rollout']:.1f}** |",
+              f"| **peak, training phase** | **{plan.phases_gib['train']:.1f}** |", "",
+              f"vLLM: KV cache {v['kv_tokens']:,} tokens per engine, {v['concurrent_sequences']} of "
+              f"{v['sequences_per_engine']} sequences at once; host memory for sleeping weights "
+              f"{v['host_offload_gib_per_node']:.0f} GiB per node", "",
+              "| phase | PFLOP | s |", "|---|---:|---:|"]
+    lines += [f"| {k} | {plan.flops.get(k, 0):.1f} | {sec:.1f} |"
+              for k, sec in plan.time_s.items() if k != "total"]
+    lines += [f"| **step** | {sum(plan.flops.values()):.1f} | **{plan.time_s['total']:.1f}** |", "",
+              f"(at {plan.hardware['mfu']:.0%} MFU of {plan.hardware['peak_tflops']:g} TFLOP/s, "
+              f"decode at {plan.hardware['bandwidth_eff']:.0%} of {plan.hardware['hbm_tb_s']:g} TB/s)"]
+    if plan.fits:
+        lines.append(f"\nFITS: peak {plan.peak_gib:.1f} of {plan.hardware['gpu_mem_gib']:g} GiB per GPU")
+    else:
+        lines.append("\nDOES NOT FIT: " + "; ".join(plan.reasons))
+        if plan.advice:
+            lines.append("try: " + "; ".join(plan.advice))
+    return "\n".join(lines)
+
+
+def summary_row(name: str, plan: Plan) -> str:
+    L = plan.layout
+    return (f"| {name} | {L['nodes']}x{L['gpus'] // L['nodes']} | {L['tp']}/{L['pp']}/{L['dp']} | "
+            f"{L['rollout_tp']} | {plan.memory_gib['weights'] + plan.memory_gib['gradients'] + plan.memory_gib['optimizer']:.1f} | "
+            f"{plan.phases_gib['rollout']:.1f} | {plan.phases_gib['train']:.1f} | "
+            f"{plan.vllm['kv_tokens'] // 1000}k | {plan.time_s['total']:.0f} | "
+            f"{'fits' if plan.fits else 'does not fit'} |")
+
+
+SUMMARY_HEADER = ("| config | nodes x GPUs | TP/PP/DP | vLLM TP | weights+grads+Adam GiB | "
+                  "rollout peak GiB | train peak GiB | KV tokens/engine | step s | verdict |\n"
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---|")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_oar.config import ConfigError, load_config, validate
+    from megatron_oar.models.presets import resolve_hf_config
+    from megatron_oar.models.qwen2 import ModelConfigError
+
+    p = argparse.ArgumentParser(prog="oar plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, nargs="+",
+                   help="YAML config(s); with several, one summary table")
+    p.add_argument("--nodes", type=int, help="default: the config's launch.nodes")
+    p.add_argument("--gpus-per-node", type=int, help="default: launch.gpus_per_node")
+    p.add_argument("--gpu-mem-gib", type=float, help="default: launch.gpu_mem_gib")
+    p.add_argument("--arch", help="a Qwen2.5 preset when model.path has no config.json here")
+    p.add_argument("--mfu", type=float, default=Hardware.mfu)
+    p.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops)
+    p.add_argument("--hbm-tb-s", type=float, default=Hardware.hbm_tb_s)
+    p.add_argument("--response-tokens", type=int, help="mean response length (default: the maximum)")
+    p.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = p.parse_args(argv)
+    # `--config a.yaml b.yaml key=value`: nargs="+" also takes the overrides
+    overrides = [c for c in args.config if "=" in c] + args.overrides
+    plans = []
+    for path in (Path(c) for c in args.config if "=" not in c):
+        try:
+            cfg = load_config(path, overrides)
+            nodes = args.nodes or cfg.launch.nodes
+            gpn = args.gpus_per_node or cfg.launch.gpus_per_node
+            hf, source = resolve_hf_config(cfg.model.path, args.arch)
+            validate(cfg, world_size=nodes * gpn, hf_config=hf)
+        except (ConfigError, ModelConfigError) as e:
+            print(f"oar plan: {e}", file=sys.stderr)
+            return 2
+        hw = Hardware(gpu_mem_gib=args.gpu_mem_gib or cfg.launch.gpu_mem_gib, mfu=args.mfu,
+                      peak_tflops=args.peak_tflops, hbm_tb_s=args.hbm_tb_s)
+        plans.append((path.stem, make_plan(cfg, hf, nodes=nodes, gpus_per_node=gpn, hw=hw,
+                                           source=source, response_tokens=args.response_tokens)))
+    if args.json:
+        print(json.dumps({n: asdict(pl) for n, pl in plans}, indent=2))
+    elif len(plans) == 1:
+        print(render(plans[0][1], plans[0][0]))
+    else:
+        print(SUMMARY_HEADER)
+        print("\n".join(summary_row(n, pl) for n, pl in plans))
+    return 0 if all(pl.fits for _, pl in plans) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""`oar plan`: parameter counts equal megatron-core's GPTModel, every example fits its cluster,
+the memory terms follow their documented formulas, and bad layouts are refused."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_oar import plan as P
+from megatron_oar.config import ConfigError, load_config, validate
+from megatron_oar.demo_model import DEMO_ARCH
+from megatron_oar.models.presets import PRESETS, preset_name, resolve_hf_config
+from megatron_oar.models.qwen2 import ModelConfigError, parse_arch
+from tests.distributed import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+GPU_EXAMPLES = [p for p in EXAMPLES if p.stem != "tiny_cpu"]
+TINY = {**DEMO_ARCH, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "vocab_size": 300, "tie_word_embeddings": False}
+# a 7B-wide model cut to 2 layers (1.56B parameters) and a tied 1.5B-wide one: mid-sized shapes
+MID = dict(PRESETS["qwen2.5-7b"], num_hidden_layers=2)
+MID_TIED = dict(PRESETS["qwen2.5-1.5b"], num_hidden_layers=2)
+
+
+def _gpt_params(hf: dict) -> int:
+    from megatron_oar.models.qwen2 import ModelOptions, build_gpt_model
+
+    with torch.device("meta"):
+        model = build_gpt_model(hf, ModelOptions(dtype="bf16"), perform_initialization=False)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("hf", [TINY, MID, MID_TIED], ids=["tiny", "7b-wide", "1.5b-wide-tied"])
+def test_param_count_equals_gptmodel(hf):
+    from megatron_oar.runtime import destroy_runtime, init_runtime
+
+    init_runtime()
+    try:
+        assert P.stage_params(parse_arch(hf), 1, 1, 0) == _gpt_params(hf)
+    finally:
+        destroy_runtime()
+
+
+def _rank_count_worker(hfs: list[dict], tp: int, pp: int, out: str) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+
+    init_runtime(ParallelConfig(tp=tp, pp=pp))
+    rows = [[ps.get_pipeline_model_parallel_rank(), _gpt_params(hf)] for hf in hfs]
+    Path(out, f"{torch.distributed.get_rank()}.json").write_text(json.dumps(rows))
+
+
+@pytest.mark.slow
+def test_param_count_per_rank_tp2_pp2(tmp_path):
+    """Per-rank counts of a real TP2xPP2 GPTModel (first stage: embedding; last stage: final norm,
+    output layer, and for tied embeddings the embedding's copy)."""
+    hfs = [dict(TINY, num_hidden_layers=4), dict(MID_TIED, num_hidden_layers=4), MID]
+    launch(_rank_count_worker, 4, hfs, 2, 2, str(tmp_path))
+    for f in tmp_path.glob("*.json"):
+        for hf, (stage, count) in zip(hfs, json.loads(f.read_text())):
+            assert P.stage_params(parse_arch(hf), 2, 2, stage) == count, (hf, stage)
+
+
+def test_total_params_match_model_cards():
+    billions = {k: P.total_params(parse_arch(v)) / 1e9 for k, v in PRESETS.items()}
+    # the model cards' "Number of Parameters"
+    for key, card in {"qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09,
+                      "qwen2.5-7b": 7.61, "qwen2.5-14b": 14.7, "qwen2.5-72b": 72.7}.items():
+        assert billions[key] == pytest.approx(card, rel=0.01), key
+
+
+def _tiny_model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "tiny"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(TINY))
+    return d
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_every_example_validates_for_its_cluster(path, tmp_path):
+    overrides = [f"model.path={_tiny_model_dir(tmp_path)}"] if path.stem == "tiny_cpu" else []
+    cfg = load_config(path, overrides)
+    hf, _ = resolve_hf_config(cfg.model.path)
+    validate(cfg, world_size=cfg.launch.world_size, hf_config=hf)
+
+
+@pytest.mark.parametrize("path", GPU_EXAMPLES, ids=[p.stem for p in GPU_EXAMPLES])
+def test_every_gpu_example_fits_its_cluster(path, capsys):
+    assert P.main(["--config", str(path)]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "FITS: peak" in out and "| **step** |" in out
+
+
+def test_summary_table_and_json(capsys):
+    paths = [str(ROOT / f"examples/qwen2.5-{s}_oar_g.yaml") for s in ("7b", "32b", "72b")]
+    assert P.main(["--config", *paths]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(P.SUMMARY_HEADER.splitlines()[0])
+    assert out.count("| fits |") == 3
+    assert P.main(["--config", paths[2], "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["qwen2.5-72b_oar_g"]
+    assert data["layout"] == {**data["layout"], "tp": 8, "pp": 4, "dp": 2, "gpus": 64}
+    assert data["fits"] and data["params_b"] == pytest.approx(72.7, rel=0.01)
+
+
+def _plan(example: str, *overrides: str, nodes=None, gpus_per_node=None, **hw):
+    cfg = load_config(ROOT / f"examples/{example}.yaml", list(overrides))
+    hf, source = resolve_hf_config(cfg.model.path)
+    return P.make_plan(cfg, hf, nodes=nodes or cfg.launch.nodes,
+                       gpus_per_node=gpus_per_node or cfg.launch.gpus_per_node,
+                       hw=P.Hardware(**hw), source=source)
+
+
+def test_resident_state_bytes_per_parameter():
+    """bf16 weights 2 + fp32 grads 4 + Adam 12/DP (Megatron-LM's distributed optimizer notes)."""
+    pl = _plan("qwen2.5-7b_oar_g")  # TP2, DP4
+    a = parse_arch(PRESETS["qwen2.5-7b"])
+    n = P.stage_params(a, 2, 1, 0) / P.GIB
+    assert pl.memory_gib["weights"] == pytest.approx(2 * n)
+    assert pl.memory_gib["gradients"] == pytest.approx(4 * n)
+    assert pl.memory_gib["optimizer"] == pytest.approx(12 / 4 * n)
+    plain = _plan("qwen2.5-7b_oar_g", "optim.use_distributed_optimizer=false")
+    assert plain.memory_gib["optimizer"] == pytest.approx(12 * n)
+    kl = _plan("qwen2.5-7b_oar_g", "loss.kl_coef=0.001")
+    assert kl.memory_gib["reference model"] == pytest.approx(2 * n)
+
+
+def test_layer_activation_formula_by_hand():
+    a = parse_arch(TINY)  # h 128, f 256, heads 2 x d 64, KV groups 2
+    h, f = 128, 256
+    s, b = 10, 3
+    sharded = (2 + 2 * 2) * 64 + 2 * 64 + 3 * f
+    flash = 2 * (4 * h + sharded) * s * b
+    assert P._layer_act_bytes(a, s, b, 1, False, True) == flash
+    assert P._layer_act_bytes(a, s, b, 1, False, False) == flash + 6 * 2 * s * s * b
+    assert P._layer_act_bytes(a, s, b, 2, False, True) == 2 * (4 * h + sharded / 2) * s * b
+    assert P._layer_act_bytes(a, s, b, 2, True, True) == 2 * (4 * h + sharded) / 2 * s * b
+
+
+def test_activation_levers_reduce_memory():
+    a = parse_arch(PRESETS["qwen2.5-32b"])
+    kw = dict(s=2048, b=2, tp=8, pp=2, flash=True, microbatches=64)
+    none = P.update_activation_bytes(a, sp=False, recompute=None, **kw)
+    sp = P.update_activation_bytes(a, sp=True, recompute=None, **kw)
+    full = P.update_activation_bytes(a, sp=True, recompute="full", **kw)
+    assert full < sp < none
+    # 1F1B: the first stage holds pp micro-batches, never more than there are
+    one = P.update_activation_bytes(a, sp=True, recompute=None, **{**kw, "microbatches": 1})
+    assert sp == pytest.approx(2 * one)
+    # local spec without selective recompute stores the attention matrix
+    local = P.update_activation_bytes(a, sp=True, recompute=None, **{**kw, "flash": False})
+    selective = P.update_activation_bytes(a, sp=True, recompute="selective", **{**kw, "flash": False})
+    assert selective == sp < local
+
+
+def test_vllm_kv_cache_by_hand():
+    pl = _plan("qwen2.5-7b_oar_g")  # rollout TP1, 0.5 of 80 GiB, 28 layers x 4 KV heads x 128
+    weights = P.total_params(parse_arch(PRESETS["qwen2.5-7b"])) * 2
+    kv = 40 * P.GIB - weights - P.VLLM_OVERHEAD_GIB * P.GIB
+    assert pl.vllm["kv_tokens"] == int(kv // (2 * 28 * 4 * 128 * 2))
+    assert pl.vllm["sequences_per_engine"] == 64  # 512 completions over 8 engines
+
+
+def test_verdicts_name_the_reason():
+    small = _plan("qwen2.5-7b_oar_g", gpu_mem_gib=40.0)
+    assert not small.fits and any("rollout phase needs" in r for r in small.reasons)
+    one_node = _plan("qwen2.5-72b_oar_g", "parallel.pp=1", "rollout.tp=8", nodes=1)
+    assert not one_node.fits and one_node.advice
+    no_kv = _plan("qwen2.5-72b_oar_g", "rollout.tp=2", "rollout.gpu_memory_utilization=0.3")
+    assert not no_kv.fits and any("leave no KV cache" in r for r in no_kv.reasons)
+    text = P.render(no_kv, "x")
+    assert "DOES NOT FIT" in text and "try:" in text
+
+
+def test_oar_p_costs_a_forward_per_scored_token():
+    g, p = _plan("qwen2.5-7b_oar_g"), _plan("qwen2.5-7b_oar_p")
+    assert p.flops["attribution"] == pytest.approx(g.flops["attribution"] / 2 * 1024)
+    grpo = _plan("qwen2.5-7b_oar_g", "credit=grpo")
+    assert "attribution" not in grpo.time_s and grpo.flops["update"] == g.flops["update"]
+
+
+def test_cli_refuses_bad_layouts(capsys):
+    cfg = str(ROOT / "examples/qwen2.5-7b_oar_g.yaml")
+    assert P.main(["--config", cfg, "parallel.tp=8"]) == 2
+    assert "parallel.tp=8 does not divide num_attention_heads=28" in capsys.readouterr().err
+    big = str(ROOT / "examples/qwen2.5-72b_oar_g.yaml")  # 64 heads, 8 KV groups
+    assert P.main(["--config", big, "parallel.tp=16"]) == 2
+    assert "parallel.tp=16 does not divide num_key_value_heads=8" in capsys.readouterr().err
+    assert P.main(["--config", cfg, "--gpus-per-node", "10", "parallel.pp=5"]) == 2
+    assert "parallel.pp=5 does not divide num_hidden_layers=28" in capsys.readouterr().err
+    assert P.main(["--config", cfg, "--nodes", "1", "--gpus-per-node", "3"]) == 2
+    assert "does not divide the world size 3" in capsys.readouterr().err
+    assert P.main(["--config", cfg, "--nodes", "3", "--gpus-per-node", "2"]) == 2  # DP 3
+    assert "is not divisible by train.micro_batch_size*DP = 4*3" in capsys.readouterr().err
+    assert P.main(["--config", cfg, "model.path=/nowhere/custom"]) == 2
+    assert "pass --arch" in capsys.readouterr().err
+
+
+def test_presets_and_names(tmp_path):
+    assert preset_name("models/Qwen2.5-Math-7B-Instruct") == "qwen2.5-math-7b"
+    assert preset_name("x/llama") is None
+    d = _tiny_model_dir(tmp_path)
+    hf, source = resolve_hf_config(d)
+    assert hf["hidden_size"] == 128 and source.endswith("config.json")
+    assert resolve_hf_config("anything", "Qwen2.5-32B")[0]["num_hidden_layers"] == 64
+    with pytest.raises(ModelConfigError, match="--arch 'qwen9'"):
+        resolve_hf_config("anything", "qwen9")
+
+
+def test_launch_section_validation():
+    cfg = load_config(ROOT / "examples/qwen2.5-72b_oar_g.yaml")
+    assert cfg.launch.world_size == 64 and cfg.launch.executor == "slurm"
+    for bad, key in (("launch.nodes=0", "launch.nodes"), ("launch.executor=k8s", "launch.executor"),
+                     ("launch.slurm.time=3h", "launch.slurm.time")):
+        with pytest.raises(ConfigError, match=key):
+            validate(load_config(ROOT / "examples/qwen2.5-72b_oar_g.yaml", [bad]))
+    assert replace(P.Hardware(), gpu_mem_gib=141).gpu_mem_gib == 141
