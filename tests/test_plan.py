@@ -221,3 +221,13 @@ def test_launch_section_validation():
         with pytest.raises(ConfigError, match=key):
             validate(load_config(ROOT / "examples/qwen2.5-72b_oar_g.yaml", [bad]))
     assert replace(P.Hardware(), gpu_mem_gib=141).gpu_mem_gib == 141
+
+
+def test_readme_scaling_tables_are_current(capsys):
+    """README's "Scaling" tables are `oar plan` output; regenerate them when the plan changes."""
+    readme = (ROOT / "README.md").read_text()
+    names = ["qwen2.5-7b_oar_g", "qwen2.5-14b_oar_g", "qwen2.5-32b_oar_g", "qwen2.5-72b_oar_g"]
+    P.main(["--config", *(str(ROOT / f"examples/{n}.yaml") for n in names)])
+    assert capsys.readouterr().out.strip() in readme
+    P.main(["--config", str(ROOT / "examples/qwen2.5-72b_oar_g.yaml")])
+    assert capsys.readouterr().out.strip() in readme
