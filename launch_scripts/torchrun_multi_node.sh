@@ -59,7 +59,7 @@ cmd=("${TORCHRUN:-torchrun}" --nnodes "$NNODES" --node-rank "$NODE_RANK"
      -m megatron_oar.train --config "$config" --resume "${RESUME:-auto}" ${overrides[@]+"${overrides[@]}"} "$@")
 
 if [[ "${DRYRUN:-0}" == 1 ]]; then
-    printf '%q ' "${cmd[@]}"; echo
+    printf "%q" "${cmd[0]}"; printf " %q" "${cmd[@]:1}"; echo
     exit 0
 fi
 exec "${cmd[@]}"

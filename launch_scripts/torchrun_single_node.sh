@@ -28,7 +28,7 @@ cmd=("${TORCHRUN:-torchrun}" --standalone --nproc-per-node "${GPUS_PER_NODE:-8}"
      -m megatron_oar.train --config "$config" --resume "${RESUME:-auto}" ${overrides[@]+"${overrides[@]}"} "$@")
 
 if [[ "${DRYRUN:-0}" == 1 ]]; then
-    printf '%q ' "${cmd[@]}"; echo
+    printf "%q" "${cmd[0]}"; printf " %q" "${cmd[@]:1}"; echo
     exit 0
 fi
 exec "${cmd[@]}"

@@ -1,6 +1,10 @@
 """``oar``: the megatron-oar command line.
 
     oar train --config X.yaml [--nproc-per-node N] [--resume auto|none|DIR] [key=value ...]
+    oar launch --config X.yaml [--executor local|slurm] [--dryrun] [key=value ...]
+                                   validate for the cluster, then start via nemo-run (torchrun/Slurm)
+    oar plan --config X.yaml [--nodes N --gpus-per-node G --gpu-mem-gib M] [key=value ...]
+                                   memory per GPU, FLOPs and step time; does it fit?
     oar plot RUN_DIR [--out PNG]   training curves from RUN_DIR/logs/metrics.jsonl
     oar demo [--out DIR]           tiny end-to-end demo: SFT warm-up, then OAR-G GRPO at TP=2
     oar info                       versions, device and which fused kernels megatron-core will use
@@ -72,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="processes to start with torchrun (1: run in this process)")
     t.add_argument("--resume", default=None, help="auto | none | a checkpoint step directory")
     t.add_argument("overrides", nargs="*", help="key=value config overrides")
+    # these hand every argument, --flags included, to their module's own main()
+    forwarded = {
+        "launch": ("megatron_oar.launch", "validate a config for its cluster, start it via nemo-run"),
+        "plan": ("megatron_oar.plan", "memory per GPU and step time of a config on its cluster"),
+    }
+    for name, (_, text) in forwarded.items():
+        fp = sub.add_parser(name, help=text, prefix_chars="+", add_help=False)
+        fp.add_argument("args", nargs=argparse.REMAINDER, help=f"(oar {name} --help)")
     pl = sub.add_parser("plot", help="training curves of a run to PNG")
     pl.add_argument("args", nargs=argparse.REMAINDER, help="RUN_DIR [--out PNG] [--keys ...]")
     sub.add_parser("info", help="versions and kernels")
@@ -83,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(args)
     if args.command == "train":
         return _train(args)
+    if args.command in forwarded:
+        import importlib
+
+        return importlib.import_module(forwarded[args.command][0]).main(args.args)
     if args.command == "plot":
         from megatron_oar import plot
 
