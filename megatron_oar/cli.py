@@ -5,6 +5,9 @@
                                    validate for the cluster, then start via nemo-run (torchrun/Slurm)
     oar plan --config X.yaml [--nodes N --gpus-per-node G --gpu-mem-gib M] [key=value ...]
                                    memory per GPU, FLOPs and step time; does it fit?
+    oar analyze oracle --config X.yaml --model M [--trajectories 500] [--out DIR]
+                                   causal-token oracle + recall of OAR-P/OAR-G/entropy/random
+    oar analyze recall RECORDS.jsonl   the recall table and plot again from saved records
     oar plot RUN_DIR [--out PNG]   training curves from RUN_DIR/logs/metrics.jsonl
     oar demo [--out DIR]           tiny end-to-end demo: SFT warm-up, then OAR-G GRPO at TP=2
     oar info                       versions, device and which fused kernels megatron-core will use
@@ -81,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         "launch": ("megatron_oar.launch", "validate a config for its cluster, start it via nemo-run"),
         "plan": ("megatron_oar.plan", "memory per GPU and step time of a config on its cluster"),
     }
+    analyses = {"oracle": "megatron_oar.eval.oracle", "recall": "megatron_oar.eval.recall"}
+    an = sub.add_parser("analyze", help="oracle: causal-token oracle and recall of importance "
+                        "signals (paper Sec. 5.1); recall: the table again from its records")
+    an.add_argument("analysis", choices=list(analyses))
+    an.add_argument("args", nargs=argparse.REMAINDER)
     for name, (_, text) in forwarded.items():
         fp = sub.add_parser(name, help=text, prefix_chars="+", add_help=False)
         fp.add_argument("args", nargs=argparse.REMAINDER, help=f"(oar {name} --help)")
@@ -95,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(args)
     if args.command == "train":
         return _train(args)
+    if args.command == "analyze":
+        import importlib
+
+        return importlib.import_module(analyses[args.analysis]).main(args.args)
     if args.command in forwarded:
         import importlib
 

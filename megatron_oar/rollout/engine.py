@@ -323,7 +323,7 @@ class RolloutEngine:
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, n: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
-                 top_k: int | None = None, max_new_tokens: int | None = None,
+                 top_k: int | None = None, max_new_tokens: int | Sequence[int] | None = None,
                  stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
                  seeds: Sequence[int | None] | None = None) -> RolloutBatch:
         """``n`` completions for each prompt (token ids), grouped by prompt.
@@ -332,6 +332,7 @@ class RolloutEngine:
         the group. ``seeds[i]`` fixes prompt ``i``'s sampling (completion ``j`` uses
         ``seeds[i] + j``); missing seeds are derived from ``config.seed``, the rollout group and
         a call counter, so runs are reproducible and the group's ranks sample identically.
+        ``max_new_tokens`` may be one budget per prompt (e.g. counterfactual suffixes).
         Unset arguments take the :class:`RolloutConfig` defaults.
         """
         if not self._weights_loaded:
@@ -344,7 +345,8 @@ class RolloutEngine:
             temperature=cfg.temperature if temperature is None else temperature,
             top_p=cfg.top_p if top_p is None else top_p,
             top_k=cfg.top_k if top_k is None else top_k,
-            max_new_tokens=cfg.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            max_new_tokens=(cfg.max_new_tokens if max_new_tokens is None else
+                            max_new_tokens if isinstance(max_new_tokens, int) else list(max_new_tokens)),
             stop=list(cfg.stop if stop is None else stop),
             stop_token_ids=list(cfg.stop_token_ids if stop_token_ids is None else stop_token_ids),
             seeds=None if seeds is None else list(seeds),
@@ -355,7 +357,11 @@ class RolloutEngine:
             args = box[0]
         prompts = args["prompts"]
         check_sampling(args["temperature"], args["top_p"], args["top_k"])
-        if args["n"] < 1 or args["max_new_tokens"] < 1:
+        budgets = args["max_new_tokens"]
+        budgets = [int(budgets)] * len(prompts) if isinstance(budgets, int) else [int(b) for b in budgets]
+        if len(budgets) != len(prompts):
+            raise ValueError(f"{len(budgets)} max_new_tokens for {len(prompts)} prompts")
+        if args["n"] < 1 or min(budgets, default=1) < 1:
             raise ValueError(f"n={args['n']} and max_new_tokens={args['max_new_tokens']} must be >= 1")
         for i, p in enumerate(prompts):
             if not p:
@@ -377,9 +383,9 @@ class RolloutEngine:
         from vllm import SamplingParams
 
         params = [SamplingParams(n=n, temperature=args["temperature"], top_p=args["top_p"],
-                                 top_k=max(args["top_k"], 0), max_tokens=args["max_new_tokens"],
+                                 top_k=max(args["top_k"], 0), max_tokens=budget,
                                  stop=args["stop"] or None, stop_token_ids=args["stop_token_ids"] or None,
-                                 seed=s, logprobs=0) for s in seeds]
+                                 seed=s, logprobs=0) for s, budget in zip(seeds, budgets)]
         t0 = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                     use_tqdm=False)

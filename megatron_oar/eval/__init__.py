@@ -1,0 +1,1 @@
+"""Evaluation and analysis: pass@k on benchmarks, the causal-token oracle, importance maps."""
