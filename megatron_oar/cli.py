@@ -8,6 +8,8 @@
     oar analyze oracle --config X.yaml --model M [--trajectories 500] [--out DIR]
                                    causal-token oracle + recall of OAR-P/OAR-G/entropy/random
     oar analyze recall RECORDS.jsonl   the recall table and plot again from saved records
+    oar viz RECORDS.jsonl [--id ID | --index I] [--methods ...] [--out DIR]
+                                   token-importance maps (HTML + PNG), OAR-P/OAR-G/entropy/oracle
     oar plot RUN_DIR [--out PNG]   training curves from RUN_DIR/logs/metrics.jsonl
     oar demo [--out DIR]           tiny end-to-end demo: SFT warm-up, then OAR-G GRPO at TP=2
     oar info                       versions, device and which fused kernels megatron-core will use
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     forwarded = {
         "launch": ("megatron_oar.launch", "validate a config for its cluster, start it via nemo-run"),
         "plan": ("megatron_oar.plan", "memory per GPU and step time of a config on its cluster"),
+        "viz": ("megatron_oar.eval.viz", "token-importance maps (HTML + PNG) from oracle records"),
     }
     analyses = {"oracle": "megatron_oar.eval.oracle", "recall": "megatron_oar.eval.recall"}
     an = sub.add_parser("analyze", help="oracle: causal-token oracle and recall of importance "

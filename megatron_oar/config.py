@@ -18,9 +18,7 @@ Errors are :class:`ConfigError` (a ``ValueError``) naming the key and where it c
 from __future__ import annotations
 
 import logging
-import os
 import re
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -33,6 +31,7 @@ from omegaconf.errors import (ConfigKeyError, MissingMandatoryValue, OmegaConfBa
 
 from megatron_oar.algorithms import CreditConfig, PolicyLossConfig
 from megatron_oar.attribution import AttributionConfig
+from megatron_oar.fileio import atomic_write_text
 from megatron_oar.data import ANSWER_FORMATS, PRESETS, TEMPLATES, ArithmeticConfig, FieldMap
 from megatron_oar.models.checkpoint import HF_DIR, META_FILE
 from megatron_oar.models.qwen2 import DTYPES, ModelConfigError, ModelOptions, check_layout, parse_arch
@@ -44,9 +43,8 @@ log = logging.getLogger(__name__)
 
 # credit -> (CreditConfig.scheme, AttributionConfig.method or None when no attribution runs)
 CREDITS = {"grpo": ("grpo", None), "random": ("random", None), "entropy": ("entropy", None),
-           "oar_g": ("oar", "oar_g"), "oar_p": ("oar", "oar_p")}
-RESERVED_CREDITS = {"oar_p_screened": "screened OAR-P (exact perturbation on OAR-G's top tokens) "
-                                      "is not implemented yet; use oar_g or oar_p"}
+           "oar_g": ("oar", "oar_g"), "oar_p": ("oar", "oar_p"),
+           "oar_p_screened": ("oar", "oar_p_screened")}
 # copy -> the one key it is copied from (Config.sync); YAML and overrides may set only the latter
 DERIVED = {"model.sequence_parallel": "parallel.sequence_parallel", "shaping.scheme": "credit",
            "attribution.method": "credit", "rollout.n": "train.group_size"}
@@ -62,8 +60,6 @@ class ConfigError(ValueError):
 
 def credit_scheme(credit: str) -> tuple[str, str | None]:
     """``credit`` -> ``(CreditConfig.scheme, AttributionConfig.method or None)``."""
-    if credit in RESERVED_CREDITS:
-        raise ConfigError(f"credit={credit!r}: {RESERVED_CREDITS[credit]}")
     if credit not in CREDITS:
         raise ConfigError(f"credit={credit!r}: expected one of {list(CREDITS)}")
     return CREDITS[credit]
@@ -204,7 +200,7 @@ class LaunchConfig:
 
 @dataclass
 class Config:
-    credit: str = "oar_g"           # grpo | random | entropy | oar_g | oar_p
+    credit: str = "oar_g"           # grpo | random | entropy | oar_g | oar_p | oar_p_screened
     run_dir: str = "runs/default"   # checkpoints, logs and the resolved config.yaml
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tp, pp, sequence_parallel
@@ -341,19 +337,7 @@ def save_config(cfg: Config, path: str | Path) -> Path:
         data[section].pop(name, None)
     text = ("# megatron-oar resolved config (save_config); rerun with: oar train --config <this file>\n"
             + OmegaConf.to_yaml(data))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write_text(path, text)
 
 
 # -------------------------------------------------------------------------------- validation

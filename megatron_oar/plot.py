@@ -14,17 +14,15 @@ on a headless node and leaves the process's matplotlib backend alone.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import fnmatch
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from megatron_oar.training.logger import read_metrics
+from megatron_oar.fileio import atomic_write
 
 # (panel title, metric keys or glob patterns); adjust the keys when the trainer's names change.
 PANELS: list[tuple[str, list[str]]] = [
@@ -112,17 +110,7 @@ def plot_run(run_dir: str | Path, out: Path | None = None, keys: list[str] | Non
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)  # the exact keys (and averaging window): titles are loose
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return out
+    return atomic_write(out, lambda f: fig.savefig(f, format="png"), "wb")
 
 
 def _draw(ax, records: list[dict], keys: list[str]) -> None:

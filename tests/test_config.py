@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from megatron_oar.algorithms import CreditConfig, PolicyLossConfig
 from megatron_oar.attribution import AttributionConfig, ProbeConfig
+from megatron_oar.models.qwen2 import parse_arch
 from megatron_oar.config import (CREDITS, DERIVED, Config, ConfigError, credit_scheme, load_config,
                                  save_config, validate)
 from megatron_oar.models.qwen2 import ModelOptions
@@ -37,6 +38,15 @@ HF = {
     "math-7b": qwen(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                     num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096,
                     rope_theta=10000.0, tie_word_embeddings=False),
+    "14b": qwen(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=131072,
+                rope_theta=1e6, tie_word_embeddings=False),
+    "32b": qwen(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=131072,
+                rope_theta=1e6, tie_word_embeddings=False),
+    "72b": qwen(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
+                rope_theta=1e6, tie_word_embeddings=False),
     "tiny": qwen(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                  rope_theta=1e6, tie_word_embeddings=False),
@@ -47,6 +57,9 @@ CASES = {
     "qwen2.5-7b_oar_g.yaml": ("7b", 8),
     "qwen2.5-7b_oar_p.yaml": ("7b", 8),
     "qwen2.5-math-7b_oar_g.yaml": ("math-7b", 8),
+    "qwen2.5-14b_oar_g.yaml": ("14b", 16),
+    "qwen2.5-32b_oar_g.yaml": ("32b", 32),
+    "qwen2.5-72b_oar_g.yaml": ("72b", 64),
     "tiny_cpu.yaml": ("tiny", 2),
 }
 
@@ -63,6 +76,18 @@ def raises(match: str):
 
 def test_every_example_is_covered():
     assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == sorted(CASES)
+    for name, (_, world) in CASES.items():  # each names the cluster it is written for
+        assert example(name).launch.world_size == world, name
+
+
+def test_presets_match_the_published_configs():
+    """models/presets.py (used by oar plan / oar launch) against the values written out here."""
+    from megatron_oar.models.presets import PRESETS
+
+    for arch, preset in (("math-1.5b", "qwen2.5-math-1.5b"), ("7b", "qwen2.5-7b"),
+                         ("math-7b", "qwen2.5-math-7b"), ("14b", "qwen2.5-14b"),
+                         ("32b", "qwen2.5-32b"), ("72b", "qwen2.5-72b")):
+        assert parse_arch(PRESETS[preset]) == parse_arch(HF[arch]), preset
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -202,8 +227,13 @@ def test_credit_mapping():
 
 
 def test_bad_credit():
-    with raises(r"credit='oar_p_screened': screened OAR-P .* not implemented yet"):
-        example("tiny_cpu.yaml", "credit=oar_p_screened")
+    cfg = example("tiny_cpu.yaml", "credit=oar_p_screened", "attribution.screen_fraction=0.5")
+    assert credit_scheme("oar_p_screened") == ("oar", "oar_p_screened")
+    assert (cfg.attribution.method, cfg.attribution.screen_fraction) == ("oar_p_screened", 0.5)
+    validate(cfg, world_size=2, hf_config=HF["tiny"])
+    for bad in ("0", "1.5"):
+        with pytest.raises(ValueError, match="screen_fraction"):
+            example("tiny_cpu.yaml", "credit=oar_p_screened", f"attribution.screen_fraction={bad}")
     with raises(r"credit='ppo': expected one of"):
         example("tiny_cpu.yaml", "credit=ppo")
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_oar.eval.records import TokenRecord
+from megatron_oar.fileio import atomic_write_text
 
 K_PERCENTS = (5, 10, 15, 20, 25, 30, 35, 40, 45, 50)
 LABELS = {"oar_p": "OAR-P", "oar_g": "OAR-G", "entropy": "Entropy", "random": "Random"}
@@ -105,12 +106,8 @@ def write_outputs(table: dict, out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "recall.json", "md": out / "recall.md", "png": out / "recall.png"}
-    tmp = paths["json"].with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(table, indent=2))
-    tmp.replace(paths["json"])
-    tmp = paths["md"].with_suffix(".md.tmp")
-    tmp.write_text(render_markdown(table) + "\n")
-    tmp.replace(paths["md"])
+    atomic_write_text(paths["json"], json.dumps(table, indent=2))
+    atomic_write_text(paths["md"], render_markdown(table) + "\n")
     plot_recall(table, paths["png"])
     return paths
 

@@ -14,11 +14,11 @@ response's tokens and, per method, one score per response token::
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from megatron_oar.fileio import atomic_write
 
 METHODS = ("oar_p", "oar_g", "entropy", "random")
 
@@ -60,18 +60,7 @@ class TokenRecord:
 
 def write_records(records: Iterable[TokenRecord], path: str | Path) -> Path:
     """Writes JSONL atomically (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            for r in records:
-                f.write(json.dumps(asdict(r)) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda f: f.writelines(json.dumps(asdict(r)) + "\n" for r in records))
 
 
 def read_records(path: str | Path) -> Iterator[TokenRecord]:

@@ -25,12 +25,12 @@ import contextlib
 import json
 import logging
 import math
-import os
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from megatron_oar.fileio import atomic_write
 
 if TYPE_CHECKING:  # config imports megatron-core; `oar plot` only needs read_metrics
     from typing import Self  # Python 3.11+; annotations only
@@ -131,17 +131,7 @@ def truncate_after(path: Path, step: int | None) -> int:
             if rec is not None and (step is None or rec["step"] <= step)]
     dropped = len(lines) - len(keep)
     if dropped:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.writelines(keep)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write(path, lambda f: f.writelines(keep), "wb")
         log.warning("%s: dropped %d line(s): torn, or records after step %s (written after the "
                     "checkpoint this run resumes from)", path, dropped, step)
     return dropped
