@@ -5,6 +5,8 @@
                                    validate for the cluster, then start via nemo-run (torchrun/Slurm)
     oar plan --config X.yaml [--nodes N --gpus-per-node G --gpu-mem-gib M] [key=value ...]
                                    memory per GPU, FLOPs and step time; does it fit?
+    oar eval --model M --benchmarks aime24,aime25,amc23,math500,gsm8k --data-dir D [--n 32 --k 1,32]
+                                   pass@k per benchmark + average, Markdown (Table 1) and JSON
     oar analyze oracle --config X.yaml --model M [--trajectories 500] [--out DIR]
                                    causal-token oracle + recall of OAR-P/OAR-G/entropy/random
     oar analyze recall RECORDS.jsonl   the recall table and plot again from saved records
@@ -15,8 +17,6 @@
     oar info                       versions, device and which fused kernels megatron-core will use
     oar bench convert ...          converter peak memory vs model and layer size
 
-Evaluation, analysis and the other benchmarks (`oar eval|analyze|viz|plan`) arrive with the
-issues that build them.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     forwarded = {
         "launch": ("megatron_oar.launch", "validate a config for its cluster, start it via nemo-run"),
         "plan": ("megatron_oar.plan", "memory per GPU and step time of a config on its cluster"),
+        "eval": ("megatron_oar.eval.run_eval", "pass@k on AIME24/25, AMC23, MATH500, GSM8K (Table 1)"),
         "viz": ("megatron_oar.eval.viz", "token-importance maps (HTML + PNG) from oracle records"),
     }
     analyses = {"oracle": "megatron_oar.eval.oracle", "recall": "megatron_oar.eval.recall"}
