@@ -404,3 +404,24 @@ def test_megatron_checkpoint_on_two_ranks_samples_the_same(trained, first_run, t
         a, b = (json.loads((d / f"{name}.json").read_text()) for d in (ref_out, out))
         assert a["pass_at_k"] == b["pass_at_k"] and a["problems"] == b["problems"]
         assert b["settings"]["model"] == str(ckpt)
+
+
+def test_table_combines_runs(tmp_path, capsys):
+    from megatron_oar.eval.run_eval import main
+
+    def run(name, cols, avg):
+        d = tmp_path / name
+        d.mkdir()
+        summary = {"name": name, "average": avg, "columns": [
+            {"benchmark": b, "title": b.upper(), "k": k, "value": v} for b, k, v in cols]}
+        (d / "results.json").write_text(json.dumps(summary))
+        return str(d)
+
+    grpo = run("GRPO", [("aime24", 1, 13.5), ("aime24", 32, 45.0), ("math500", 1, 75.8)], 44.8)
+    oar = run("OAR-G", [("aime24", 1, 14.8), ("math500", 1, 78.7)], 46.75)
+    assert main(["--table", grpo, oar]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "| Method | AIME24 |  | MATH500 | Avg |" and out[2] == "|  | P@1 | P@32 | P@1 | Avg |"
+    assert out[3:] == ["| GRPO | 13.5 | 45.0 | 75.8 | 44.8 |", "| OAR-G | 14.8 | - | 78.7 | 46.8 |"]
+    assert main(["--table", str(tmp_path / "nothing")]) == 2
+    assert main(["--n", "2"]) == 2  # neither --model nor --table

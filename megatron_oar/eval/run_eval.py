@@ -69,8 +69,10 @@ class EvalError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oar eval", description="pass@k on math benchmarks (vLLM)")
-    p.add_argument("--model", required=True, type=Path, metavar="PATH",
+    p.add_argument("--model", type=Path, metavar="PATH",
                    help="HF model dir, megatron-oar checkpoint dir, or training checkpoint root")
+    p.add_argument("--table", type=Path, nargs="+", metavar="OUT",
+                   help="instead of evaluating: one table, a row per earlier run's --out dir")
     p.add_argument("--data-dir", type=Path, default=Path("."), metavar="DIR",
                    help="where the benchmark files are")
     p.add_argument("--benchmarks", default=",".join(PAPER_ORDER), metavar="LIST",
@@ -125,6 +127,8 @@ def parse_ks(text: str) -> tuple[int, ...]:
 
 def check_args(args: argparse.Namespace) -> None:
     """Normalises ``args.n``/``temperature``; raises :class:`EvalError` naming the flag."""
+    if args.model is None:
+        raise EvalError("--model: required (or --table OUT ... to combine earlier runs)")
     parse_benchmarks(args.benchmarks)
     if args.greedy:
         if args.n not in (None, 1):
@@ -408,22 +412,44 @@ def summarize(plan: Plan) -> dict:
                 pending=[t.bench.name for t in plan.tasks if t.result is None])
 
 
-def render_markdown(summary: dict) -> str:
-    """Table 1's layout: benchmark names, a P@k sub-header, the model's row, Avg; percent, 1 decimal."""
-    cols = summary["columns"]
+def table_markdown(summaries: list[dict]) -> str:
+    """Table 1's layout: benchmark names, a P@k sub-header, one row per run, Avg; percent, one
+    decimal. Columns are the first run's; a run without one of them shows "-"."""
+    cols = summaries[0]["columns"]
     names = [c["title"] if i == 0 or cols[i - 1]["benchmark"] != c["benchmark"] else ""
              for i, c in enumerate(cols)]
     rows = [["Method", *names, "Avg"], ["---"] + ["---:"] * (len(cols) + 1),
-            ["", *(f"P@{c['k']}" for c in cols), "Avg"],
-            [summary["name"], *(f"{c['value']:.1f}" for c in cols),
-             "" if summary["average"] is None else f"{summary['average']:.1f}"]]
+            ["", *(f"P@{c['k']}" for c in cols), "Avg"]]
+    for summary in summaries:
+        values = {(c["benchmark"], c["k"]): c["value"] for c in summary["columns"]}
+        cells = [values.get((c["benchmark"], c["k"])) for c in cols]
+        rows.append([summary["name"], *("-" if v is None else f"{v:.1f}" for v in cells),
+                     "" if summary["average"] is None else f"{summary['average']:.1f}"])
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n"
+
+
+def combine_tables(out_dirs: list[Path]) -> str:
+    """``oar eval --table OUT ...``: the runs' results.json as one table (paper Table 1)."""
+    summaries = []
+    for d in out_dirs:
+        path = d / "results.json"
+        if not path.is_file():
+            raise EvalError(f"--table {d}: no results.json (not an oar eval --out directory)")
+        summaries.append(json.loads(path.read_text()))
+    if not summaries[0]["columns"]:
+        raise EvalError(f"--table {out_dirs[0]}: no finished benchmark")
+    return table_markdown(summaries)
+
+
+def render_markdown(summary: dict) -> str:
+    """One run's table and its settings."""
     s = summary["settings"]
     note = (f"\nn={s['n']} samples per problem, temperature {s['temperature']}, top-p {s['top_p']}, "
             f"seed {s['seed']}, max {s['max_new_tokens']} new tokens, template {s['template']}, "
             f"model {s['model']}.\n")
     if summary["pending"]:
         note += f"Not finished: {', '.join(summary['pending'])}.\n"
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows) + "\n" + note
+    return table_markdown([summary]) + note
 
 
 def write_summary(plan: Plan, args: argparse.Namespace) -> dict:
@@ -508,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank{rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
+        if args.table:
+            print(combine_tables(args.table), end="")
+            return 0
         check_args(args)
         if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
