@@ -27,6 +27,7 @@ preset, :mod:`megatron_oar.models.presets`); nothing is allocated. Per GPU it ad
     ``attribution.micro_batch_size`` (an upper bound: megatron's frozen-weight linears keep no
     inputs), plus the fp32 input-embedding gradient.
   - OAR-P: forward only, ``attribution.perturb_micro_batch_size`` masked copies, one layer at a time.
+  - screened OAR-P: OAR-G's activations, then OAR-P's (the larger of the two).
 * **vLLM**, colocated: awake during generation it holds ``rollout.gpu_memory_utilization`` of the
   GPU (its weights, rollout-TP sharded, and the KV cache in what is left after ``VLLM_OVERHEAD``);
   asleep (``rollout.sleep_level >= 1``) it keeps ``VLLM_ASLEEP`` and its level-1 weights move to
@@ -39,8 +40,9 @@ Peak per GPU = Megatron's resident state + max(vLLM awake, activations + vLLM as
 Time per step, at worst-case lengths unless ``--response-tokens`` says otherwise: Megatron passes
 as FLOPs at a stated MFU (forward 2 FLOPs per matmul parameter per token plus causal attention
 2*L*a*d*s; backward 2x forward; OAR-G's input-gradient-only backward 1x; OAR-P one forward per
-scored token), generation by a roofline over decode steps (weights and KV cache read once per
-step at a stated fraction of HBM bandwidth, or compute-bound at the MFU).
+scored token; screened OAR-P OAR-G plus ``screen_fraction`` of OAR-P), generation by a roofline
+over decode steps (weights and KV cache read once per step at a stated fraction of HBM bandwidth,
+or compute-bound at the MFU).
 """
 
 from __future__ import annotations
@@ -204,12 +206,12 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     act_forward = (_layer_act_bytes(a, s, mbs, tp, sp, flash)
                    + logits_bytes(a, s, mbs, tp, m.vocab_multiple))
     act_attr = 0.0
-    if cfg.uses_attribution and at.method == "oar_g":
+    if cfg.uses_attribution and at.method in ("oar_g", "oar_p_screened"):
         act_attr = (_layer_act_bytes(a, s, at.micro_batch_size, tp, sp, flash)
                     * (a.num_layers // pp) * min(pp, max(1, samples // (at.micro_batch_size * dp)))
                     + 4.0 * s * at.micro_batch_size * a.hidden_size)
-    elif cfg.uses_attribution:
-        act_attr = _layer_act_bytes(a, s, at.perturb_micro_batch_size, tp, sp, flash)
+    if cfg.uses_attribution and at.method in ("oar_p", "oar_p_screened"):  # screened: the larger
+        act_attr = max(act_attr, _layer_act_bytes(a, s, at.perturb_micro_batch_size, tp, sp, flash))
     mem["activations: update"] = act_update
     mem["activations: old-logprob"] = act_forward
     mem["activations: attribution"] = act_attr
@@ -303,6 +305,8 @@ def _estimate_time(plan: Plan, cfg, a: QwenArch, hw: Hardware, *, world, samples
           "update": t.ppo_epochs * (3.0 + (1.0 if cfg.model.recompute == "full" else 0.0))}
     if cfg.uses_attribution and at.method == "oar_g":
         fe["attribution"] = 2.0  # noisy forward + input-gradient-only backward
+    elif cfg.uses_attribution and at.method == "oar_p_screened":  # OAR-G, then its top fraction
+        fe["attribution"] = 2.0 + math.ceil(at.screen_fraction * resp)
     elif cfg.uses_attribution:
         fe["attribution"] = float(resp)  # one forward per scored token (upper bound: all)
     else:

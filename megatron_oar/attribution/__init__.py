@@ -9,7 +9,8 @@
 
 - :mod:`.probes`    outcome probes (last_token, answer_mean, answer_joint), warm-up, fallback
 - :mod:`.passes`    the clean teacher pass, OAR-G (noisy forward + input-gradient backward),
-                    OAR-P (batched [PAD]-masked forwards; a serial mode for cost comparisons)
+                    OAR-P (batched [PAD]-masked forwards; a serial mode for cost comparisons),
+                    screened OAR-P (exact OAR-P on OAR-G's top ``screen_fraction`` tokens)
 - :mod:`.schedule`  running probe passes through ``get_forward_backward_func()`` on any TP/PP
 
 Only sequences with a non-zero advantage are scored; the others keep weight 1 (their token
@@ -24,16 +25,16 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_oar.attribution.batch import SequenceBatch
-from megatron_oar.attribution.passes import oar_g, oar_p, probe_teacher
+from megatron_oar.attribution.passes import oar_g, oar_p, oar_p_screened, probe_teacher
 from megatron_oar.attribution.probes import NONE, ProbeConfig, ProbeOutput, ProbePlan, plan_probes
 from megatron_oar.attribution.spans import SpanFinder
 
-METHODS = ("oar_g", "oar_p")
+METHODS = ("oar_g", "oar_p", "oar_p_screened")
 
 
 @dataclass
 class AttributionConfig:
-    method: str = "oar_g"  # oar_g | oar_p
+    method: str = "oar_g"  # oar_g | oar_p | oar_p_screened
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     sigma: float = 1e-3  # OAR-G noise std on the scored tokens' embeddings
     seed: int = 0  # OAR-G noise: seeded per (seed, step, sample id)
@@ -43,12 +44,15 @@ class AttributionConfig:
     serial: bool = False  # OAR-P one copy at a time (only for the paper's cost comparison)
     pad_id: int | None = None  # OAR-P mask token; None: the tokenizer's pad token
     allow_fp8: bool = False  # run OAR-G's backward under FP8 autocast (default: bf16)
+    screen_fraction: float = 0.2  # oar_p_screened: exact OAR-P on this top fraction by OAR-G
 
     def __post_init__(self) -> None:
         if isinstance(self.probe, dict):
             self.probe = ProbeConfig(**self.probe)
         if self.method not in METHODS:
             raise ValueError(f"attribution.method must be one of {METHODS}, got {self.method!r}")
+        if not 0 < self.screen_fraction <= 1:
+            raise ValueError(f"attribution.screen_fraction must be in (0, 1], got {self.screen_fraction}")
         if self.sigma <= 0:
             raise ValueError(f"attribution.sigma must be > 0, got {self.sigma}")
         for name in ("micro_batch_size", "perturb_micro_batch_size", "length_bucket"):
@@ -99,16 +103,20 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
     if rows:
         if teacher is None and not external_teacher:
             teacher = probe_teacher(model, batch, plan, rows, vocab_size, cfg.micro_batch_size)
-        if cfg.method == "oar_g":
+        if cfg.method in ("oar_g", "oar_p_screened"):
             importance = oar_g(model, batch, plan, teacher, rows, vocab_size, sigma=cfg.sigma,
                                seed=cfg.seed, step=step, micro_batch_size=cfg.micro_batch_size,
                                allow_fp8=cfg.allow_fp8)
-        else:
-            importance, copies = oar_p(model, batch, plan, teacher, rows, vocab_size,
-                                       pad_id=resolve_pad_id(cfg, tokenizer),
-                                       micro_batch_size=cfg.perturb_micro_batch_size,
-                                       length_bucket=cfg.length_bucket, serial=cfg.serial,
-                                       joint_importance=cfg.probe.joint_importance)
+        if cfg.method in ("oar_p", "oar_p_screened"):
+            exact = dict(pad_id=resolve_pad_id(cfg, tokenizer), micro_batch_size=cfg.perturb_micro_batch_size,
+                         length_bucket=cfg.length_bucket, serial=cfg.serial,
+                         joint_importance=cfg.probe.joint_importance)
+            if cfg.method == "oar_p":
+                importance, copies = oar_p(model, batch, plan, teacher, rows, vocab_size, **exact)
+            else:  # the OAR-G importance above is the screen
+                importance, copies = oar_p_screened(model, batch, plan, teacher, rows, vocab_size,
+                                                    screen=importance, fraction=cfg.screen_fraction,
+                                                    **exact)
     kinds = plan.kinds
     stats = {
         "scored_sequences": float(len(rows)),
@@ -116,6 +124,8 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
         "fallback_last_token": float(sum(k == "last_token" for k in kinds) if cfg.probe.kind != "last_token" else 0),
         "unscored_no_answer": float(sum(k == NONE for k in kinds)),
         "masked_forwards": float(copies),
+        **({"screened_out_tokens": float(score_mask.sum()) - copies}
+           if cfg.method == "oar_p_screened" else {}),
         "seconds": time.perf_counter() - start,
     }
     return Attribution(importance * score_mask, score_mask, kinds, stats)

@@ -1,4 +1,4 @@
-"""The three attribution passes: the clean probe teacher, OAR-G and OAR-P.
+"""The attribution passes: the clean probe teacher, OAR-G, OAR-P and screened OAR-P.
 
 Where results live (pipeline parallelism): the teacher ``ProbeOutput`` is on the last stage
 only (it is vocab-parallel, one slice per TP rank). OAR-G's input gradients exist on the first
@@ -8,7 +8,10 @@ pipeline group, so every rank of the model-parallel group returns the same ``[B,
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_oar.attribution.batch import SequenceBatch
@@ -147,13 +150,16 @@ def _copy_micros(batch: SequenceBatch, plan: ProbePlan, copies: list[tuple[int, 
 
 def oar_p(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeOutput | None, rows: list[int],
           vocab_size: int, *, pad_id: int, micro_batch_size: int, length_bucket: int = 64,
-          serial: bool = False, joint_importance: str = "drop") -> tuple[torch.Tensor, int]:
+          serial: bool = False, joint_importance: str = "drop",
+          positions: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """OAR-P importance ``I_t = KL(P_final || P_final^(t))`` (score drop for answer_joint) with
     token t replaced by ``pad_id``: one forward-only copy per scored token, batched
     ``micro_batch_size`` copies at a time (``serial``: one copy per schedule call, the paper's
-    naive baseline). Returns ``[B, L]`` on every stage and the number of copies run."""
+    naive baseline). ``positions`` (``[B, L]`` bool) restricts the copies to those scored tokens;
+    the others stay 0. Returns ``[B, L]`` on every stage and the number of copies run."""
     importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
-    copies = [(i, int(t)) for i in rows for t in plan.score_mask[i].nonzero().flatten()]
+    mask = plan.score_mask if positions is None else plan.score_mask & positions.to(plan.score_mask.device)
+    copies = [(i, int(t)) for i in rows for t in mask[i].nonzero().flatten()]
     if serial:
         calls = [m for i, t in copies for m in _copy_micros(batch, plan, [(i, t)], 1, pad_id, 1)]
     else:
@@ -170,3 +176,61 @@ def oar_p(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeOutput | N
         for micros in calls:
             run_probe_schedule(model, micros, vocab_size, forward_only=True, last_stage=last_stage)
     return broadcast_from_stage(importance, first=False), len(copies)
+
+
+def screen_count(n: int, fraction: float) -> int:
+    """How many of a row's ``n`` scored tokens get an exact copy: ``ceil(fraction * n)``, at
+    least 1 (rounded to 9 digits first, so 0.2 * 15 is 3, not 4)."""
+    return min(n, max(1, math.ceil(round(fraction * n, 9)))) if n else 0
+
+
+def screen_positions(screen: torch.Tensor, score_mask: torch.Tensor, rows: list[int],
+                     fraction: float) -> torch.Tensor:
+    """``[B, L]`` bool: per row, the ``screen_count`` scored tokens with the highest ``screen``
+    score (ties: the earlier position first)."""
+    selected = torch.zeros(score_mask.shape, dtype=torch.bool)
+    for i in rows:
+        pos = score_mask[i].nonzero().flatten().cpu()
+        order = torch.sort(screen[i, pos].cpu(), descending=True, stable=True).indices
+        selected[i, pos[order[:screen_count(len(pos), fraction)]]] = True
+    return selected.to(score_mask.device)
+
+
+def merge_screened(exact: torch.Tensor, screen: torch.Tensor, selected: torch.Tensor,
+                   score_mask: torch.Tensor) -> torch.Tensor:
+    """Screened importance: ``exact`` on the ``selected`` tokens; every other scored token gets
+    its ``screen`` score rescaled into ``[0, m)``, ``m`` the row's smallest selected exact value:
+    ``min(m * g_t / g_cut, the largest float32 below m)``, ``g_cut`` the smallest screen score
+    among the selected (``g_t <= g_cut`` by construction). So unselected tokens keep the
+    screen's order (up to float32 rounding; ties stay ties) and rank below every selected one.
+    Degenerate rows: ``g_cut == 0`` -> the unselected get 0; ``m <= 0`` -> [0, m) is empty and the
+    unselected get 0 (tied with the smallest selected); nothing unselected -> exact as is."""
+    out = exact.clone()
+    for i in range(exact.shape[0]):
+        sel, rest = selected[i], score_mask[i] & ~selected[i]
+        if not sel.any() or not rest.any():
+            continue
+        m = exact[i, sel].min().clamp_min(0)
+        g_cut = screen[i, sel].min().double()
+        scaled = (m.double() * screen[i, rest].double() / g_cut).float() if g_cut > 0 \
+            else torch.zeros_like(screen[i, rest])
+        out[i, rest] = torch.minimum(scaled, torch.nextafter(m, torch.zeros_like(m)))
+    return out
+
+
+def oar_p_screened(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeOutput | None,
+                   rows: list[int], vocab_size: int, *, screen: torch.Tensor, fraction: float,
+                   **oar_p_kwargs) -> tuple[torch.Tensor, int]:
+    """Screened OAR-P: exact OAR-P copies only for each row's top ``fraction`` of scored tokens
+    by ``screen`` (OAR-G importance, ``[B, L]``), the rest ranked below them by
+    :func:`merge_screened`. Returns ``[B, L]`` on every stage and the number of copies run."""
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        # every TP rank must mask the same tokens: take TP rank 0's screen (rounding-proof)
+        dist.broadcast(screen, src=parallel_state.get_tensor_model_parallel_src_rank(),
+                       group=parallel_state.get_tensor_model_parallel_group())
+    selected = screen_positions(screen, plan.score_mask, rows, fraction)
+    exact, copies = oar_p(model, batch, plan, teacher, rows, vocab_size, positions=selected,
+                          **oar_p_kwargs)
+    # rows outside ``rows`` have nothing selected, so merge_screened leaves them as they are (0)
+    return merge_screened(exact, screen, selected.to(exact.device),
+                          plan.score_mask.to(exact.device)), copies
