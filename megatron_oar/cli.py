@@ -15,6 +15,9 @@
     oar plot RUN_DIR [--out PNG]   training curves from RUN_DIR/logs/metrics.jsonl
     oar demo [--out DIR]           tiny end-to-end demo: SFT warm-up, then OAR-G GRPO at TP=2
     oar info                       versions, device and which fused kernels megatron-core will use
+    oar bench attribution ...      attribution cost vs GRPO: sweep and end-to-end ratios (Fig. 7)
+    oar bench screening RECORDS    screened OAR-P against exact OAR-P (quality and cost vs q)
+    oar bench rollout ...          generation tokens/s and weight-sync time vs model size
     oar bench convert ...          converter peak memory vs model and layer size
 
 """
@@ -24,6 +27,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+
+# `oar bench SUITE`: the module in benchmarks/ (results in BENCHMARKS.md)
+BENCH_SUITES = {"attribution": "attribution", "rollout": "rollout", "screening": "screening",
+                "convert": "convert_memory"}
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -100,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("args", nargs=argparse.REMAINDER, help="RUN_DIR [--out PNG] [--keys ...]")
     sub.add_parser("info", help="versions and kernels")
     b = sub.add_parser("bench", help="benchmarks (suite name, then its own options)")
-    b.add_argument("suite", choices=["convert"])
+    b.add_argument("suite", choices=list(BENCH_SUITES))
     b.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -120,10 +128,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return plot.main(args.args)
     if args.command == "bench":
-        from benchmarks import convert_memory
+        import importlib
 
-        convert_memory.main(args.args)
-        return 0
+        return importlib.import_module(f"benchmarks.{BENCH_SUITES[args.suite]}").main(args.args) or 0
     return _info()
 
 

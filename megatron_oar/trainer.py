@@ -276,12 +276,16 @@ class Trainer:
             "rollout/logprob_mismatch": ((batch.rollout_logprobs - batch.old_logprobs).abs() * mask).sum() / tokens,
             **{f"credit/{k}": v for k, v in cm.items()},
             **{f"attribution/{k}": torch.tensor(v) for k, v in attr_stats.items()},
+            "tokens/action": mask.sum().float(),  # response tokens with loss
+            "tokens/sequence": batch.lengths.sum().float(),
+            "tokens/response": (batch.lengths - batch.prompt_lens).sum().float(),
+            "tokens/sequences": torch.tensor(float(batch.lengths.numel())),
         }
         keys = sorted(local)
         vec = torch.stack([torch.as_tensor(local[k], dtype=torch.float64).to(mask.device) for k in keys])
         dist.all_reduce(vec, group=ps.get_data_parallel_group())
         out = {k: float(v) / ps.get_data_parallel_world_size() for k, v in zip(keys, vec)}
-        for k in [k for k in out if k.startswith("attribution/") and k != "attribution/seconds"]:
+        for k in [k for k in out if k.startswith(("attribution/", "tokens/")) and k != "attribution/seconds"]:
             out[k] *= ps.get_data_parallel_world_size()  # counts: summed over DP, not averaged
         applied = [r for r in updates if r.applied]
         for key in (applied[0].stats if applied else {}):

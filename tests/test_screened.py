@@ -230,3 +230,22 @@ def test_merge_edge_cases():
     assert torch.equal(merge_screened(torch.tensor([[0, 0.5, 0]]), torch.ones(1, 3),
                                       screen_positions(torch.ones(1, 3), one, [0], 0.2), one),
                        torch.tensor([[0, 0.5, 0]]))
+
+
+def test_work_counted_in_tokens(tiny):
+    """The stats the trainer logs for `oar bench attribution`: OAR-G runs over whole scored
+    sequences, each OAR-P copy is a forward over its sequence."""
+    from transformers import AutoTokenizer
+
+    _, ckpt, r = tiny
+    lengths = make_batch(AutoTokenizer.from_pretrained(str(Path(ckpt) / "hf"))).lengths
+    exact, mask, stats = r["exact"]
+    rows = mask.any(-1)
+    assert stats["oar_g_tokens"] == 0
+    assert stats["masked_copy_tokens"] == float((mask.sum(-1) * lengths).sum())
+    _, _, s = r["q0.5"]
+    sel = expected_selection(r["oar_g"][0], mask, 0.5)
+    assert s["oar_g_tokens"] == float(lengths[rows].sum())
+    assert s["masked_copy_tokens"] == float((sel.sum(-1) * lengths).sum())
+    assert r["oar_g"][2]["oar_g_tokens"] == float(lengths[rows].sum())
+    assert r["oar_g"][2]["masked_copy_tokens"] == 0

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_oar.attribution.batch import SequenceBatch
-from megatron_oar.attribution.passes import oar_g, oar_p, oar_p_screened, probe_teacher
+from megatron_oar.attribution.passes import oar_g, oar_p, oar_p_screened, probe_teacher, screen_count
 from megatron_oar.attribution.probes import NONE, ProbeConfig, ProbeOutput, ProbePlan, plan_probes
 from megatron_oar.attribution.spans import SpanFinder
 
@@ -118,12 +118,21 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
                                                     screen=importance, fraction=cfg.screen_fraction,
                                                     **exact)
     kinds = plan.kinds
+    lengths = batch.lengths.cpu()
+    if cfg.method == "oar_p_screened":
+        row_copies = {i: screen_count(int(plan.score_mask[i].sum()), cfg.screen_fraction) for i in rows}
+    else:
+        row_copies = {i: int(plan.score_mask[i].sum()) for i in rows} if cfg.method == "oar_p" else {}
     stats = {
         "scored_sequences": float(len(rows)),
         "scored_tokens": float(score_mask.sum()),
         "fallback_last_token": float(sum(k == "last_token" for k in kinds) if cfg.probe.kind != "last_token" else 0),
         "unscored_no_answer": float(sum(k == NONE for k in kinds)),
         "masked_forwards": float(copies),
+        # the work, in tokens: OAR-G's noisy forward + input-gradient backward run over whole
+        # scored sequences; each OAR-P copy is a forward over its sequence
+        "oar_g_tokens": float(sum(int(lengths[i]) for i in rows)) if cfg.method != "oar_p" else 0.0,
+        "masked_copy_tokens": float(sum(n * int(lengths[i]) for i, n in row_copies.items())),
         **({"screened_out_tokens": float(score_mask.sum()) - copies}
            if cfg.method == "oar_p_screened" else {}),
         "seconds": time.perf_counter() - start,

@@ -1,0 +1,284 @@
+"""`oar bench attribution` / `oar bench rollout`: the arithmetic, the Markdown, BENCHMARKS.md.
+
+Fast tests run on synthetic metrics records (no training): per-step ratios against GRPO's median
+and their min/median/max, the forward-equivalent accounting, the exact table header, and the
+replacement of one suite's section of BENCHMARKS.md. The slow test runs the attribution suite
+end to end (demo model, grpo + oar_g, 2 short steps each).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import attribution as attr
+from benchmarks import common
+from benchmarks import rollout
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rec(step, *, A=2000.0, S=3000.0, R=2000.0, G=0.0, C=0.0, logprob=0.2, attribution=None,
+        update=0.6, total=1.5, masked=None):
+    r = {"step": step, "wall_time": 0.0, "time/step": total, "time/generate": 0.5,
+         "time/logprob": logprob, "time/update": update, "time/sync": 0.01,
+         "tokens/action": A, "tokens/sequence": S, "tokens/response": R,
+         "tokens/sequences": 128.0, "attribution/oar_g_tokens": G,
+         "attribution/masked_copy_tokens": C}
+    if attribution is not None:
+        r["time/attribution"] = attribution
+    if masked is not None:
+        r["attribution/masked_forwards"] = masked
+    return r
+
+
+# ------------------------------------------------------------------ forward-equivalents
+
+def test_forward_equivalents_accounting():
+    # GRPO: old-logprob forward (1) + update forward+backward (3), over S tokens, per action token
+    assert attr.forward_equivalents(rec(1)) == {"policy": 6.0, "attribution": 0.0, "total": 6.0}
+    # OAR-G: + one noisy forward + one input-gradient backward per token of the scored sequences
+    fe = attr.forward_equivalents(rec(1, G=1000.0))
+    assert fe["attribution"] == 1.0 and fe["total"] == 7.0
+    # OAR-P: + one forward per token of every masked copy (quadratic in response length)
+    assert attr.forward_equivalents(rec(1, C=20000.0))["total"] == 16.0
+    # screened: both
+    assert attr.forward_equivalents(rec(1, G=1000.0, C=4000.0))["total"] == 9.0
+    # PPO epochs repeat the update; a reference model adds one forward
+    assert attr.forward_equivalents(rec(1), ppo_epochs=2)["total"] == 3000 * 7 / 2000
+    assert attr.forward_equivalents(rec(1), reference=True)["total"] == 3000 * 5 / 2000
+    # no counts: unknown, not zero
+    assert attr.forward_equivalents({"step": 1, "time/step": 1.0}) is None
+
+
+def test_step_times_and_warmup():
+    records = [{"step": 0, "time/step": 3.0, "eval/accuracy": 0.5},  # a step-0 eval record
+               rec(1, total=9.0), rec(2, logprob=0.25, attribution=0.5, update=0.75, total=2.0),
+               {"step": 3, "time/step": 1.0}]                         # no counts: skipped
+    steps = attr.measured_steps(records, warmup=1)
+    assert [s["step"] for s in steps] == [2]
+    s = steps[0]
+    assert s["sweep_s"] == 1.5 and s["step_s"] == 2.0
+    assert s["sweep_per_token"] == 1.5 / 2000 and s["step_per_token"] == 2.0 / 2000
+    assert [s["step"] for s in attr.measured_steps(records, warmup=0)] == [1, 2]
+
+
+def test_ratios_against_grpo_median_min_median_max():
+    # GRPO sweep per token: 1, 2, 3 ms (A = 1000) -> median 2 ms; steps 4 / 6 s end to end
+    grpo = attr.measured_steps([rec(i + 2, A=1000.0, logprob=0.0, update=u, total=t)
+                                for i, (u, t) in enumerate([(1.0, 4.0), (2.0, 5.0), (3.0, 6.0)])], 1)
+    # method: sweep 4 and 6 ms per token -> ratios 2.0 and 3.0; end to end 10/5, 15/5
+    meth = attr.measured_steps([rec(2, A=1000.0, logprob=1.0, attribution=2.0, update=1.0, total=10.0,
+                                    G=500.0),
+                                rec(3, A=2000.0, S=6000.0, logprob=2.0, attribution=8.0, update=2.0,
+                                    total=30.0, G=1000.0)], 1)
+    s = attr.summarize_method(meth, grpo)
+    assert s["steps"] == 2
+    assert s["sweep_ratio"] == {"min": 2.0, "median": 2.5, "max": 3.0, "n": 2}
+    assert s["end_to_end_ratio"] == {"min": 2.0, "median": 2.5, "max": 3.0, "n": 2}
+    g = attr.summarize_method(grpo, grpo)
+    assert g["sweep_ratio"]["median"] == 1.0 and g["end_to_end_ratio"]["median"] == 1.0
+    # forward-equivalents: GRPO 4 * 3000 / 1000 = 12; method + 2 * 500 / 1000 = 13 (both steps)
+    assert g["forward_equivalents"]["median"] == 12.0
+    assert s["forward_equivalents"]["median"] == 13.0
+    assert s["forward_equivalents_ratio"] == pytest.approx(13 / 12)
+    assert attr.fmt_fe(s) == "13.00 (1.08x)"
+
+
+def test_summarize_and_formatting():
+    assert common.summarize([3.0, None, float("nan"), 1.0, 2.0]) == {"min": 1.0, "median": 2.0,
+                                                                     "max": 3.0, "n": 3}
+    assert common.summarize([])["median"] is None
+    assert common.fmt_ratio(1.234) == "1.23x" and common.fmt_ratio(None) == "-"
+    assert common.fmt_range({"min": 1.1, "median": 1.234, "max": 1.4, "n": 3}) == "1.23x (1.10x-1.40x)"
+    assert common.fmt_range({"min": 1.5, "median": 1.5, "max": 1.5, "n": 1}) == "1.50x"
+    assert common.fmt_range(common.summarize([])) == "-"
+
+
+# ------------------------------------------------------------------ Markdown
+
+def _report(methods=("grpo", "oar_g")):
+    grpo = attr.measured_steps([rec(2), rec(3, update=0.7)], 1)
+    entries = []
+    for name in methods:
+        steps = grpo if name == "grpo" else attr.measured_steps(
+            [rec(2, attribution=0.4, G=1000.0), rec(3, attribution=0.5, G=1100.0)], 1)
+        entries.append({"name": name, "label": attr.METHODS[name].label, "status": "ok", "reason": "",
+                        "summary": attr.summarize_method(steps, grpo)})
+    entries.append({"name": "oar_p_screened", "label": "oar_p_screened", "status": "skipped",
+                    "reason": "config does not accept it (credit='oar_p_screened': ...)"})
+    meta = {"command": "oar bench attribution --steps 3", "machine": common.machine_info(),
+            "model_line": "tiny", "note": "Preliminary: busy machine."}
+    return {"meta": meta, "methods": entries}
+
+
+def test_markdown_table_has_exactly_the_columns():
+    assert attr.TABLE_HEADER == ("| method | sweep ratio | end-to-end ratio | "
+                                 "forward-equivalents per action token |")
+    md = attr.render_markdown(_report())
+    lines = md.splitlines()
+    i = lines.index(attr.TABLE_HEADER)
+    assert lines[i + 1] == "|---|---|---|---|"
+    grpo, oar_g = lines[i + 2], lines[i + 3]
+    assert grpo.startswith("| grpo | 1.00x") and grpo.count("|") == 5
+    assert oar_g.startswith("| oar_g | ") and "x" in oar_g.split("|")[2]
+    assert lines[i + 4] == ""  # the table ends after the measured methods
+    assert "`oar bench attribution --steps 3`" in md
+    assert "Machine: " in md and "torch" in md
+    assert "oar_p_screened: skipped: config does not accept it" in md
+    assert "Preliminary: busy machine." in md
+    assert "[S (1 + 3E + R) + 2G + C] / A" in md
+
+
+def test_parse_args_method_selection():
+    a = attr.parse_args(["--methods", "oar_g,grpo,oar_p_serial,oar_g"])
+    assert a.method_names == ["grpo", "oar_g", "oar_p_serial"]
+    assert attr.parse_args([]).method_names == list(attr.METHODS)
+    assert attr.METHODS["oar_p_serial"].overrides == ("attribution.serial=true",)
+    with pytest.raises(SystemExit):
+        attr.parse_args(["--methods", "grpo,nope"])
+    with pytest.raises(SystemExit):
+        attr.parse_args(["--steps", "1", "--warmup", "1"])
+
+
+def test_a_credit_the_config_does_not_accept_is_skipped_not_fatal(tmp_path):
+    """What happens to oar_p_screened on a tree where that credit does not exist yet."""
+    res = attr.run_method("future", attr.Method("future", "no_such_credit"),
+                          config=str(ROOT / attr.DEFAULT_CONFIG), hf=tmp_path / "model",
+                          run_dir=tmp_path / "runs" / "future", steps=2, nproc=2, overrides=[],
+                          timeout=60, threads=None)
+    assert res["status"] == "skipped" and "no_such_credit" in res["reason"]
+    assert res["records"] == [] and not (tmp_path / "runs" / "future.log").exists()  # never started
+
+
+def test_rollout_summary_and_table():
+    res = {"arch": rollout.arch_for(512, 4, vocab=8192, ffn_mult=4, kv_heads=2, max_len=100),
+           "parameters": 20_000_000, "peak_rss_mib": 2048.0, "status": "ok",
+           "syncs": [{"seconds": 0.5, "bytes": 10**9, "num_buckets": 2},
+                     {"seconds": 0.25, "bytes": 10**9, "num_buckets": 2},
+                     {"seconds": 1.0, "bytes": 10**9, "num_buckets": 2}],
+           "generations": [{"tokens": 1000, "seconds": 1.0, "tokens_per_second": 1000.0},
+                           {"tokens": 1000, "seconds": 0.5, "tokens_per_second": 2000.0}]}
+    assert res["arch"]["num_attention_heads"] == 8 and res["arch"]["num_key_value_heads"] == 2
+    s = rollout.summarize_size(res)
+    assert s["sync_seconds"] == {"min": 0.25, "median": 0.5, "max": 1.0, "n": 3}
+    assert s["sync_gb_per_s"] == {"min": 1.0, "median": 2.0, "max": 4.0, "n": 3}
+    assert s["tokens_per_second"]["median"] == 1500.0
+    res["summary"] = s
+    lines = rollout.table([res]).splitlines()
+    assert lines[0] == rollout.TABLE_HEADER
+    assert lines[2].startswith("| hidden 512, 4 layers, 8/2 heads, FFN 2048 | 20.0M | 1,500 (1,000-2,000) "
+                               "| 0.500 (0.250-1.000) | 953.7 MiB | 2.00 (1.00-4.00) | 2.0 GiB |")
+    assert rollout.parse_size("1024x8") == (1024, 8)
+    for bad in ("1000x4", "512", "512x0"):
+        with pytest.raises(Exception):
+            rollout.parse_size(bad)
+
+
+# ------------------------------------------------------------------ BENCHMARKS.md sections
+
+CONVERTER = "# Benchmarks\n\n## Converter memory (`oar bench convert`)\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
+
+
+def test_replace_section_appends_then_replaces_leaving_the_rest():
+    once = common.replace_section(CONVERTER, "attribution", "## Attribution\n\nv1")
+    begin, end = common.markers("attribution")
+    assert once.startswith(CONVERTER) and once.endswith(f"{begin}\n## Attribution\n\nv1\n{end}\n")
+    both = common.replace_section(once, "rollout", "## Rollout\n\nr1")
+    twice = common.replace_section(both, "attribution", "## Attribution\n\nv2 longer\n")
+    assert twice == both.replace("v1", "v2 longer")
+    assert common.replace_section(twice, "attribution", "## Attribution\n\nv2 longer") == twice
+    assert twice.startswith(CONVERTER) and "r1" in twice and "v1" not in twice
+    # text after the section survives too
+    tail = twice + "\n## Notes\n\nkeep me\n"
+    assert common.replace_section(tail, "attribution", "x").endswith("\n## Notes\n\nkeep me\n")
+    b, e = common.markers("rollout")
+    assert common.replace_section("", "rollout", "x") == f"{b}\nx\n{e}\n"
+
+
+def test_replace_section_rejects_malformed_markers():
+    begin, end = common.markers("attribution")
+    for text in (f"{begin}\nx\n", f"{end}\n{begin}\n", f"{begin}\n{end}\n{begin}\n{end}\n"):
+        with pytest.raises(ValueError, match="BENCHMARKS.md"):
+            common.replace_section(text, "attribution", "y")
+
+
+def test_update_benchmarks_writes_atomically(tmp_path):
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text(CONVERTER)
+    common.update_benchmarks("attribution", "## A\n\nfirst", path)
+    common.update_benchmarks("attribution", "## A\n\nsecond", path)
+    text = path.read_text()
+    assert text.startswith(CONVERTER) and "second" in text and "first" not in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["BENCHMARKS.md"]  # no temp files left
+
+
+def test_repository_benchmarks_md_has_both_sections_and_the_converter():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert "## Converter memory (`oar bench convert`)" in text
+    for suite in ("attribution", "rollout"):
+        begin, end = common.markers(suite)
+        assert text.count(begin) == 1 and text.count(end) == 1 and text.index(begin) < text.index(end)
+    section = text[text.index(common.markers("attribution")[0]):]
+    assert attr.TABLE_HEADER in section and "Command: `oar bench attribution" in section
+    assert rollout.TABLE_HEADER in text and "Command: `oar bench rollout" in text
+
+
+# ------------------------------------------------------------------ end to end (slow)
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_attribution_suite_end_to_end(tmp_path):
+    """grpo and oar_g, 2 steps each (the first dropped), on the demo model: the pipeline from
+    training runs to the table and a BENCHMARKS.md copy."""
+    md_file = tmp_path / "BENCHMARKS.md"
+    md_file.write_text(CONVERTER)
+    out = tmp_path / "out"
+    rc = attr.main(["--methods", "grpo,oar_g", "--steps", "2", "--warmup", "1", "--sft-steps", "150",
+                    "--out", str(out), "--update-benchmarks", "--benchmarks-file", str(md_file)])
+    assert rc == 0
+    report = json.loads((out / "attribution.json").read_text())
+    by = {m["name"]: m for m in report["methods"]}
+    assert set(by) == {"grpo", "oar_g"} and all(m["status"] == "ok" for m in by.values())
+    for m in by.values():
+        (step,) = m["steps"]
+        assert step["step"] == 2 and step["action_tokens"] > 0 and step["sweep_s"] > 0
+    assert by["grpo"]["summary"]["sweep_ratio"]["median"] == 1.0
+    g = by["oar_g"]
+    assert g["steps"][0]["scored_sequences"] > 0
+    assert g["summary"]["forward_equivalents_ratio"] > 1.0
+    assert g["summary"]["sweep_ratio"]["median"] > 1.0  # attribution is extra work
+    text = md_file.read_text()
+    assert text.startswith(CONVERTER) and attr.TABLE_HEADER in text
+    assert text == CONVERTER + "\n" + "\n".join(
+        [common.markers("attribution")[0], (out / "attribution.md").read_text().strip(),
+         common.markers("attribution")[1]]) + "\n"
+
+
+# ------------------------------------------------------------------ screening
+
+def test_screening_quality_and_cost(tmp_path, capsys):
+    from benchmarks import screening
+    from megatron_oar.eval.records import TokenRecord, write_records
+
+    def record(i, p, g):
+        n = len(p)
+        return TokenRecord(id=str(i), prompt="q", reference="1", correct=True, token_ids=list(range(n)),
+                           tokens=["t"] * n, scores={"oar_p": p, "oar_g": g}, scored=[True] * n)
+
+    # OAR-G agrees with OAR-P on the order: screening at any q reproduces the ranking
+    agree = [record(0, [float(x) for x in range(10)], [x / 10 for x in range(10)])]
+    for r in screening.evaluate(agree, [0.2, 1.0]):
+        assert r["spearman"] == pytest.approx(1.0) and r["top20_recall"] == 1.0
+    # OAR-G reversed: q = 0.2 picks the wrong two; q = 1 is exact
+    rev = [record(0, [float(x) for x in range(10)], [(9 - x) / 10 for x in range(10)])]
+    low, full = screening.evaluate(rev, [0.2, 1.0])
+    assert low["top20_recall"] == 0.0 and low["spearman"] < 0
+    assert full["spearman"] == pytest.approx(1.0) and full["copies_ratio"] == 1.0
+    assert low["copies_ratio"] == 0.2 and low["fe_ratio"] == pytest.approx(0.4)  # 2 copies + OAR-G's 2
+    path = write_records(agree, tmp_path / "r.jsonl")
+    assert screening.main([str(path), "--fractions", "0.5"]) == 0
+    assert screening.HEADER.splitlines()[0] in capsys.readouterr().out
+    assert screening.main([str(path), "--fractions", "0"]) == 2
