@@ -113,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
 
         section = (f"## Screened OAR-P against exact OAR-P (`oar bench screening`)\n\n"
                    f"Command: `{common.command_line('oar bench screening', argv or sys.argv[1:])}`\n"
-                   f"{common.machine_line(common.machine_info())}\n\n{text}\n")
+                   f"{common.machine_line(common.machine_info())}\n\n"
+                   f"The records (`oar analyze oracle` output) hold exact OAR-P and OAR-G importance "
+                   f"of the same correct trajectories; screened importance is rebuilt from them with "
+                   f"the trainer's `screen_positions` / `merge_screened`.\n\n{text}\n")
         print(f"updated {common.update_benchmarks('screening', section)}")
     return 0
 
