@@ -517,17 +517,10 @@ def main(argv: list[str] | None = None) -> int:
             "model_line": _model_line(model, base_cfg, nproc, all_steps, args.steps, args.warmup,
                                       args.repeats, config, args.overrides)}
     report = {"meta": meta, "methods": methods}
-    md = render_markdown(report)
-    js, mdp = common.write_outputs(out, SUITE, report, md)
-    print(md)
-    print(f"[bench] wrote {js} and {mdp}")
-    if args.update_benchmarks:
-        if not baseline:
-            print("[bench] not updating BENCHMARKS.md: no GRPO baseline", file=sys.stderr)
-            return 1
-        path = common.update_benchmarks(SUITE, md, args.benchmarks_file)
-        print(f"[bench] updated the '{SUITE}' section of {path}")
-    return 1 if failed else 0
+    published = common.publish(out, SUITE, report, render_markdown(report),
+                               update=args.update_benchmarks, benchmarks_file=args.benchmarks_file,
+                               blocked=None if baseline else "no GRPO baseline")
+    return 1 if failed or not published else 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import os
 import platform
 import shlex
 import statistics
+import sys
 from pathlib import Path
 
 from megatron_oar.fileio import atomic_write_text
@@ -188,3 +189,20 @@ def subprocess_env(threads: int | None = None, default_threads: int | None = 1) 
     elif "OMP_NUM_THREADS" not in env and default_threads is not None:
         env["OMP_NUM_THREADS"] = str(default_threads)
     return env
+
+
+def publish(out: Path, name: str, report: dict, markdown: str, *, update: bool,
+            benchmarks_file: Path | None = None, blocked: str | None = None) -> bool:
+    """Writes OUT/<name>.{json,md}, prints the Markdown and, with ``update``, rewrites the suite's
+    BENCHMARKS.md section unless ``blocked`` says why not. False when the update was blocked."""
+    js, md = write_outputs(out, name, report, markdown)
+    print(markdown)
+    print(f"[bench] wrote {js} and {md}")
+    if not update:
+        return True
+    if blocked:
+        print(f"[bench] not updating BENCHMARKS.md: {blocked}", file=sys.stderr)
+        return False
+    path = update_benchmarks(name, markdown, benchmarks_file)
+    print(f"[bench] updated the '{name}' section of {path}")
+    return True

@@ -297,17 +297,11 @@ def main(argv: list[str] | None = None) -> int:
             "note": args.note, "setup_line": setup, "args": {k: v for k, v in vars(args).items()
                                                             if k not in ("out", "benchmarks_file")}}
     report = {"meta": meta, "sizes": sizes}
-    md = render_markdown(report)
-    js, mdp = common.write_outputs(out, SUITE, report, md)
-    print(md)
-    print(f"[bench] wrote {js} and {mdp}")
-    if args.update_benchmarks:
-        if not any(r.get("status") == "ok" for r in sizes):
-            print("[bench] not updating BENCHMARKS.md: no size measured", file=sys.stderr)
-            return 1
-        path = common.update_benchmarks(SUITE, md, args.benchmarks_file)
-        print(f"[bench] updated the '{SUITE}' section of {path}")
-    return 1 if failed else 0
+    measured = any(r.get("status") == "ok" for r in sizes)
+    published = common.publish(out, SUITE, report, render_markdown(report),
+                               update=args.update_benchmarks, benchmarks_file=args.benchmarks_file,
+                               blocked=None if measured else "no size measured")
+    return 1 if failed or not published else 0
 
 
 if __name__ == "__main__":
