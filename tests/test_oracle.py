@@ -95,7 +95,10 @@ def test_oracle_end_to_end(warm_model, tmp_path):
            str(ROOT / "examples/tiny_cpu.yaml"), "--model", str(warm_model), "--trajectories", "6",
            "--samples-per-prompt", "4", "--k-percents", "10,20,50", "--out", str(out),
            "parallel.tp=1", f"run_dir={tmp_path / 'run'}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    from megatron_oar.training.policy import _LAUNCHER_VARS
+
+    # a fresh one-process world: no torchrun variables (an earlier test's MASTER_PORT may be taken)
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "| OAR-P |" in done.stdout and "| Random |" in done.stdout

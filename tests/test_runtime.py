@@ -382,3 +382,20 @@ def test_pipeline_schedule_forward_backward_pp2(tmp_path):
     bad = {n: e for n, e in report["grad_rel_err"].items() if not e < 1e-4}
     assert bad == {}, bad
     assert len(report["grad_rel_err"]) == len(names["0"]) + len(names["1"])
+
+
+def test_one_process_world_leaves_no_rendezvous_behind(monkeypatch):
+    """A plain-python init_runtime sets torchrun's variables for itself and removes them again,
+    so a child process started later does not try the old (possibly reused) port."""
+    from megatron_oar.runtime import destroy_runtime, init_runtime
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # one the caller set stays
+    init_runtime()
+    try:
+        assert os.environ["MASTER_PORT"] and os.environ["WORLD_SIZE"] == "1"
+    finally:
+        destroy_runtime()
+    assert "MASTER_PORT" not in os.environ and "RANK" not in os.environ
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1"

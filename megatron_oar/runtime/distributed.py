@@ -46,6 +46,9 @@ class RuntimeInfo:
     backend: str
 
 
+_SET_BY_US: set[str] = set()  # torchrun variables init_runtime set for a one-process world
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,9 +101,11 @@ def init_runtime(parallel: ParallelConfig | None = None) -> RuntimeInfo:
     if not dist.is_initialized():
         if world_size == 1:  # a plain `python` run: the variables torchrun would set
             for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                                ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-                os.environ.setdefault(name, value)
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+                                ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                                ("MASTER_PORT", None)):
+                if name not in os.environ:  # set here, removed by destroy_runtime
+                    os.environ[name] = value or str(_free_port())
+                    _SET_BY_US.add(name)
         backend = "nccl" if cuda else "gloo"
         dist.init_process_group(
             backend=backend,
@@ -159,3 +164,7 @@ def destroy_runtime() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    # child processes must not inherit a one-process world's rendezvous (its port may be reused)
+    for name in _SET_BY_US:
+        os.environ.pop(name, None)
+    _SET_BY_US.clear()
