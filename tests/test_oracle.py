@@ -167,3 +167,11 @@ def test_oracle_refuses_bad_flags(tmp_path):
     assert main(["--config", cfg, "--methods", "oar_q"]) == 2
     assert main(["--config", cfg, "--k-percents", "0,10"]) == 2
     assert main(["--config", str(tmp_path / "none.yaml")]) == 2
+
+
+def test_oracle_eval_split_needs_an_eval_set(capsys):
+    from megatron_oar.eval.oracle import main
+
+    cfg = str(ROOT / "examples/tiny_cpu.yaml")
+    assert main(["--config", cfg, "data.synthetic.eval_n=0", "train.eval_interval=0"]) == 2
+    assert "--split eval" in capsys.readouterr().err

@@ -91,7 +91,6 @@ def score_tokens(model, trajs: list[Trajectory], cfg, methods, tokenizer, vocab_
     """Collective within a DP replica: per trajectory ``{"alt", "scores", "scored"}`` over its
     response tokens; on the last pipeline stage, else None."""
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megatron_oar.attribution import AttributionConfig, SequenceBatch, compute_importance, plan_probes
     from megatron_oar.attribution.spans import SpanFinder
@@ -112,9 +111,8 @@ def score_tokens(model, trajs: list[Trajectory], cfg, methods, tokenizer, vocab_
                           torch.tensor(list(map(len, rows)), device=tokens.device))
     mbs = _micro_batch_size(len(rows), cfg.attribution.micro_batch_size)
 
-    def top2_entropy(logits, _):
-        full = gather_from_tensor_model_parallel_region(logits)[..., :vocab_size].float()
-        top = full.topk(2, dim=-1).indices.float()
+    def top2_entropy(logits, _):  # vocab-parallel: the full vocabulary is never gathered
+        top = vp.top_k(logits, vocab_size, 2)[1].float()  # ids < 2**24 are exact in float32
         return torch.cat([top, vp.entropy(logits, vocab_size).float().unsqueeze(-1)], dim=-1)
 
     dense = forward_map(model, tokens, top2_entropy, mbs)  # [B, L, 3]; position p predicts p + 1
@@ -187,17 +185,20 @@ def oracle_labels(engine, scorer, tokenizer, trajs: list[Trajectory], scored: li
 
 # ------------------------------------------------------------------------------ the command
 
+def has_eval_set(cfg) -> bool:
+    d = cfg.data
+    return bool(d.eval_files) or (d.synthetic is not None and d.synthetic.eval_n > 0)
+
+
 def _examples(cfg, tokenizer, split: str):
     from megatron_oar.trainer import load_examples
     from megatron_oar.training.evaluate import load_eval_examples
 
-    train = load_examples(cfg, tokenizer) if split == "train" or not (
-        cfg.data.eval_files or (cfg.data.synthetic and cfg.data.synthetic.eval_n)) else []
     if split == "train":
-        return train
-    if not train and cfg.data.synthetic is not None:
-        train = load_examples(cfg, tokenizer)  # the held-out draw removes training prompts
-    return load_eval_examples(cfg, tokenizer, train) or train
+        return load_examples(cfg, tokenizer)
+    # the arithmetic task's held-out draw leaves out the training prompts, so it needs them
+    train = load_examples(cfg, tokenizer) if cfg.data.synthetic is not None else []
+    return load_eval_examples(cfg, tokenizer, train)
 
 
 def run(cfg, *, trajectories: int, per_prompt: int, methods: list[str], k_percents: list[float],
@@ -293,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--trajectories and --samples-per-prompt must be >= 1")
         overrides = [*args.overrides, *([f"model.path={args.model}"] if args.model else [])]
         cfg = load_config(args.config, overrides)
+        if args.split == "eval" and not has_eval_set(cfg):
+            raise ConfigError(f"--split eval: {args.config} has no eval set (data.eval_files, or "
+                              "data.synthetic.eval_n > 0); add one or use --split train")
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)),
                  hf_config=read_hf_config(cfg.model.hf_dir() / "config.json"))
     except (ConfigError, ModelConfigError) as e:

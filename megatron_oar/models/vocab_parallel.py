@@ -104,3 +104,24 @@ def kl_divergence(teacher_logp: torch.Tensor, student_logp: torch.Tensor) -> tor
     absent = p == 0  # padded rows (and underflow): they contribute 0, never NaN
     diff = teacher_logp.masked_fill(absent, 0.0) - student_logp.masked_fill(absent, 0.0)
     return reduce_from_tensor_model_parallel_region((p * diff).sum(dim=-1))
+
+
+@torch.no_grad()
+def top_k(logits: torch.Tensor, vocab_size: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, token ids)`` of the ``k`` largest logits over the whole true vocabulary,
+    ``[..., k]`` each, from local vocab-parallel slices: each TP rank's top ``k`` are gathered
+    (``k`` per rank, never the full vocabulary) and reduced again."""
+    local = masked_logits(logits, vocab_size)
+    values, ids = local.topk(k, dim=-1)
+    ids = ids + vocab_slice(logits.shape[-1])[0]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        group = parallel_state.get_tensor_model_parallel_group()
+        all_values = [torch.empty_like(values) for _ in range(tp)]
+        all_ids = [torch.empty_like(ids) for _ in range(tp)]
+        dist.all_gather(all_values, values.contiguous(), group=group)
+        dist.all_gather(all_ids, ids.contiguous(), group=group)
+        values, ids = torch.cat(all_values, dim=-1), torch.cat(all_ids, dim=-1)
+        order = values.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+        values, ids = values.gather(-1, order), ids.gather(-1, order)
+    return values, ids
