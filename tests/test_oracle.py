@@ -88,18 +88,31 @@ def warm_model(tmp_path_factory):
     return d
 
 
-@pytest.mark.slow
-def test_oracle_end_to_end(warm_model, tmp_path):
-    out = tmp_path / "oracle"
-    cmd = [sys.executable, "-m", "megatron_oar.eval.oracle", "--config",
-           str(ROOT / "examples/tiny_cpu.yaml"), "--model", str(warm_model), "--trajectories", "6",
-           "--samples-per-prompt", "4", "--k-percents", "10,20,50", "--out", str(out),
-           "parallel.tp=1", f"run_dir={tmp_path / 'run'}"]
+def _oracle(model: Path, work: Path, nproc: int = 1) -> subprocess.CompletedProcess:
+    """`oar analyze oracle` on the tiny config, one process or ``nproc`` under torchrun (DP)."""
     from megatron_oar.training.policy import _LAUNCHER_VARS
 
-    # a fresh one-process world: no torchrun variables (an earlier test's MASTER_PORT may be taken)
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable])
+    cmd = [*launcher, "-m", "megatron_oar.eval.oracle", "--config",
+           str(ROOT / "examples/tiny_cpu.yaml"), "--model", str(model), "--trajectories", "6",
+           "--samples-per-prompt", "4", "--k-percents", "10,20,50", "--out", str(work / "oracle"),
+           "parallel.tp=1", f"run_dir={work / 'run'}"]
+    # a fresh world: no torchrun variables (an earlier test's MASTER_PORT may be taken)
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def single(warm_model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("oracle1")
+    return work, _oracle(warm_model, work)
+
+
+@pytest.mark.slow
+def test_oracle_end_to_end(warm_model, single):
+    work, done = single
+    out = work / "oracle"
     assert done.returncode == 0, done.stderr[-4000:]
     assert "| OAR-P |" in done.stdout and "| Random |" in done.stdout
     records = list(read_records(out / "records.jsonl"))
@@ -175,3 +188,23 @@ def test_oracle_eval_split_needs_an_eval_set(capsys):
     cfg = str(ROOT / "examples/tiny_cpu.yaml")
     assert main(["--config", cfg, "data.synthetic.eval_n=0", "train.eval_interval=0"]) == 2
     assert "--split eval" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_oracle_data_parallel_equals_one_process(warm_model, single, tmp_path):
+    """Two torchrun ranks (DP2: each scores half the trajectories, the rollout groups share the
+    counterfactual decodes) give the same trajectories, substitutes, labels and scores."""
+    import torch
+
+    done = _oracle(warm_model, tmp_path, nproc=2)
+    assert done.returncode == 0, done.stderr[-4000:]
+    one = {r.id: r for r in read_records(single[0] / "oracle" / "records.jsonl")}
+    two = {r.id: r for r in read_records(tmp_path / "oracle" / "records.jsonl")}
+    assert one.keys() == two.keys()
+    for k, a in one.items():
+        b = two[k]
+        assert (a.token_ids, a.oracle, a.substitutes, a.scored) == (b.token_ids, b.oracle, b.substitutes, b.scored)
+        assert a.scores["random"] == b.scores["random"]
+        for m in ("oar_p", "oar_g", "entropy"):
+            x, y = torch.tensor(a.scores[m]), torch.tensor(b.scores[m])
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4 * float(x.abs().max()))

@@ -86,10 +86,11 @@ def _micro_batch_size(rows: int, wanted: int) -> int:
     return max(d for d in range(1, min(rows, wanted) + 1) if rows % d == 0)
 
 
-def score_tokens(model, trajs: list[Trajectory], cfg, methods, tokenizer, vocab_size: int,
-                 pad_id: int, seed: int) -> list[dict] | None:
+def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, tokenizer,
+                 vocab_size: int, pad_id: int, seed: int) -> list[dict] | None:
     """Collective within a DP replica: per trajectory ``{"alt", "scores", "scored"}`` over its
-    response tokens; on the last pipeline stage, else None."""
+    response tokens; on the last pipeline stage, else None. ``ids`` (the trajectories' global
+    indices) seed OAR-G's noise, so the scores do not depend on the DP layout."""
     from megatron.core import parallel_state as ps
 
     from megatron_oar.attribution import AttributionConfig, SequenceBatch, compute_importance, plan_probes
@@ -108,7 +109,8 @@ def score_tokens(model, trajs: list[Trajectory], cfg, methods, tokenizer, vocab_
     if device is not None:
         tokens = tokens.to(device)
     batch = SequenceBatch(tokens, torch.tensor([len(t.prompt_ids) for t in trajs], device=tokens.device),
-                          torch.tensor(list(map(len, rows)), device=tokens.device))
+                          torch.tensor(list(map(len, rows)), device=tokens.device),
+                          sample_ids=torch.tensor(ids))
     mbs = _micro_batch_size(len(rows), cfg.attribution.micro_batch_size)
 
     def top2_entropy(logits, _):  # vocab-parallel: the full vocabulary is never gathered
@@ -127,7 +129,6 @@ def score_tokens(model, trajs: list[Trajectory], cfg, methods, tokenizer, vocab_
                                                tokenizer=tokenizer, plan=plan).importance
     if not ps.is_pipeline_last_stage():
         return None
-    gen = torch.Generator().manual_seed(seed)
     out = []
     for i, t in enumerate(trajs):
         p, n = len(t.prompt_ids), len(rows[i])
@@ -138,6 +139,7 @@ def score_tokens(model, trajs: list[Trajectory], cfg, methods, tokenizer, vocab_
         if "entropy" in methods:
             scores["entropy"] = prev[:, 2].tolist()
         if "random" in methods:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + ids[i])  # per trajectory
             scores["random"] = torch.rand(n - p, generator=gen).tolist()
         for m, imp in importance.items():
             scores[m] = imp[i, p:n].float().cpu().tolist()
@@ -231,8 +233,8 @@ def run(cfg, *, trajectories: int, per_prompt: int, methods: list[str], k_percen
         log.info("%d correct trajectories", len(trajs))
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         mine = list(range(dp_rank, len(trajs), dp))
-        part = score_tokens(model, [trajs[i] for i in mine], cfg, methods, tok, arch.vocab_size,
-                            pad_id, seed + dp_rank)
+        part = score_tokens(model, [trajs[i] for i in mine], mine, cfg, methods, tok,
+                            arch.vocab_size, pad_id, seed)
         holder = part is not None and ps.get_tensor_model_parallel_rank() == 0
         parts: list = [None] * rt.world_size
         dist.all_gather_object(parts, (mine, part) if holder else None, group=control)
