@@ -75,12 +75,19 @@ class Hardware:
 
 # ------------------------------------------------------------------------------ parameters
 
-def layer_params(a: QwenArch, tp: int = 1) -> int:
-    """Parameters of one decoder layer on one TP rank (QKV with bias, proj, gated FC1, FC2,
-    two RMSNorm weights that every rank holds whole)."""
+def linear_weights(a: QwenArch) -> int:
+    """Weights of one decoder layer's linears, whole (QKV, proj, gated FC1, FC2): the
+    parameters its matmuls use, and what FP8 keeps extra copies of."""
     qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-    return ((a.hidden_size + 1) * qkv + a.num_heads * a.head_dim * a.hidden_size
-            + 3 * a.hidden_size * a.intermediate_size) // tp + 2 * a.hidden_size
+    return (a.hidden_size * qkv + a.num_heads * a.head_dim * a.hidden_size
+            + 3 * a.hidden_size * a.intermediate_size)
+
+
+def layer_params(a: QwenArch, tp: int = 1) -> int:
+    """Parameters of one decoder layer on one TP rank: the linears and the QKV bias split by TP,
+    two RMSNorm weights that every rank holds whole."""
+    qkv_bias = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+    return (linear_weights(a) + qkv_bias) // tp + 2 * a.hidden_size
 
 
 def stage_params(a: QwenArch, tp: int, pp: int, stage: int, vocab_multiple: int = 128) -> int:
@@ -107,10 +114,7 @@ def total_params(a: QwenArch) -> int:
 
 def matmul_params(a: QwenArch) -> int:
     """Parameters taking part in a token's matmuls (layers' linears and the output layer)."""
-    qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-    per_layer = (a.hidden_size * qkv + a.num_heads * a.head_dim * a.hidden_size
-                 + 3 * a.hidden_size * a.intermediate_size)
-    return a.num_layers * per_layer + a.vocab_size * a.hidden_size
+    return a.num_layers * linear_weights(a) + a.vocab_size * a.hidden_size
 
 
 # ------------------------------------------------------------------------------ activations
@@ -187,7 +191,7 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     # --- Megatron's resident state: the heaviest stage
     stage = [stage_params(a, tp, pp, k, m.vocab_multiple) for k in range(pp)]
     p_rank = max(stage)
-    linear_rank = (a.num_layers // pp) * (layer_params(a, tp) - 2 * a.hidden_size)
+    linear_rank = (a.num_layers // pp) * linear_weights(a) // tp  # FP8 copies weights, not biases
     opt_bytes = (12 if wbytes == 2 else 8) / (dp if cfg.optim.use_distributed_optimizer else 1)
     mem = {
         "weights": p_rank * wbytes,
