@@ -39,15 +39,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from megatron_oar.eval import recall
 from megatron_oar.eval.records import METHODS, RecordError, TokenRecord, read_records
 from megatron_oar.fileio import atomic_write
 
 ORACLE = "oracle"
-LABELS = {"oar_p": "OAR-P", "oar_g": "OAR-G", "entropy": "Entropy", "random": "Random",
-          ORACLE: "Oracle"}
+LABELS = {**recall.LABELS, ORACLE: "Oracle"}
 DEFAULT_METHODS = ("oar_p", "oar_g", "entropy")  # + oracle when present; random only on request
-TOP_FRACTION = 0.2
-EPS = 1e-6  # as megatron_oar.algorithms.oar.normalize_importance
+TOP_PERCENT = 20  # the caption's recall of pivots: the paper's Figure 5 at K = 20%
 DEFAULT_MAX_RECORDS = 20
 
 RGB = tuple[int, int, int]
@@ -101,15 +100,18 @@ def hex_color(rgb: RGB) -> str:
 
 
 def normalize(scores: list[float], mask: list[bool]) -> np.ndarray:
-    """OAR's Eq. 14 per sequence: ``log1p`` (negatives clamped to 0), then min-max over the masked
-    finite tokens, in [0, 1); NaN where a token is not ranked."""
+    """OAR's Eq. 14 per sequence (:func:`~megatron_oar.algorithms.oar.normalize_importance`:
+    ``log1p``, then min-max) over the masked finite tokens, negatives clamped to 0, in [0, 1);
+    NaN where a token is not ranked."""
+    import torch
+
+    from megatron_oar.algorithms.oar import normalize_importance
+
     x = np.asarray(scores, dtype=np.float64)
     ok = np.asarray(mask, dtype=bool) & np.isfinite(x)
-    out = np.full(x.shape, np.nan)
-    if ok.any():
-        bar = np.log1p(np.clip(x[ok], 0.0, None))
-        out[ok] = (bar - bar.min()) / (bar.max() - bar.min() + EPS)
-    return out
+    safe = np.where(ok, np.clip(np.nan_to_num(x), 0.0, None), 0.0)
+    norm = normalize_importance(torch.from_numpy(safe)[None], torch.from_numpy(ok)[None])[0].numpy()
+    return np.where(ok, norm, np.nan)
 
 
 def ranks(scores: list[float], mask: list[bool]) -> np.ndarray:
@@ -122,17 +124,16 @@ def ranks(scores: list[float], mask: list[bool]) -> np.ndarray:
     return out
 
 
-def top_recall(record: TokenRecord, method: str, fraction: float = TOP_FRACTION
-               ) -> tuple[int, int, int] | None:
-    """``(pivots among the top fraction, pivots, k)`` over the scored tokens; None without an
-    oracle."""
+def top_recall(record: TokenRecord, method: str) -> tuple[int, int, int] | None:
+    """``(pivots among the top TOP_PERCENT%, pivots, k)`` over the scored tokens (ranked as
+    ``oar analyze recall`` ranks them); None without an oracle."""
     if record.oracle is None:
         return None
-    r = ranks(record.scores[method], record.scored_mask)
-    n = int((r > 0).sum())
-    k = max(1, math.ceil(fraction * n)) if n else 0
-    pivots = [i for i, o in enumerate(record.oracle) if o and r[i] > 0]
-    return sum(1 for i in pivots if r[i] <= k), len(pivots), k
+    scores = record.scores[method]
+    ranked = [bool(m) and math.isfinite(v) for m, v in zip(record.scored_mask, scores)]
+    top = recall.top_mask(scores, ranked, TOP_PERCENT)
+    pivots = [i for i, o in enumerate(record.oracle) if o and ranked[i]]
+    return sum(top[i] for i in pivots), len(pivots), sum(top)
 
 
 @dataclass
@@ -323,7 +324,7 @@ def caption_text(record: TokenRecord, methods: list[str]) -> str:
     parts, head = [], ""
     for m in scored:
         hits, pivots, k = top_recall(record, m)  # type: ignore[misc]
-        head = f"top {TOP_FRACTION:.0%} = {k} of {n} scored tokens, {pivots} pivots"
+        head = f"top {TOP_PERCENT}% = {k} of {n} scored tokens, {pivots} pivots"
         ratio = f" = {hits / pivots:.2f}" if pivots else ""
         parts.append(f"{LABELS.get(m, m)} {hits}/{pivots}{ratio}")
     return f"Recall of oracle pivots in the {head}: " + " · ".join(parts)
