@@ -154,7 +154,7 @@ def oracle_labels(engine, scorer, tokenizer, trajs: list[Trajectory], scored: li
                   max_new_tokens: int, group) -> tuple[list[list[int]], list[bool]]:
     """Collective: per trajectory, 1 where the substitution flips correctness (scored tokens
     only), and whether the trajectory itself verifies as correct through the same decoding."""
-    from megatron_oar.training.rollouts import Sample, score_samples
+    from megatron_oar.training.rollouts import Sample, group_share, score_samples
 
     stop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None}
     requests = []  # (trajectory, position, prefix ids, budget)
@@ -165,9 +165,7 @@ def oracle_labels(engine, scorer, tokenizer, trajs: list[Trajectory], scored: li
                 budget = 0 if alt in stop_ids else max_new_tokens - r - 1
                 requests.append((k, r, prefix, budget))
     gen = [q for q in requests if q[3] > 0]
-    n_groups, g = engine.dp_size, engine.dp_rank
-    per = -(-len(gen) // n_groups) if gen else 0
-    mine = gen[g * per:(g + 1) * per]
+    mine = [gen[i] for i in group_share(engine, len(gen))]
     batch = engine.gather(engine.generate([trajs[k].prompt_ids + pre for k, _, pre, _ in mine], n=1,
                                           temperature=0.0, max_new_tokens=[b for *_, b in mine] or 1,
                                           seeds=[0] * len(mine)))

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from megatron_oar.models.checkpoint import HF_DIR
 from megatron_oar.models.qwen2 import ModelConfigError, read_hf_config
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def resolve_hf_config(model_path: str | Path, arch: str | None = None) -> tuple[
     config_json = path / "config.json"
     if config_json.is_file():
         return read_hf_config(config_json), str(config_json)
-    checkpoint_json = path / "hf" / "config.json"  # an oar-convert Megatron checkpoint
+    checkpoint_json = path / HF_DIR / "config.json"  # an oar-convert Megatron checkpoint
     if checkpoint_json.is_file():
         return read_hf_config(checkpoint_json), str(checkpoint_json)
     key = preset_name(path)

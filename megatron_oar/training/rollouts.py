@@ -55,13 +55,18 @@ def sampling_seed(base: int, step: int, round_: int, prompt: int) -> int:
     return int.from_bytes(digest, "little") % SEED_SPACE
 
 
+def group_share(engine, n: int) -> range:
+    """The items ``[0, n)`` this rank's rollout group generates: contiguous, in group order, so
+    ``engine.gather`` of the groups' outputs is in item order."""
+    per = -(-n // engine.dp_size)
+    return range(engine.dp_rank * per, min((engine.dp_rank + 1) * per, n))
+
+
 def generate_samples(engine, tokenizer, prompts: list[Example], template: str, seeds: list[int],
                      **sampling) -> list[Sample]:
     """Collective: every rollout group generates its share of ``prompts`` (``sampling``: the
     engine's ``n``/``temperature``/... overrides); all completions, prompt-major, on every rank."""
-    n_groups, k = engine.dp_size, engine.dp_rank
-    per = -(-len(prompts) // n_groups)
-    mine = range(k * per, min((k + 1) * per, len(prompts)))
+    mine = group_share(engine, len(prompts))
     ids = [tokenizer(render_prompt(prompts[i].prompt, template, tokenizer),
                      add_special_tokens=False)["input_ids"] for i in mine]
     batch = engine.gather(engine.generate(ids, seeds=[seeds[i] for i in mine], **sampling))
