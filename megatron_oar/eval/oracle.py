@@ -93,7 +93,8 @@ def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, t
     indices) seed OAR-G's noise, so the scores do not depend on the DP layout."""
     from megatron.core import parallel_state as ps
 
-    from megatron_oar.attribution import AttributionConfig, SequenceBatch, compute_importance, plan_probes
+    from megatron_oar.attribution import (AttributionConfig, SequenceBatch, compute_importance,
+                                          plan_probes, probe_teacher)
     from megatron_oar.attribution.spans import SpanFinder
     from megatron_oar.models import vocab_parallel as vp
     from megatron_oar.models.forward import forward_map
@@ -121,12 +122,16 @@ def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, t
     step = cfg.attribution.probe.warmup_steps  # past the warm-up: the configured probe
     plan = plan_probes(batch, cfg.attribution.probe, step,
                        SpanFinder(tokenizer, cfg.attribution.probe.answer_pattern))
-    importance = {}
-    for m in ("oar_p", "oar_g"):
-        if m in methods:
-            acfg = AttributionConfig(**{**vars(cfg.attribution), "method": m})
-            importance[m] = compute_importance(model, batch, acfg, vocab_size=vocab_size, step=step,
-                                               tokenizer=tokenizer, plan=plan).importance
+    importance, teacher = {}, None
+    wanted = [m for m in ("oar_p", "oar_g") if m in methods]
+    if wanted:  # the clean probe P0 once, for both methods (compute_importance would run it each time)
+        scored = plan.scored_rows().nonzero().flatten().tolist()
+        teacher = probe_teacher(model, batch, plan, scored, vocab_size, cfg.attribution.micro_batch_size)
+    for m in wanted:
+        acfg = AttributionConfig(**{**vars(cfg.attribution), "method": m})
+        importance[m] = compute_importance(model, batch, acfg, vocab_size=vocab_size, step=step,
+                                           tokenizer=tokenizer, plan=plan, teacher=teacher,
+                                           external_teacher=True).importance
     if not ps.is_pipeline_last_stage():
         return None
     out = []
