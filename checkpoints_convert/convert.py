@@ -82,10 +82,16 @@ def template(arch: QwenArch, dtype: str, vocab_multiple: int = 128) -> dict:
     Checkpoint keys do not depend on the layer spec: megatron's local spec maps its
     ``input_layernorm`` / ``pre_mlp_layernorm`` to the Transformer Engine names
     (``sharded_state_dict_keys_map``), so one checkpoint serves both specs.
+
+    The template never touches an accelerator: with CUDA visible megatron would create every
+    parameter with ``device=torch.cuda.current_device()``, which a ``torch.device("meta")``
+    context does not override (about 145 GB for a 72B model in bf16); CPU initialisation makes
+    it create them without a device, so the meta context holds them all.
     """
     opts = ModelOptions(spec="local", dtype=dtype, vocab_multiple=vocab_multiple)
     with torch.device("meta"):
-        model = build_gpt_model(arch, opts, perform_initialization=False)
+        model = build_gpt_model(arch, opts, perform_initialization=False,
+                                use_cpu_initialization=True)
     return dict(model.sharded_state_dict())
 
 

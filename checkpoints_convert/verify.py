@@ -50,6 +50,11 @@ def _tokens(hf_dir: Path, prompt: str, vocab_size: int) -> torch.Tensor:
     return torch.tensor([ids], dtype=torch.long)
 
 
+def model_device(model) -> torch.device:
+    """Where ``model``'s parameters are (every TP/PP shard has some)."""
+    return next(model.parameters()).device
+
+
 def verify(hf_dir: str | Path, ckpt: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "fp32",
            tol: float = 1e-4, prompt: str = DEFAULT_PROMPT, result_file: str | None = None
            ) -> VerifyResult | None:
@@ -71,15 +76,17 @@ def verify(hf_dir: str | Path, ckpt: str | Path, *, tp: int = 1, pp: int = 1, dt
     init_runtime(ParallelConfig(tp=tp, pp=pp))
     model = build_gpt_model(read_hf_config(Path(ckpt) / HF_DIR), ModelOptions(dtype=dtype))
     meta = load_model(model, ckpt)
-    tokens = _tokens(hf_dir, prompt, meta.vocab_size)
-    got = forward_logits(model, tokens, vocab_size=meta.vocab_size)
+    tokens = _tokens(hf_dir, prompt, meta.vocab_size)  # on CPU, for the transformers reference
+    # megatron's shard lives on this rank's GPU when there is one: its inputs go there, and the
+    # comparison happens on CPU, where the reference runs.
+    got = forward_logits(model, tokens.to(model_device(model)), vocab_size=meta.vocab_size)
     reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     result = None
     if reporter:
         ref_model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=DTYPES[dtype]).eval()
         with torch.no_grad():
             ref = ref_model(tokens).logits.float()
-        got = got.float()
+        got = got.float().cpu()
         result = VerifyResult(tp=tp, pp=pp, dtype=dtype, tokens=tokens.numel(),
                               max_abs_diff=(got - ref).abs().max().item(),
                               top1_agreement=(got.argmax(-1) == ref.argmax(-1)).float().mean().item(),

@@ -34,7 +34,9 @@ from megatron_oar.attribution import AttributionConfig
 from megatron_oar.fileio import atomic_write_text
 from megatron_oar.data import ANSWER_FORMATS, PRESETS, TEMPLATES, ArithmeticConfig, FieldMap
 from megatron_oar.models.checkpoint import HF_DIR, META_FILE
-from megatron_oar.models.qwen2 import DTYPES, ModelConfigError, ModelOptions, check_layout, parse_arch
+from megatron_oar.models.qwen2 import (DTYPES, ModelConfigError, ModelOptions,
+                                      check_fp8_recipe_device, check_layout, check_spec_features,
+                                      parse_arch, resolve_spec)
 from megatron_oar.rewards import RewardConfig
 from megatron_oar.rollout.config import RolloutConfig
 from megatron_oar.runtime.distributed import ParallelConfig
@@ -165,6 +167,7 @@ class LogConfig:
     wandb_project: str = "megatron-oar"
     wandb_name: str | None = None   # null: the run_dir's name
     console: bool = True            # progress line per step (rank 0)
+    phase_lines: bool = True        # and one console line per phase of the step (rank 0)
 
 
 @dataclass
@@ -366,11 +369,29 @@ def _component(check, *args) -> None:
         raise ConfigError(str(e)) from None
 
 
+def _check_spec(m: ModelConfig) -> None:
+    """``model.spec=auto`` resolved on this machine (``te`` where CUDA and Transformer Engine are,
+    else ``local``), then what that spec cannot build: sequence parallelism and FP8 need ``te``.
+    An explicit ``te`` is taken as written (configs are written for a cluster, and checked on
+    login nodes and laptops); the model build refuses it where TE is missing. ``mxfp8`` is
+    refused on a pre-Blackwell GPU; with no GPU here it is only a warning, and the build on the
+    GPU checks it again."""
+    try:
+        spec = resolve_spec(m) if m.spec == "auto" else m.spec
+        check_spec_features(m, spec)
+        if not check_fp8_recipe_device(m):
+            log.warning("model.fp8_recipe=mxfp8 needs a Blackwell GPU (compute capability >= 10.0; "
+                        "not H100/H200): no GPU here to check it, the model build checks it there")
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
 def validate(cfg: Config, world_size: int | None = None, hf_config: dict | None = None) -> None:
     """Raises :class:`ConfigError` naming the key for a setting that cannot work, before any work.
 
-    ``world_size`` adds the layout and batch-divisibility checks; ``hf_config`` (the model's
-    config.json as a dict) adds TP/PP against heads, KV groups and layers, and context length.
+    ``world_size`` adds the layout, batch-divisibility and data-parallel checks; ``hf_config``
+    (the model's config.json as a dict) adds TP/PP against heads, KV groups and layers, and
+    context length. ``model.spec=auto`` is resolved for the machine this runs on.
     """
     cfg.sync()
     m, p, d, r, t, o = cfg.model, cfg.parallel, cfg.data, cfg.rollout, cfg.train, cfg.optim
@@ -382,14 +403,23 @@ def validate(cfg: Config, world_size: int | None = None, hf_config: dict | None 
     _one_of("model.fp8", m.fp8, (None, "hybrid", "e4m3"))
     _one_of("model.fp8_recipe", m.fp8_recipe, FP8_RECIPES)
     _one_of("model.recompute", m.recompute, (None, "selective", "full"))
-    _need(not m.fp8 or m.spec == "te", f"model.fp8={m.fp8!r} needs model.spec=te (got {m.spec!r})")
     _at_least(cfg, "model.vocab_multiple parallel.tp parallel.pp")
     _need(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel needs parallel.tp > 1")
+    _check_spec(m)
     dp = 1
     if world_size is not None:
         _need(world_size % (p.tp * p.pp) == 0,
               f"parallel.tp*parallel.pp = {p.tp}*{p.pp} does not divide the world size {world_size}")
         dp = world_size // (p.tp * p.pp)
+    # TE's delayed-scaling amax reduction is a collective over TP x DP at every FP8 autocast exit
+    # of a grad-enabled pass; DP ranks score different numbers of sequences (only A_i != 0), so
+    # their counts of such exits differ and the reductions pair up wrongly or hang.
+    _need(not (cfg.uses_attribution and cfg.attribution.allow_fp8 and m.fp8 and dp > 1),
+          f"attribution.allow_fp8=true with model.fp8={m.fp8!r} and data-parallel size {dp} "
+          f"(world size {world_size} / parallel.tp*parallel.pp = {p.tp}*{p.pp}) can deadlock: DP "
+          "ranks score different numbers of sequences, and Transformer Engine's amax reduction "
+          "runs over TP x DP at each FP8 autocast exit. Set attribution.allow_fp8=false "
+          "(attribution in bf16, the default) or use a layout with DP=1")
     _component(r.validate, world_size)
 
     # batch arithmetic

@@ -35,7 +35,11 @@ preset, :mod:`megatron_oar.models.presets`); nothing is allocated. Per GPU it ad
   2 bytes (vLLM docs, "Memory and KV cache").
 * ``Hardware.reserve_gib`` for the CUDA context, NCCL buffers and allocator fragmentation.
 
-Peak per GPU = Megatron's resident state + max(vLLM awake, activations + vLLM asleep) + reserve.
+Memory is added up for every phase of the trainer's loop (``training/phases.py``: wake weights,
+sync, wake KV cache, generate, sleep, logprob, attribution, update, and the evaluation's), as
+Megatron's resident state + the phase's Megatron working set (a weight-sync bucket, or the pass's
+activations) + what vLLM holds then (asleep, its weights only, or all of it) + reserve; the peak
+per GPU is the largest phase.
 
 Time per step, at worst-case lengths unless ``--response-tokens`` says otherwise: Megatron passes
 as FLOPs at a stated MFU (forward 2 FLOPs per matmul parameter per token plus causal attention
@@ -55,6 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_oar.models.qwen2 import QwenArch, parse_arch
+from megatron_oar.training.phases import ASLEEP, AWAKE, CHECKPOINT, EVAL, STEP, WEIGHTS, Phase
 
 GIB = 1024 ** 3
 VLLM_OVERHEAD_GIB = 2.0  # vLLM's activations, sampler and CUDA graphs while awake
@@ -155,7 +160,8 @@ class Plan:
     params_b: float
     layout: dict
     memory_gib: dict = field(default_factory=dict)   # per GPU, by component
-    phases_gib: dict = field(default_factory=dict)   # rollout / train peaks per GPU
+    phases_gib: dict = field(default_factory=dict)   # per GPU, by phase of the trainer's loop
+    phase_vllm: dict = field(default_factory=dict)   # phase -> what vLLM holds (phases.ASLEEP, ...)
     vllm: dict = field(default_factory=dict)
     flops: dict = field(default_factory=dict)        # per step, PFLOP
     time_s: dict = field(default_factory=dict)       # per step, by phase
@@ -167,6 +173,16 @@ class Plan:
     @property
     def peak_gib(self) -> float:
         return max(self.phases_gib.values())
+
+    @property
+    def rollout_peak_gib(self) -> float:
+        """The largest phase while vLLM is (partly) awake: waking, syncing, generating."""
+        return max(g for k, g in self.phases_gib.items() if self.phase_vllm[k] != ASLEEP)
+
+    @property
+    def train_peak_gib(self) -> float:
+        """The largest phase while vLLM sleeps: the Megatron passes."""
+        return max(g for k, g in self.phases_gib.items() if self.phase_vllm[k] == ASLEEP)
 
 
 def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardware,
@@ -233,10 +249,13 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     concurrent = min(seqs_per_engine, r.max_num_seqs, kv_tokens // max(1, r.max_model_len))
     asleep = VLLM_ASLEEP_GIB * GIB if r.sleep_level >= 1 else share
     reserve = hw.reserve_gib * GIB
-    phases = {
-        "rollout": resident + share + reserve,
-        "train": resident + max(act_update, act_forward, act_attr) + asleep + reserve,
-    }
+    # every phase of the trainer's loop (training/phases.py): Megatron's resident state, the
+    # phase's Megatron working set, and what vLLM holds on the GPU then
+    vllm_mem = {ASLEEP: asleep, WEIGHTS: min(share, asleep + vllm_weights), AWAKE: share}
+    work = {None: 0.0, "sync": 2.0 * r.bucket_bytes,  # a gathered bucket + its TP shards in flight
+            "forward": act_forward, "attribution": act_attr, "update": act_update}
+    phases = {p.name: resident + work[p.megatron] + vllm_mem[p.vllm] + reserve
+              for p in trainer_phases(cfg)}
     plan = Plan(
         model=f"Qwen2, {a.num_layers} layers, hidden {a.hidden_size}",
         source=source, params_b=total_params(a) / 1e9,
@@ -246,6 +265,7 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
                 "micro_batches_per_rank": microbatches},
         memory_gib={k: v / GIB for k, v in mem.items()},
         phases_gib={k: v / GIB for k, v in phases.items()},
+        phase_vllm={p.name: p.vllm for p in trainer_phases(cfg)},
         vllm={"share_gib": share / GIB, "weights_gib": vllm_weights / GIB,
               "kv_cache_gib": max(0.0, kv_cache) / GIB, "kv_tokens": kv_tokens,
               "sequences_per_engine": seqs_per_engine, "concurrent_sequences": concurrent,
@@ -255,10 +275,11 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
 
     # --- verdict
     cap = hw.gpu_mem_gib
-    for phase, gib in plan.phases_gib.items():
-        if gib > cap:
-            plan.fits = False
-            plan.reasons.append(f"{phase} phase needs {gib:.1f} GiB per GPU > {cap:g} GiB")
+    over = {phase: gib for phase, gib in plan.phases_gib.items() if gib > cap}
+    if over:
+        plan.fits = False
+        plan.reasons.append(f"phases {', '.join(over)} need up to {max(over.values()):.1f} GiB "
+                            f"per GPU > {cap:g} GiB")
     if vllm_weights + VLLM_OVERHEAD_GIB * GIB >= share:
         plan.fits = False
         plan.reasons.append(
@@ -269,7 +290,7 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
         plan.reasons.append(f"vLLM's KV cache holds {kv_tokens} tokens < rollout.max_model_len="
                             f"{r.max_model_len}")
     if not plan.fits:
-        plan.advice = _advice(plan, cfg, mem, phases, act_update, act_attr)
+        plan.advice = _advice(plan, cfg, mem, act_update, act_attr)
 
     # --- FLOPs and time
     _estimate_time(plan, cfg, a, hw, world=world, samples=samples, prompt=prompt, resp=resp,
@@ -278,15 +299,26 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     return plan
 
 
-def _advice(plan, cfg, mem, phases, act_update, act_attr) -> list[str]:
+def trainer_phases(cfg) -> list[Phase]:
+    """The phases the trainer runs for ``cfg``: a step, an evaluation when
+    ``train.eval_interval`` is set, a checkpoint (at least the last step's); a phase that
+    repeats is listed once."""
+    seen: dict[str, Phase] = {}
+    for p in STEP + (EVAL if cfg.train.eval_interval else ()) + CHECKPOINT:
+        if p.name != "attribution" or cfg.uses_attribution:
+            seen.setdefault(p.name, p)
+    return list(seen.values())
+
+
+def _advice(plan, cfg, mem, act_update, act_attr) -> list[str]:
     tips = []
-    if phases["train"] >= phases["rollout"]:
+    if plan.train_peak_gib >= plan.rollout_peak_gib:
         if act_attr >= act_update and cfg.attribution.micro_batch_size > 1:
             tips.append("attribution runs without recompute: lower attribution.micro_batch_size")
         if cfg.model.recompute != "full":
             tips.append("model.recompute=full")
         if not cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
-            tips.append("parallel.sequence_parallel=true")
+            tips.append("parallel.sequence_parallel=true (with model.spec=te)")
         if cfg.train.micro_batch_size > 1:
             tips.append("a smaller train.micro_batch_size")
     else:
@@ -305,7 +337,7 @@ def _estimate_time(plan: Plan, cfg, a: QwenArch, hw: Hardware, *, world, samples
     fwd_token = 2 * n_mm + attn_per_token
     fwd_seq = fwd_token * s
     t, at = cfg.train, cfg.attribution
-    fe = {"old-logprob": 1.0, "reference": 1.0 if cfg.loss.kl_coef > 0 else 0.0,
+    fe = {"logprob": 1.0 + (1.0 if cfg.loss.kl_coef > 0 else 0.0),  # old-logprob (+ reference)
           "update": t.ppo_epochs * (3.0 + (1.0 if cfg.model.recompute == "full" else 0.0))}
     if cfg.uses_attribution and at.method == "oar_g":
         fe["attribution"] = 2.0  # noisy forward + input-gradient-only backward
@@ -350,8 +382,10 @@ def render(plan: Plan, name: str) -> str:
     lines += [f"| {k} | {g:.2f} |" for k, g in plan.memory_gib.items() if g > 0]
     lines += [f"| vLLM awake (weights {v['weights_gib']:.1f} + KV cache {v['kv_cache_gib']:.1f} "
               f"+ overhead) | {v['share_gib']:.2f} |",
-              f"| **peak, rollout phase** | **{plan.phases_gib['rollout']:.1f}** |",
-              f"| **peak, training phase** | **{plan.phases_gib['train']:.1f}** |", "",
+              "", "| phase of the loop | vLLM on the GPU | peak GiB |", "|---|---|---:|"]
+    lines += [f"| {k} | {plan.phase_vllm[k]} | {g:.1f} |" for k, g in plan.phases_gib.items()]
+    lines += [f"| **peak, vLLM awake** | | **{plan.rollout_peak_gib:.1f}** |",
+              f"| **peak, vLLM asleep (Megatron passes)** | | **{plan.train_peak_gib:.1f}** |", "",
               f"vLLM: KV cache {v['kv_tokens']:,} tokens per engine, {v['concurrent_sequences']} of "
               f"{v['sequences_per_engine']} sequences at once; host memory for sleeping weights "
               f"{v['host_offload_gib_per_node']:.0f} GiB per node", "",
@@ -374,7 +408,7 @@ def summary_row(name: str, plan: Plan) -> str:
     L = plan.layout
     return (f"| {name} | {L['nodes']}x{L['gpus'] // L['nodes']} | {L['tp']}/{L['pp']}/{L['dp']} | "
             f"{L['rollout_tp']} | {plan.memory_gib['weights'] + plan.memory_gib['gradients'] + plan.memory_gib['optimizer']:.1f} | "
-            f"{plan.phases_gib['rollout']:.1f} | {plan.phases_gib['train']:.1f} | "
+            f"{plan.rollout_peak_gib:.1f} | {plan.train_peak_gib:.1f} | "
             f"{plan.vllm['kv_tokens'] // 1000}k | {plan.time_s['total']:.0f} | "
             f"{'fits' if plan.fits else 'does not fit'} |")
 

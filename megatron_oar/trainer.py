@@ -5,14 +5,16 @@
     cfg = load_config("examples/tiny_cpu.yaml", ["train.steps=20"])
     Trainer(cfg).run()           # inside torchrun; or `oar train --config ...`
 
-One step::
+One step (the phases of ``training/phases.py``, one logger phase and console line each)::
 
-    prompts --rollout (vLLM)--> completions --verify--> rewards --Eq. 2--> A_i
+    vLLM wakes its weights --sync--> the policy's weights; vLLM wakes its KV cache
+    prompts --rollout (vLLM)--> completions --verify--> rewards;  vLLM sleeps
+      --Eq. 2--> A_i
       --old-logprob pass--> log-probs, entropy, probe teacher P0   (one Megatron forward)
       --attribution (oar_g / oar_p)--> importance I_t              (only rows with A_i != 0)
       --credit (Eqs. 14-17 / random / entropy)--> A_t
       --PPO-clip updates (mini-batches x epochs, megatron optimizer)--> theta
-      --weight sync--> vLLM;  [eval every train.eval_interval];  log;  checkpoint
+    [eval every train.eval_interval: vLLM wakes, syncs, evaluates, sleeps];  log;  checkpoint
 
 Every rank runs the same code on the same step data; each DP rank trains on its rows
 ``d, d + DP, ...`` of the step's ``prompts_per_step * group_size`` completions.
@@ -119,6 +121,7 @@ class Trainer:
             save_config(cfg, Path(cfg.run_dir) / "config.yaml")
         self.own_engine = engine is None
         self.engine = engine or RolloutEngine(hf_dir, cfg.rollout, tokenizer=cfg.model.tokenizer_dir())
+        self.engine.sleep()  # asleep between generations; the loop wakes it (wake_rollout)
         self.scorer = RewardScorer(cfg.rewards)
         self.logger = MetricsLogger(cfg.log, run_name=Path(cfg.run_dir).name, total_steps=t.steps,
                                     start_step=self.step, enabled=self.rank == 0, hparams=asdict(cfg))
@@ -130,8 +133,6 @@ class Trainer:
         """Trains from ``self.step`` to ``train.steps``; returns the last step's metrics."""
         cfg, metrics = self.cfg, {}
         try:
-            with self.logger.phase("sync"):
-                self.engine.sync_weights(self.policy.model)
             if self.step == 0 and cfg.train.eval_interval:
                 self.logger.log(0, self.evaluate())  # the baseline, before any update
             while self.step < cfg.train.steps:
@@ -154,11 +155,14 @@ class Trainer:
         cfg, step, lg = self.cfg, self.step, self.logger
         t0 = time.perf_counter()
 
-        with lg.phase("generate"):
+        sync = self.wake_rollout()  # wake_weights, sync, wake_kv_cache
+        with lg.phase("generate"):  # and rewards (dynamic sampling may generate again)
             data = collect(self.engine, self.scorer, self.sampler, self.tokenizer, step=step,
                            group_size=cfg.train.group_size, template=cfg.data.template,
                            seed=cfg.rollout.seed, dynamic_sampling=cfg.train.dynamic_sampling,
                            max_refill_rounds=cfg.train.max_refill_rounds, group=self.control)
+        with lg.phase("sleep"):  # every Megatron pass below runs while vLLM sleeps
+            self.engine.sleep()
         rewards = torch.tensor([s.reward for s in data.samples])
         seq_adv = group_advantages(rewards, group_size=cfg.train.group_size,
                                    std_normalize=cfg.advantage.std_normalize, eps=cfg.advantage.eps)
@@ -192,23 +196,38 @@ class Trainer:
         with lg.phase("update"):
             updates = self.update(batch)
 
-        with lg.phase("sync"):
-            sync = self.engine.sync_weights(self.policy.model)
-
         metrics = dict(data.metrics)
         metrics.update(self.batch_metrics(batch, credit, updates, attr_stats))
         metrics["rollout/sync_seconds"] = sync.seconds
         metrics["perf/tokens_per_s"] = data.metrics["rollout/gen_tokens"] / (time.perf_counter() - t0)
         return metrics
 
+    def wake_rollout(self):
+        """Collective: vLLM back on the GPU with the current policy (phases.WAKE): its weights
+        first, then the sync into them, then its KV cache, so the sync's buckets never compete
+        with the KV cache for memory. Returns the sync's :class:`SyncStats`."""
+        lg = self.logger
+        with lg.phase("wake_weights"):
+            self.engine.wake_up(["weights"])
+        with lg.phase("sync"):
+            sync = self.engine.sync_weights(self.policy.model)
+        with lg.phase("wake_kv_cache"):
+            self.engine.wake_up(["kv_cache"])
+        return sync
+
     def evaluate(self) -> dict[str, float]:
-        """Collective: ``eval/*`` of the current weights (vLLM holds them after each sync)."""
-        t = self.cfg.train
-        with self.logger.phase("eval"):
-            return evaluate(self.engine, self.scorer, self.tokenizer, self.eval_examples,
-                            template=self.cfg.data.template, n=t.eval_n,
-                            temperature=t.eval_temperature, seed=self.cfg.rollout.seed,
-                            group=self.control)
+        """Collective: ``eval/*`` of the current weights (phases.EVAL: vLLM wakes with them,
+        evaluates, and sleeps again)."""
+        t, lg = self.cfg.train, self.logger
+        self.wake_rollout()
+        with lg.phase("eval"):
+            metrics = evaluate(self.engine, self.scorer, self.tokenizer, self.eval_examples,
+                               template=self.cfg.data.template, n=t.eval_n,
+                               temperature=t.eval_temperature, seed=self.cfg.rollout.seed,
+                               group=self.control)
+        with lg.phase("sleep"):
+            self.engine.sleep()
+        return metrics
 
     def local_batch(self, data: StepData, seq_adv: torch.Tensor) -> TrainBatch:
         """This DP rank's rows ``d, d + DP, ...`` as padded tensors."""

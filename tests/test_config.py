@@ -6,6 +6,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from megatron_oar.algorithms import CreditConfig, PolicyLossConfig
@@ -241,7 +242,7 @@ def test_bad_credit():
 # --------------------------------------------------------------------------- one key, two places
 
 def test_sequence_parallel_is_one_key(tmp_path):
-    cfg = example("qwen2.5-7b_oar_g.yaml", "parallel.sequence_parallel=true")
+    cfg = example("qwen2.5-7b_oar_g.yaml", "parallel.sequence_parallel=true", "model.spec=te")
     assert cfg.parallel.sequence_parallel is True and cfg.model.sequence_parallel is True
     validate(cfg, world_size=8, hf_config=HF["7b"])
     with raises(r"'model.sequence_parallel' is set from 'parallel.sequence_parallel'"):
@@ -340,6 +341,67 @@ def test_validation_names_the_key(overrides, match):
 def test_fp8_with_te_spec_is_allowed():
     cfg = example("qwen2.5-7b_oar_g.yaml", "model.fp8=hybrid", "model.spec=te")
     validate(cfg, world_size=8, hf_config=HF["7b"])
+
+
+# ------------------------------------------------- combinations megatron / TE cannot build (issue 15)
+
+def test_sequence_parallel_needs_the_te_spec(monkeypatch):
+    """megatron's local-spec norm (WrappedTorchNorm) asserts no SP: refused at validation, naming
+    the keys, with ``auto`` resolved for this machine first (local without CUDA/TE)."""
+    import megatron_oar.config as config_module
+
+    sp = ("qwen2.5-7b_oar_g.yaml", "parallel.sequence_parallel=true")
+    with raises(r"parallel.sequence_parallel=true needs model.spec=te .*got model.spec='local'"):
+        validate(example(*sp, "model.spec=local"), world_size=8, hf_config=HF["7b"])
+    monkeypatch.setattr(config_module, "resolve_spec", lambda opts: "local")  # a machine without TE
+    with raises(r"parallel.sequence_parallel=true needs model.spec=te .*model.spec='auto', "
+                r"which resolves to 'local' on this machine"):
+        validate(example(*sp), world_size=8, hf_config=HF["7b"])
+    with raises(r"model.fp8='hybrid' needs model.spec=te .*model.spec='auto', which resolves to 'local'"):
+        validate(example("qwen2.5-7b_oar_g.yaml", "model.fp8=hybrid"), world_size=8, hf_config=HF["7b"])
+    validate(example(*sp, "model.spec=te"), world_size=8, hf_config=HF["7b"])  # written for a cluster
+    monkeypatch.setattr(config_module, "resolve_spec", lambda opts: "te")  # a machine with TE
+    validate(example(*sp), world_size=8, hf_config=HF["7b"])
+    validate(example("qwen2.5-7b_oar_g.yaml", "model.fp8=hybrid"), world_size=8, hf_config=HF["7b"])
+
+
+def _fake_gpu(monkeypatch, capability: tuple[int, int], name: str) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+def test_mxfp8_needs_blackwell(monkeypatch, caplog):
+    """mxfp8 is refused on a pre-Blackwell GPU; where no GPU is visible it cannot be checked, so
+    it is a warning (the model build on the GPU checks it again)."""
+    cfg = ("qwen2.5-72b_oar_g.yaml", "model.fp8_recipe=mxfp8")
+    with caplog.at_level("WARNING", logger="megatron_oar.config"):
+        validate(example(*cfg), world_size=64, hf_config=HF["72b"])  # no GPU here
+    assert "model.fp8_recipe=mxfp8 needs a Blackwell GPU" in caplog.text
+    _fake_gpu(monkeypatch, (9, 0), "NVIDIA H100 80GB HBM3")
+    with raises(r"model.fp8_recipe='mxfp8' needs a Blackwell GPU \(compute capability >= 10.0\); "
+                r"this machine's NVIDIA H100 80GB HBM3 is sm_90"):
+        validate(example(*cfg), world_size=64, hf_config=HF["72b"])
+    validate(example("qwen2.5-72b_oar_g.yaml"), world_size=64, hf_config=HF["72b"])  # delayed
+    validate(example(*cfg, "model.fp8=null"), world_size=64, hf_config=HF["72b"])  # FP8 off
+    _fake_gpu(monkeypatch, (10, 0), "NVIDIA B200")
+    validate(example(*cfg), world_size=64, hf_config=HF["72b"])
+
+
+def test_attribution_fp8_with_data_parallel_is_refused():
+    """TE's amax reduction spans TP x DP at each FP8 autocast exit, and DP ranks score different
+    numbers of sequences: allow_fp8 with DP > 1 could hang, so it is refused naming both."""
+    fp8 = ("qwen2.5-7b_oar_g.yaml", "model.spec=te", "model.fp8=hybrid", "attribution.allow_fp8=true")
+    with raises(r"attribution.allow_fp8=true with model.fp8='hybrid' and data-parallel size 4 "
+                r"\(world size 8 / parallel.tp\*parallel.pp = 2\*1\) can deadlock"):
+        validate(example(*fp8), world_size=8, hf_config=HF["7b"])
+    with raises(r"attribution.allow_fp8=true .* data-parallel size 2"):
+        validate(example("qwen2.5-72b_oar_g.yaml", "attribution.allow_fp8=true"), world_size=64,
+                 hf_config=HF["72b"])
+    validate(example(*fp8), world_size=2, hf_config=HF["7b"])  # DP 1
+    validate(example(*fp8, "model.fp8=null"), world_size=8, hf_config=HF["7b"])  # nothing in FP8
+    validate(example(*fp8, "credit=grpo"), world_size=8, hf_config=HF["7b"])  # no attribution
+    validate(example(fp8[0], *fp8[1:3]), world_size=8, hf_config=HF["7b"])  # attribution in bf16
 
 
 # ------------------------------------------------------------------------------ save and load

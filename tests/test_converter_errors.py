@@ -506,6 +506,31 @@ def test_verify_accepts_correct_and_rejects_other_model(tiny, tmp_path, capsys):
     assert "FAIL" in out
 
 
+def test_verify_feeds_the_model_on_its_own_device(tiny, monkeypatch, capsys):
+    """verify puts the prompt where the model's parameters are (a GPU shard got CPU tokens) and
+    compares on CPU. With no second device here, the model is a stand-in on the meta device,
+    its load and forward are faked, and the forward records where its input was."""
+    import megatron_oar.models as models
+    import megatron_oar.models.checkpoint as checkpoint
+    import megatron_oar.models.forward as forward
+    from checkpoints_convert import verify as verify_module
+
+    seen = {}
+
+    def fake_forward(model, tokens, micro_batch_size=None, vocab_size=None):
+        seen["device"] = tokens.device
+        ids = verify_module._tokens(tiny.hf, verify_module.DEFAULT_PROMPT, vocab_size)
+        assert ids.shape == tokens.shape
+        return logits(tiny.hf, ids)  # the reference's own logits: verify must say OK
+
+    monkeypatch.setattr(models, "build_gpt_model", lambda hf, opts: torch.nn.Linear(2, 2, device="meta"))
+    monkeypatch.setattr(checkpoint, "load_model", lambda model, ckpt: checkpoint.CheckpointMeta.read(ckpt))
+    monkeypatch.setattr(forward, "forward_logits", fake_forward)
+    assert main(["verify", "--hf", str(tiny.hf), "--ckpt", str(tiny.ckpt)]) == 0
+    assert seen["device"] == torch.device("meta")
+    assert " OK" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- bugs found in review, fixed
 
 @pytest.mark.parametrize("flag", ["--tp", "--pp"])

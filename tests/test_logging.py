@@ -119,10 +119,18 @@ def test_console_line_without_tty(tmp_path, capsys):
         with lg.phase("generate"):
             pass
         lg.log(1, {"reward/mean": 0.5, "reward/accuracy": 0.25, "unlisted": 1.0})
-    out = capsys.readouterr().out
+    phase_line, out = capsys.readouterr().out.split("\n", 1)
     assert out.count("\n") == 1  # no live status when stdout is not a terminal
     assert "step 1/10" in out and "reward 0.500" in out and "acc 25.0%" in out and "ETA" in out
     assert "unlisted" not in out and "ess" not in out
+    # one line per phase as it ends: the step it belongs to, its name, its seconds
+    assert phase_line.split() == ["step", "1/10", "generate", "0.00s"]
+    with MetricsLogger(make_cfg(tmp_path, console=True, phase_lines=False), run_name="r",
+                       total_steps=10) as lg:
+        with lg.phase("generate"):
+            pass
+        lg.log(1, {})
+    assert capsys.readouterr().out.count("\n") == 1
 
 
 def test_resume_truncates_after_start_step(tmp_path):

@@ -121,3 +121,65 @@ def test_mask_padded_vocab_on_a_shard():
     logits = torch.zeros(2, 3, 8)
     masked = mask_padded_vocab(logits, vocab_size=13, vocab_start=8)  # second TP shard of 16
     assert torch.isinf(masked[..., 5:]).all() and (masked[..., :5] == 0).all()
+
+
+# ------------------------------------------- what megatron cannot build, refused first (issue 15)
+
+def test_sequence_parallel_needs_the_te_spec():
+    """megatron's local-spec norm (WrappedTorchNorm) asserts no SP at model build: the config
+    builder refuses it first, naming the key."""
+    arch = parse_arch(QWEN25_7B)
+    with pytest.raises(ModelConfigError, match=r"parallel.sequence_parallel=true needs model.spec=te"):
+        transformer_config(arch, ModelOptions(spec="local", sequence_parallel=True), tp=2, pp=1)
+
+
+def test_mxfp8_is_refused_before_blackwell(monkeypatch):
+    from megatron_oar.models import qwen2
+
+    monkeypatch.setattr(qwen2, "resolve_spec", lambda opts: "te")  # TE faked: config only
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    opts = ModelOptions(spec="te", fp8="hybrid", fp8_recipe="mxfp8", dtype="bf16")
+    with pytest.raises(ModelConfigError, match=r"model.fp8_recipe='mxfp8' needs a Blackwell GPU.*sm_90"):
+        transformer_config(parse_arch(QWEN25_7B), opts, tp=1, pp=1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert qwen2.check_fp8_recipe_device(opts)
+
+
+def _build_tiny(opts: ModelOptions):
+    from megatron_oar.models.qwen2 import build_gpt_model
+    from megatron_oar.runtime import destroy_runtime, init_runtime
+
+    hf = {**QWEN25_7B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+    init_runtime()
+    try:
+        return build_gpt_model(hf, opts)
+    finally:
+        destroy_runtime()
+
+
+def test_local_spec_never_uses_apex_fused_norm(monkeypatch, caplog):
+    """Where apex imports (and TE does not), megatron's TransformerBlock takes apex's
+    FusedLayerNorm for the final norm of a plain layer spec, and it asserts LayerNorm: Qwen's
+    RMSNorm crashed there. The local spec names torch's RMSNorm for every norm."""
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.transformer import transformer_block
+
+    from megatron_oar.runtime import kernels
+
+    monkeypatch.setattr(transformer_block, "LayerNormImpl", FusedLayerNorm)  # what `import apex` picks
+    monkeypatch.setattr(kernels, "_logged_model_lines", set(), raising=False)
+    with caplog.at_level("INFO", logger=kernels.__name__):
+        model = _build_tiny(ModelOptions(spec="local"))
+    norms = [name for name, m in model.named_modules() if isinstance(m, torch.nn.RMSNorm)]
+    assert len(norms) == 2 * 2 + 1 and "decoder.final_layernorm" in norms
+    assert not any(isinstance(m, FusedLayerNorm) for m in model.modules())
+    # the kernel line says what this model uses (from its TransformerConfig), not what imports
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("model kernels:"))
+    assert "spec=local norm=torch RMSNorm (megatron WrappedTorchNorm)" in line
+    assert "grad_accum_fusion=off" in line and "fp8=off" in line and "apex" not in line
+    cfg = model.config
+    assert f"masked_softmax_fusion={'on' if cfg.masked_softmax_fusion else 'off'}" in line
+    assert f"bias_activation_fusion={'on' if cfg.bias_activation_fusion else 'off'}" in line

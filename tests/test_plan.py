@@ -31,7 +31,8 @@ def _gpt_params(hf: dict) -> int:
     from megatron_oar.models.qwen2 import ModelOptions, build_gpt_model
 
     with torch.device("meta"):
-        model = build_gpt_model(hf, ModelOptions(dtype="bf16"), perform_initialization=False)
+        model = build_gpt_model(hf, ModelOptions(dtype="bf16"), perform_initialization=False,
+                                use_cpu_initialization=True)  # meta alone would not keep CUDA off
     return sum(p.numel() for p in model.parameters())
 
 
@@ -169,7 +170,8 @@ def test_vllm_kv_cache_by_hand():
 
 def test_verdicts_name_the_reason():
     small = _plan("qwen2.5-7b_oar_g", gpu_mem_gib=40.0)
-    assert not small.fits and any("rollout phase needs" in r for r in small.reasons)
+    assert not small.fits and any(r.startswith("phases ") and "generate" in r and "> 40 GiB" in r
+                                  for r in small.reasons)
     one_node = _plan("qwen2.5-72b_oar_g", "parallel.pp=1", "rollout.tp=8", nodes=1)
     assert not one_node.fits and one_node.advice
     no_kv = _plan("qwen2.5-72b_oar_g", "rollout.tp=2", "rollout.gpu_memory_utilization=0.3")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -137,6 +138,37 @@ def test_sync_check_refuses_processed_logprobs_at_other_temperatures():
     b = _batch(logprobs_mode="processed_logprobs", temperature=0.7)
     with pytest.raises(ValueError, match="raw_logprobs"):
         logprob_agreement(None, b, vocab_size=1000)
+
+
+@pytest.mark.parametrize("missing", ["reload_weights", "logprobs_mode"])
+def test_engine_names_the_vllm_version_it_needs(monkeypatch, tmp_path, missing):
+    """A vLLM without the weight-iterator reload (older runners take no arguments) or without
+    ``logprobs_mode`` is refused before any engine is built, naming the version needed."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from megatron_oar.rollout import RolloutConfig
+    from megatron_oar.rollout.engine import RolloutEngine
+
+    assert RolloutEngine._has_reload_weights()  # the installed vLLM has both
+    if missing == "reload_weights":
+        monkeypatch.setattr(GPUModelRunner, "reload_weights", lambda self: None)
+        assert not RolloutEngine._has_reload_weights()
+        what = r"Worker.reload_weights\(weights_iterator=...\)"
+    else:
+        fields = {k: v for k, v in EngineArgs.__dataclass_fields__.items() if k != "logprobs_mode"}
+        monkeypatch.setattr(EngineArgs, "__dataclass_fields__", fields)
+        what = r"LLM\(logprobs_mode=...\)"
+
+    def no_engine(**kwargs):
+        raise AssertionError("an engine was built")
+
+    monkeypatch.setattr(vllm, "LLM", no_engine)
+    fake = SimpleNamespace(config=RolloutConfig(), hf_dir=tmp_path,
+                           _has_reload_weights=RolloutEngine._has_reload_weights)
+    with pytest.raises(RuntimeError, match=rf"vLLM .* has no {what}.*needs vLLM >= 0\.24 "):
+        RolloutEngine._build(fake, None)
 
 
 # ---------------------------------------------------------------------------------------------

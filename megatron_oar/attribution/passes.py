@@ -18,6 +18,7 @@ from megatron_oar.attribution.batch import SequenceBatch
 from megatron_oar.attribution.probes import ProbeOutput, ProbePlan, divergence
 from megatron_oar.attribution.schedule import (Micro, attribution_mode, broadcast_from_stage,
                                                clean_embeddings, run_probe_schedule)
+from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple
 
 SEED_MIX = (1_000_003, 998_244_353)
 
@@ -126,13 +127,14 @@ def oar_g(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeOutput | N
 
 
 def _copy_micros(batch: SequenceBatch, plan: ProbePlan, copies: list[tuple[int, int]], size: int,
-                 pad_id: int, bucket: int) -> list[list[Micro]]:
+                 pad_id: int, bucket: int, multiple: int) -> list[list[Micro]]:
     """Masked copies grouped into schedule calls: one call per padded length (copies sorted by
-    length, padded up to a multiple of ``bucket``), micro-batches of ``size`` copies."""
+    length, padded up to a multiple of ``bucket`` but not past the batch width, then up to the
+    model's sequence ``multiple``), micro-batches of ``size`` copies."""
     full = batch.tokens.shape[1]
     by_length: dict[int, list[tuple[int, int]]] = {}
     for i, t in sorted(copies, key=lambda c: (-int(batch.lengths[c[0]]), c)):
-        padded = min(-(-int(batch.lengths[i]) // bucket) * bucket, full)
+        padded = padded_length(min(padded_length(int(batch.lengths[i]), bucket), full), multiple)
         by_length.setdefault(padded, []).append((i, t))
     calls = []
     for length, group in by_length.items():
@@ -140,7 +142,7 @@ def _copy_micros(batch: SequenceBatch, plan: ProbePlan, copies: list[tuple[int, 
         for chunk in _chunks(list(range(len(group))), size):
             members = [group[c] if c >= 0 else None for c in chunk]
             real = [m if m is not None else members[0] for m in members]
-            tokens = batch.tokens[[i for i, _ in real], :length].clone()
+            tokens = pad_to(batch.tokens[[i for i, _ in real], :length], length).clone()
             tokens[torch.arange(len(real)), torch.tensor([t for _, t in real])] = pad_id
             micros.append(Micro(tokens, plan.take([i for i, _ in real]), [
                 i if m is not None else -1 for m, (i, _) in zip(members, real)], [t for _, t in real]))
@@ -160,10 +162,12 @@ def oar_p(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeOutput | N
     importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
     mask = plan.score_mask if positions is None else plan.score_mask & positions.to(plan.score_mask.device)
     copies = [(i, int(t)) for i in rows for t in mask[i].nonzero().flatten()]
+    multiple = sequence_multiple(model.config)
     if serial:
-        calls = [m for i, t in copies for m in _copy_micros(batch, plan, [(i, t)], 1, pad_id, 1)]
+        calls = [m for i, t in copies
+                 for m in _copy_micros(batch, plan, [(i, t)], 1, pad_id, 1, multiple)]
     else:
-        calls = _copy_micros(batch, plan, copies, micro_batch_size, pad_id, length_bucket)
+        calls = _copy_micros(batch, plan, copies, micro_batch_size, pad_id, length_bucket, multiple)
 
     def last_stage(micro: Micro, probe: ProbeOutput) -> torch.Tensor:
         d = divergence(teacher.take(_real(micro.rows)), probe, micro.plan, joint_importance)

@@ -5,7 +5,9 @@ first pipeline stage a callback may supply the decoder input (noisy embeddings f
 the last stage the model returns final-norm hidden states and the output layer is applied at
 the probe positions only (``plan.pos``), so the ``[s, b, V/TP]`` logits of the whole sequence
 are never formed. A last-stage callback turns the probe output into a scalar objective (OAR-G
-differentiates it) and records per-row results.
+differentiates it) and records per-row results. Tokens (and a first-stage decoder input) are
+right-padded to the model's sequence multiple (``models.padding``); probe positions lie before
+the padding, so it is never read.
 
 :func:`attribution_mode` puts the model in the state every attribution pass needs: eval mode,
 parameter gradients off, no gradient scaling/reduction hooks, FP8 autocast off (unless allowed),
@@ -28,6 +30,7 @@ from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                            scatter_to_sequence_parallel_region)
 
 from megatron_oar.attribution.probes import ProbeOutput, ProbePlan
+from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 
 # Model-config hooks that belong to training steps; attribution must not fire them.
 TRAINING_HOOKS = ("grad_scale_func", "finalize_model_grads_func", "no_sync_func", "grad_sync_func",
@@ -72,12 +75,14 @@ def attribution_mode(model, allow_fp8: bool = False):
 
 def clean_embeddings(gpt, tokens: torch.Tensor) -> torch.Tensor:
     """Full ``[s, b, h]`` input embeddings of ``tokens [b, s]``, detached (first stage only)."""
+    s = tokens.shape[1]
+    tokens = pad_to(tokens, padded_length(s, sequence_multiple(gpt.config)))  # SP scatters along s
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     with torch.no_grad():
         emb = gpt.embedding(input_ids=tokens, position_ids=positions)
         if gpt.config.sequence_parallel:
             emb = gather_from_sequence_parallel_region(emb, tensor_parallel_output_grad=False)
-    return emb.detach()
+    return trim(emb, s, dim=0).detach()
 
 
 def to_decoder_input(gpt, full: torch.Tensor) -> torch.Tensor:
@@ -127,21 +132,24 @@ def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_o
 
     ``first_stage(gpt, micro)`` returns the full ``[s, m, h]`` decoder input (or None for the
     model's own embedding); ``last_stage(micro, probe_output)`` returns a scalar whose gradient
-    the backward pass propagates (ignored when ``forward_only``).
+    the backward pass propagates (ignored when ``forward_only``). Both see ``micro`` unpadded:
+    the padding to the sequence multiple is added here (zeros in the decoder input).
     """
     if not micros:
         return
     gpt = unwrap(model)
     m, s = micros[0].tokens.shape
+    length = padded_length(s, sequence_multiple(gpt.config))
     n = len(micros)
 
     def step(data_iter, chunk):
         micro = next(data_iter)
-        positions = torch.arange(s, device=micro.tokens.device).expand_as(micro.tokens)
+        tokens = pad_to(micro.tokens, length)
+        positions = torch.arange(length, device=tokens.device).expand_as(tokens)
         decoder_input = None
         if first_stage is not None and parallel_state.is_pipeline_first_stage():
-            decoder_input = to_decoder_input(gpt, first_stage(gpt, micro))
-        hidden = chunk(micro.tokens, positions, attention_mask=None, decoder_input=decoder_input)
+            decoder_input = to_decoder_input(gpt, pad_to(first_stage(gpt, micro), length, dim=0))
+        hidden = chunk(tokens, positions, attention_mask=None, decoder_input=decoder_input)
 
         def loss(out):
             probe = ProbeOutput.from_position_logits(probe_logits(gpt, out, micro.plan), micro.plan,
@@ -155,7 +163,7 @@ def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_o
 
     get_forward_backward_func()(
         forward_step_func=step, data_iterator=iter(micros), model=[model], num_microbatches=n,
-        seq_length=s, micro_batch_size=m, forward_only=forward_only)
+        seq_length=length, micro_batch_size=m, forward_only=forward_only)
 
 
 def broadcast_from_stage(tensor: torch.Tensor, first: bool) -> torch.Tensor:

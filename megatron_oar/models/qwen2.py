@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_oar.runtime.kernels import kernel_report
+from megatron_oar.runtime.kernels import kernel_report, log_model_kernels
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("qwen2",)
@@ -140,6 +140,8 @@ def check_layout(arch: QwenArch, tp: int, pp: int, vocab_multiple: int = 128,
 
 
 def resolve_spec(opts: ModelOptions) -> str:
+    """The layer spec this machine builds: ``auto`` is ``te`` where CUDA and Transformer Engine
+    are present, else ``local``; ``te`` without them is an error."""
     from megatron_oar.runtime.kernels import kernel_report
 
     have_te = kernel_report().transformer_engine
@@ -153,9 +155,64 @@ def resolve_spec(opts: ModelOptions) -> str:
     return opts.spec
 
 
+def check_spec_features(opts: ModelOptions, spec: str) -> None:
+    """Raises naming the keys when the resolved layer ``spec`` cannot serve the options.
+
+    Sequence parallelism and FP8 need the Transformer Engine spec: megatron's local spec builds
+    its RMSNorm as ``WrappedTorchNorm``, which asserts ``not config.sequence_parallel``, and FP8
+    autocast only covers TE modules.
+    """
+    if spec == "te":
+        return
+    got = f"model.spec={opts.spec!r}"
+    if opts.spec == "auto":
+        got += (f", which resolves to {spec!r} on this machine (no CUDA or no transformer-engine; "
+                "model.spec=te asks for it explicitly)")
+    if opts.fp8:
+        raise ModelConfigError(f"model.fp8={opts.fp8!r} needs model.spec=te (Transformer Engine); "
+                               f"got {got}")
+    if opts.sequence_parallel:
+        raise ModelConfigError(
+            f"parallel.sequence_parallel=true needs model.spec=te (Transformer Engine): megatron's "
+            f"local-spec norm (WrappedTorchNorm) does not support sequence parallelism; got {got}. "
+            "Set parallel.sequence_parallel=false to train with the local spec")
+
+
+# MXFP8 (block-scaled FP8 with E8M0 scales) runs on the tensor cores of Blackwell (sm_100) and
+# later; Transformer Engine refuses it on Hopper (H100/H200, sm_90).
+MXFP8_MIN_CAPABILITY = (10, 0)
+
+
+def check_fp8_recipe_device(opts: ModelOptions) -> bool:
+    """Raises when ``model.fp8_recipe=mxfp8`` is asked for on a pre-Blackwell GPU.
+
+    Only checkable where a GPU is visible: returns False when FP8 with mxfp8 is on but no GPU is
+    here to check (a login node, ``oar plan``), True when checked or not applicable. The model
+    build runs it again on the GPU, before Transformer Engine is reached.
+    """
+    if not opts.fp8 or opts.fp8_recipe != "mxfp8":
+        return True
+    if not torch.cuda.is_available():
+        return False
+    cap = tuple(torch.cuda.get_device_capability())
+    if cap < MXFP8_MIN_CAPABILITY:
+        raise ModelConfigError(
+            f"model.fp8_recipe='mxfp8' needs a Blackwell GPU (compute capability >= "
+            f"{MXFP8_MIN_CAPABILITY[0]}.{MXFP8_MIN_CAPABILITY[1]}); this machine's "
+            f"{torch.cuda.get_device_name()} is sm_{cap[0]}{cap[1]}. On Hopper (H100/H200) use "
+            "model.fp8_recipe=delayed, tensorwise or blockwise")
+    return True
+
+
 def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
-                       perform_initialization: bool = True):
-    """The megatron ``TransformerConfig`` for this architecture and layout."""
+                       perform_initialization: bool = True,
+                       use_cpu_initialization: bool | None = None):
+    """The megatron ``TransformerConfig`` for this architecture and layout.
+
+    ``use_cpu_initialization`` (default: only without CUDA) makes megatron create parameters
+    without an explicit device, so a ``torch.device("meta")`` context applies to them; with it
+    off, megatron passes ``torch.cuda.current_device()`` and the parameters land on the GPU.
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if opts.dtype not in DTYPES:
@@ -163,12 +220,13 @@ def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
     if opts.fp8 not in (None, "hybrid", "e4m3"):
         raise ModelConfigError(f"model.fp8={opts.fp8!r}; expected null, hybrid or e4m3")
     spec = resolve_spec(opts)
-    if opts.fp8 and spec != "te":
-        raise ModelConfigError("model.fp8 needs the Transformer Engine spec (model.spec=te)")
+    check_spec_features(opts, spec)
+    check_fp8_recipe_device(opts)
     if opts.recompute not in (None, "selective", "full"):
         raise ModelConfigError(f"model.recompute={opts.recompute!r}; expected null, selective, full")
     check_layout(arch, tp, pp, opts.vocab_multiple, flag="parallel.tp")
     cuda = torch.cuda.is_available()
+    cpu_init = (not cuda) if use_cpu_initialization is None else use_cpu_initialization
     dtype = DTYPES[opts.dtype]
     kwargs: dict[str, Any] = {}
     if opts.fp8:
@@ -204,7 +262,7 @@ def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
         pipeline_dtype=dtype,
         bf16=dtype is torch.bfloat16,
         fp16=dtype is torch.float16,
-        use_cpu_initialization=not cuda,
+        use_cpu_initialization=cpu_init,
         perform_initialization=perform_initialization,
         # Fusions need CUDA kernels; megatron falls back to torch when they are off.
         gradient_accumulation_fusion=False,
@@ -218,17 +276,42 @@ def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
     )
 
 
-def layer_spec(spec: str):
+def layer_spec(spec: str, config=None, vp_stage: int | None = None):
+    """The layer spec, or with ``config`` the decoder block's spec for this pipeline stage.
+
+    The block spec names the final norm explicitly. Given only a layer spec, megatron's
+    ``TransformerBlock`` picks it by what imports (TENorm with Transformer Engine, apex's
+    ``FusedLayerNorm`` with apex, else ``WrappedTorchNorm``), and ``FusedLayerNorm`` asserts
+    LayerNorm: Qwen's RMSNorm crashed there on machines with apex but without TE. The local
+    spec therefore uses torch's RMSNorm (``WrappedTorchNorm``) throughout, the TE spec TENorm.
+    """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if spec == "te":
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        layer, norm = specs.get_gpt_layer_with_transformer_engine_spec(), TENorm
+    else:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        layer, norm = specs.get_gpt_layer_local_spec(normalization="RMSNorm"), WrappedTorchNorm
+    if config is None:
+        return layer
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=norm)
 
 
 def build_gpt_model(hf_config: dict[str, Any] | QwenArch, opts: ModelOptions | None = None, *,
-                    perform_initialization: bool = True, vp_stage: int | None = None):
-    """A ``GPTModel`` shard for this rank's TP/PP position (parallel_state must be initialised)."""
+                    perform_initialization: bool = True, vp_stage: int | None = None,
+                    use_cpu_initialization: bool | None = None):
+    """A ``GPTModel`` shard for this rank's TP/PP position (parallel_state must be initialised).
+
+    A parameter-free template: ``with torch.device("meta"): build_gpt_model(...,
+    perform_initialization=False, use_cpu_initialization=True)`` (see :func:`transformer_config`).
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -236,10 +319,13 @@ def build_gpt_model(hf_config: dict[str, Any] | QwenArch, opts: ModelOptions | N
     arch = hf_config if isinstance(hf_config, QwenArch) else parse_arch(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    config = transformer_config(arch, opts, tp, pp, perform_initialization=perform_initialization)
+    config = transformer_config(arch, opts, tp, pp, perform_initialization=perform_initialization,
+                                use_cpu_initialization=use_cpu_initialization)
+    spec = resolve_spec(opts)
+    log_model_kernels(config, spec)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(resolve_spec(opts)),
+        transformer_layer_spec=layer_spec(spec, config, vp_stage),
         vocab_size=arch.padded_vocab_size(opts.vocab_multiple),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

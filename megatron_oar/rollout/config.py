@@ -31,7 +31,10 @@ class RolloutConfig:
     * ``load_format``: ``dummy`` (random weights at start; the first :meth:`sync_weights` brings
       the policy, as verl does) or ``auto``/``safetensors`` (read the HF directory once).
     * ``sleep_level``: 0 never sleeps; 1 offloads weights to host memory and drops the KV cache;
-      2 drops both (weights come back with the next sync). GPU only; a logged no-op on CPU.
+      2 (default) drops both: the trainer syncs the policy into vLLM before every generation, so
+      level 1 would copy weights to pinned host memory and back each step only to overwrite them
+      (vLLM keeps its non-weight buffers, e.g. rotary caches, across a level-2 sleep). GPU only;
+      a logged no-op on CPU.
     * ``bucket_mb``: upper bound on the full-size HF tensors gathered per weight-sync bucket
       (one tensor larger than the bound travels alone).
 
@@ -54,7 +57,7 @@ class RolloutConfig:
     load_format: str = "dummy"
     enable_prefix_caching: bool = True
     bucket_mb: float = 512.0
-    sleep_level: int = 1
+    sleep_level: int = 2
     logprobs_mode: str = "raw_logprobs"
     # sampling defaults
     n: int = 1

@@ -35,6 +35,9 @@ from megatron_oar.rollout.weight_sync import iter_hf_buckets
 
 log = logging.getLogger(__name__)
 _SEED_SPACE = 2**31 - 2**20  # room for seed + j, j < n
+# The oldest vLLM with every call made here: LLM(logprobs_mode=...) and the worker's in-place
+# reload_weights(weights_iterator=...); setup.py's extras carry the same bound.
+VLLM_MIN_VERSION = "0.24"
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,14 @@ class _QuietRotaryReload(logging.Filter):
 _QUIET_ROTARY = _QuietRotaryReload()
 
 
+def free_torch_cache() -> None:
+    """``gc.collect(); torch.cuda.empty_cache()``: unreferenced tensors and PyTorch's cached
+    blocks go back to the device (a no-op without CUDA)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _logprob_of(position, token: int) -> float:
     entry = position[token]
     return float(getattr(entry, "logprob", entry))
@@ -173,7 +184,6 @@ class RolloutEngine:
         self._calls = 0
         self._weights_loaded = cfg.load_format != "dummy"
         self._llm = self._build(tokenizer)
-        self._use_reload = self._has_reload_weights()
         log.info("rollout engine on rank %d: platform=%s rollout tp=%d (group %d of %d, ranks %s), "
                  "sleep mode %s", self.rank, self.platform, cfg.tp, self.dp_rank, self.dp_size,
                  self.group_ranks, "on" if self.sleep_supported and cfg.sleep_level else "off")
@@ -184,8 +194,20 @@ class RolloutEngine:
         cfg = self.config
         # external_launcher requires the engine core in this process (vLLM asserts it).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm
         from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
 
+        # The calls below that vLLM releases spell differently: fail here, naming what is missing,
+        # rather than inside vLLM's argument parsing or at the first weight sync.
+        missing = [] if "logprobs_mode" in EngineArgs.__dataclass_fields__ else [
+            "LLM(logprobs_mode=...) (rollout.logprobs_mode)"]
+        if not self._has_reload_weights():
+            missing.append("Worker.reload_weights(weights_iterator=...) (in-place weight sync)")
+        if missing:
+            raise RuntimeError(f"vLLM {getattr(vllm, '__version__', '?')} has no "
+                               f"{' and no '.join(missing)}: megatron-oar needs vLLM >= "
+                               f"{VLLM_MIN_VERSION} (see setup.py's extras)")
         kwargs = dict(
             model=str(self.hf_dir),
             tokenizer=str(tokenizer or self.hf_dir),
@@ -218,11 +240,28 @@ class RolloutEngine:
 
     @staticmethod
     def _has_reload_weights() -> bool:
+        """vLLM's in-place reload that takes a weights iterator (``Worker.reload_weights``
+        forwards to the model runner's; older runners take no arguments). Both runners count
+        where present: CUDA vLLM picks the V2 runner by default where Triton runs."""
+        import importlib
+        import inspect
+
         try:
+            from vllm.v1.worker.gpu_model_runner import GPUModelRunner
             from vllm.v1.worker.gpu_worker import Worker
         except ImportError:  # pragma: no cover - older vLLM layouts
             return False
-        return hasattr(Worker, "reload_weights")
+        runners = [GPUModelRunner]
+        try:
+            v2 = importlib.import_module("vllm.v1.worker.gpu.model_runner")
+            runners.append(v2.GPUModelRunner)
+        except (ImportError, AttributeError):  # no V2 runner in this release
+            pass
+        def takes_iterator(runner) -> bool:
+            reload = getattr(runner, "reload_weights", None)
+            return reload is not None and "weights_iterator" in inspect.signature(reload).parameters
+
+        return hasattr(Worker, "reload_weights") and all(takes_iterator(r) for r in runners)
 
     @property
     def llm(self):
@@ -259,12 +298,15 @@ class RolloutEngine:
             self._weights_loaded = False  # level 2 discards them; the next sync restores them
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Re-allocate ``tags`` (``weights``, ``kv_cache``; default all)."""
+        """Re-allocate ``tags`` (``weights``, ``kv_cache``; default all). PyTorch's cached
+        blocks are freed first: vLLM maps its memory outside PyTorch's caching allocator, so
+        memory Megatron's passes left in the cache would otherwise be out of vLLM's reach."""
         if self._sleep_noop("wake_up") or not self._asleep:
             return
         wanted = set(tags) if tags else set(self._asleep)
         todo = sorted(wanted & self._asleep)
         if todo:
+            free_torch_cache()
             self.llm.wake_up(tags=todo)
             self._asleep -= set(todo)
 
@@ -293,13 +335,11 @@ class RolloutEngine:
 
         stream = weights()
         try:
-            if self._use_reload:
-                # In-place reload re-runs vLLM's post-load processing (e.g. the CPU backend's
-                # packed GEMM weights), which a bare model.load_weights() would leave stale.
-                self.llm.collective_rpc("reload_weights", kwargs={
-                    "weights_iterator": stream, "is_checkpoint_format": True})
-            else:  # pragma: no cover - vLLM without Worker.reload_weights
-                self.llm.apply_model(lambda m: m.load_weights(stream))
+            # In-place reload re-runs vLLM's post-load processing (e.g. the CPU backend's packed
+            # GEMM weights), which a bare model.load_weights() would leave stale. _build refused
+            # a vLLM without it.
+            self.llm.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": stream, "is_checkpoint_format": True})
         except BaseException:
             for _ in stream:  # finish this rank's share of the collectives, then re-raise
                 pass

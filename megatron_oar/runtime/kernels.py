@@ -1,9 +1,13 @@
-"""Which fused kernels megatron-core will use here, said once in the log.
+"""Which fused kernels are importable here, and which ones a built model actually uses.
 
-apex is not on the package registry, so on most installs megatron-core falls back to torch
-implementations (WrappedTorchNorm for RMSNorm, no gradient-accumulation fusion, unfused
-softmax). When apex, Transformer Engine or megatron's fused softmax kernel is importable, it is
-used.
+Two log lines, so neither claims what the other knows: :func:`kernel_report` says what imports
+on this machine (apex, Transformer Engine, megatron's fused softmax and apex's fused
+weight-gradient kernels; ``oar info`` and the runtime's start-up line), and
+:func:`model_kernels_line` says what a built model uses, read from its ``TransformerConfig``
+and layer spec (logged by ``build_gpt_model``). apex is not on the package registry, so on most
+installs megatron-core falls back to torch implementations. An importable kernel is not a used
+one: Qwen's RMSNorm never goes through apex's FusedLayerNorm (it asserts LayerNorm), and the
+gradient-accumulation fusion is off in every config this package builds.
 """
 
 from __future__ import annotations
@@ -24,20 +28,29 @@ def _has(module: str) -> bool:
         return False
 
 
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _on(flag) -> str:
+    return "on" if flag else "off"
+
+
 @dataclass(frozen=True)
 class KernelReport:
+    """What imports here (with CUDA where the kernel needs it); not what a model uses."""
+
     apex: bool
     transformer_engine: bool
-    grad_accum_fusion: bool  # apex's fused_weight_gradient_mlp_cuda
-    norm: str
+    grad_accum_fusion: bool  # apex's fused_weight_gradient_mlp_cuda imports (the fusion stays off)
     masked_softmax: bool = False  # megatron's scaled_masked_softmax_cuda (local-spec attention)
 
     def line(self) -> str:
         return (
-            f"kernels: apex={'yes' if self.apex else 'no'} "
-            f"transformer_engine={'yes' if self.transformer_engine else 'no'} "
-            f"norm={self.norm} grad_accum_fusion={'on' if self.grad_accum_fusion else 'off'} "
-            f"masked_softmax_fusion={'on' if self.masked_softmax else 'off'} "
+            f"kernels available: apex={_yes(self.apex)} "
+            f"transformer_engine={_yes(self.transformer_engine)} "
+            f"fused_weight_gradient={_yes(self.grad_accum_fusion)} "
+            f"scaled_masked_softmax={_yes(self.masked_softmax)} "
             f"device={'cuda' if torch.cuda.is_available() else 'cpu'}"
         )
 
@@ -50,13 +63,7 @@ def kernel_report() -> KernelReport:
     # fp16, 16 < keys <= 4096, ...); a pip install rarely has it, so the fusion is only turned on
     # where it imports (measured on an H100 without it: bf16 attention crashed, 2026-11-23)
     softmax = torch.cuda.is_available() and _has("scaled_masked_softmax_cuda")
-    if te:
-        norm = "transformer_engine (fused in linear_qkv / linear_fc1)"
-    elif apex:
-        norm = "apex FusedLayerNorm"
-    else:
-        norm = "torch (megatron WrappedTorchNorm fallback)"
-    return KernelReport(apex=apex, transformer_engine=te, grad_accum_fusion=grad_fusion, norm=norm,
+    return KernelReport(apex=apex, transformer_engine=te, grad_accum_fusion=grad_fusion,
                         masked_softmax=softmax)
 
 
@@ -64,3 +71,35 @@ def log_kernel_report() -> KernelReport:
     report = kernel_report()
     log.info(report.line())
     return report
+
+
+def model_kernels_line(config, spec: str) -> str:
+    """What a model built from megatron ``config`` with layer ``spec`` (``local``/``te``) uses."""
+    if spec == "te":
+        norm = "transformer_engine RMSNorm (fused into linear_qkv / linear_fc1; final TENorm)"
+        attention = "transformer_engine DotProductAttention"
+    else:
+        norm = "torch RMSNorm (megatron WrappedTorchNorm)"
+        attention = ("megatron DotProductAttention "
+                     f"masked_softmax_fusion={_on(config.masked_softmax_fusion)}")
+    recipe = getattr(config.fp8_recipe, "value", config.fp8_recipe)  # megatron's Fp8Recipe enum
+    fp8 = f"{config.fp8} ({recipe})" if config.fp8 else "off"
+    return (f"model kernels: spec={spec} norm={norm} attention={attention} "
+            f"grad_accum_fusion={_on(config.gradient_accumulation_fusion)} "
+            f"bias_activation_fusion={_on(config.bias_activation_fusion)} "
+            f"bias_dropout_fusion={_on(config.bias_dropout_fusion)} "
+            f"apply_rope_fusion={_on(config.apply_rope_fusion)} "
+            f"persist_layer_norm={_on(config.persist_layer_norm)} "
+            f"sequence_parallel={_on(config.sequence_parallel)} fp8={fp8}")
+
+
+_logged_model_lines: set[str] = set()
+
+
+def log_model_kernels(config, spec: str) -> str:
+    """Logs :func:`model_kernels_line` once per distinct line in this process."""
+    line = model_kernels_line(config, spec)
+    if line not in _logged_model_lines:
+        _logged_model_lines.add(line)
+        log.info(line)
+    return line

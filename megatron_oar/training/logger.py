@@ -221,18 +221,44 @@ class MetricsLogger:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Adds the block's wall seconds to ``time/<name>`` of the step being logged."""
+        """Adds the block's wall seconds to ``time/<name>`` of the step being logged and, with
+        ``log.phase_lines``, prints one console line when the block ends (the loop's phases as a
+        visible sequence). On CUDA it also keeps the phase's peak GPU memory as
+        ``mem/<name>_peak_gib`` (allocated by PyTorch) and ``mem/<name>_used_gib`` (the whole
+        device, vLLM included: ``mem_get_info``)."""
         t = _clock()
         self._phases.append((name, t))
         if len(self._phases) == 1:
             self._start_live()
+        cuda = len(self._phases) == 1 and _cuda_memory_stats()  # nested phases: the outer peak
+        if cuda:
+            import torch
+            torch.cuda.reset_peak_memory_stats()
         try:
             yield
         finally:
-            self._times[f"time/{name}"] += _clock() - t
+            seconds = _clock() - t
+            self._times[f"time/{name}"] += seconds
             if len(self._phases) == 1:
                 self._stop_live()
             self._phases.pop()
+            memory = _cuda_memory(name) if cuda else {}
+            for key, gib in memory.items():
+                self._times[key] = max(self._times.get(key, 0.0), gib)
+            if self._console is not None and self.cfg.phase_lines:
+                self._console.print(self._phase_line(name, seconds, memory), soft_wrap=True,
+                                    highlight=False)
+
+    def _phase_line(self, name: str, seconds: float, memory: dict[str, float]):
+        from rich.text import Text
+        line = Text()
+        line.append(f"step {self.last_step + 1}/{self.total_steps}", style="dim")
+        line.append(f" {'  ' * len(self._phases)}{name:<14}", style="bold")
+        line.append(f" {seconds:8.2f}s")
+        if memory:
+            line.append(f" │ GPU peak {memory[f'mem/{name}_peak_gib']:.1f} GiB allocated, "
+                        f"{memory[f'mem/{name}_used_gib']:.1f} GiB used", style="dim")
+        return line
 
     def eta(self) -> float | None:
         """Seconds to ``total_steps`` from the mean step time since construction; None: unknown."""
@@ -354,6 +380,21 @@ class _Status:
     def __rich__(self):
         self.spinner.update(text=self.logger.status_text())
         return self.spinner
+
+
+def _cuda_memory_stats() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - `oar plot` without torch
+        return False
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _cuda_memory(name: str) -> dict[str, float]:
+    import torch
+    free, total = torch.cuda.mem_get_info()
+    return {f"mem/{name}_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            f"mem/{name}_used_gib": (total - free) / 2**30}
 
 
 def _markdown_table(flat: dict[str, Any]) -> str:

@@ -7,7 +7,9 @@
   megatron's schedule, gradient checks (the non-finite guard), clipping and Adam.
 
 Every ``[B, L]`` tensor is aligned with ``tokens``: column ``t`` holds the value for token ``t``
-(computed from the logits at ``t - 1``); column 0 is never a response token.
+(computed from the logits at ``t - 1``); column 0 is never a response token. Both passes run
+on tokens right-padded to the model's sequence multiple (``models.padding``: sequence
+parallelism, FP8) and trim the logits back before anything reads them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from megatron_oar.attribution.probes import ProbeOutput, ProbePlan
 from megatron_oar.attribution.schedule import broadcast_from_stage
 from megatron_oar.models import vocab_parallel as vp
 from megatron_oar.models.forward import forward_map, position_ids_for
+from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 
 
 @dataclass
@@ -143,13 +146,16 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
     micros = [batch.select(range(i, i + mbs)) for i in range(0, batch.size, mbs)]
     seq_len = max(m.tokens.shape[1] for m in micros)
     micros = [_pad_to(m, seq_len) for m in micros]
+    padded = padded_length(seq_len, sequence_multiple(model.config))
     sums = torch.zeros(2, dtype=torch.float64, device=batch.tokens.device)  # loss, finite flag
 
     def step(data_iter, chunk):
         micro = next(data_iter)
-        logits = chunk(micro.tokens, position_ids_for(micro.tokens), attention_mask=None)
+        tokens = pad_to(micro.tokens, padded)
+        logits = chunk(tokens, position_ids_for(tokens), attention_mask=None)
 
         def loss_func(out):
+            out = trim(out, seq_len)  # the padding to the sequence multiple never enters the loss
             lp = _shifted(vp.target_logprobs(out[:, :-1], micro.tokens[:, 1:], vocab_size))
             ent = _shifted(vp.entropy(out[:, :-1], vocab_size)) if want_entropy else None
             loss, stats = ppo_clip_loss(
@@ -166,7 +172,7 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
     optimizer.zero_grad()
     records = get_forward_backward_func()(
         forward_step_func=step, data_iterator=iter(micros), model=[model],
-        num_microbatches=n_micro, seq_length=seq_len, micro_batch_size=mbs, forward_only=False)
+        num_microbatches=n_micro, seq_length=padded, micro_batch_size=mbs, forward_only=False)
 
     # megatron's optimizer.step(), split so the non-finite guard sits between gradient
     # preparation and the update. prepare_grads runs once: with fp16 it unscales the gradients
@@ -204,16 +210,11 @@ def _clip_and_step(optimizer, grad_norm: float) -> None:
 
 
 def _pad_to(batch: TrainBatch, length: int) -> TrainBatch:
-    """Right-pads every ``[B, L]`` tensor to ``length`` (the schedule needs one shape)."""
-    extra = length - batch.tokens.shape[1]
-    if extra == 0:
-        return batch
+    """Right-pads every ``[B, L]`` tensor to ``length`` (the micro-batches' common width)."""
     out = {}
     for f in fields(batch):
         t = getattr(batch, f.name)
-        if t is not None and t.dim() == 2:
-            t = torch.nn.functional.pad(t, (0, extra))
-        out[f.name] = t
+        out[f.name] = pad_to(t, length) if t is not None and t.dim() == 2 else t
     return TrainBatch(**out)
 
 
@@ -221,8 +222,12 @@ def _reduce_stats(records: list[dict], loss_sum: torch.Tensor, device) -> dict[s
     """Token-weighted means of the micro-batch statistics, over the micro-batches and DP; the
     loss is summed over micro-batches (and DP). Statistics exist on the last pipeline stage and
     are shared with the other stages."""
-    keys = sorted(records[0]) if records else []
-    keys = [k for k in keys if k != "num_tokens"]
+    keys = [k for k in sorted(records[0]) if k != "num_tokens"] if records else []
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # the other stages hold no records
+        box = [keys]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        keys = box[0]
     maxed = {"ratio_max"}
     values = torch.zeros(len(keys) + 2, dtype=torch.float64, device=device)
     peak = torch.zeros(max(len(keys), 1), dtype=torch.float64, device=device)

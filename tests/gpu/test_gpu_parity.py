@@ -75,6 +75,18 @@ def test_local_spec_fp32_parity(converted):
     _check(got, ref, tol=1e-3)  # TF32 matmuls may be enabled by default on Hopper
 
 
+def test_cli_verify_on_gpu(converted, capsys):
+    """`oar-convert verify` as users run it: megatron builds its shard on the GPU, the prompt
+    must follow it there, and the comparison with the CPU reference happens on CPU."""
+    from checkpoints_convert.cli import main
+
+    hf, ckpt, _ = converted
+    rc = main(["verify", "--hf", str(hf), "--ckpt", str(ckpt), "--dtype", "fp32", "--tol", "1e-3"])
+    out = capsys.readouterr().out
+    print(out)
+    assert rc == 0 and "verify tp=1 pp=1 dtype=fp32" in out and " OK" in out
+
+
 @pytest.mark.skipif(not HAVE_TE, reason="transformer-engine not installed")
 def test_te_spec_bf16_parity(converted):
     hf, ckpt, tokens = converted

@@ -1,0 +1,64 @@
+"""Sequence lengths every Megatron pass can run: padding to the model's multiple, and trimming back.
+
+Sequence parallelism scatters ``[s, b, h]`` along ``s`` over the TP ranks (megatron asserts that
+TP divides ``s``), and TE's FP8 GEMMs need leading dimensions divisible by 16. Every Megatron
+pass (old log-probs, reference log-probs, attribution, the update step) right-pads its tokens to
+:func:`sequence_multiple` and trims the outputs back. Attention is causal, so the padding never
+changes an earlier position's logits; padded positions never enter a loss, a probe or a score.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+FP8_MULTIPLE = 16  # TE's FP8 GEMMs: leading dimensions divisible by 8 (16 to be safe)
+
+_forced = 1  # see force_multiple
+
+
+def sequence_multiple(config) -> int:
+    """The multiple that sequence lengths are padded to for a megatron ``TransformerConfig``:
+    TP with sequence parallelism, 16 with FP8, their lcm, 1 otherwise (and its lcm with
+    :func:`force_multiple`'s value inside that context)."""
+    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    if config.fp8:
+        multiple = math.lcm(multiple, FP8_MULTIPLE)
+    return math.lcm(multiple, _forced)
+
+
+@contextlib.contextmanager
+def force_multiple(multiple: int) -> Iterator[None]:
+    """Inside the block, every pass also pads to a multiple of ``multiple`` (tests: the padding
+    of an SP or FP8 run on a CPU model that has neither)."""
+    global _forced
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    saved, _forced = _forced, multiple
+    try:
+        yield
+    finally:
+        _forced = saved
+
+
+def padded_length(length: int, multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple``."""
+    return -(-length // multiple) * multiple
+
+
+def pad_to(t: torch.Tensor, length: int, dim: int = 1, value: int | float = 0) -> torch.Tensor:
+    """``t`` right-padded with ``value`` along ``dim`` to ``length`` (itself when long enough)."""
+    extra = length - t.shape[dim]
+    if extra <= 0:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, extra]
+    return F.pad(t, pad, value=value)
+
+
+def trim(t: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
+    """The first ``length`` entries of ``t`` along ``dim`` (undoes :func:`pad_to`)."""
+    return t.narrow(dim, 0, length)

@@ -1,0 +1,242 @@
+"""Padding to the sequence multiple (sequence parallelism, FP8) changes nothing but rounding.
+
+The multiple follows the model's ``TransformerConfig`` (TP with SP, 16 with FP8, their lcm).
+On CPU neither SP nor FP8 runs, so the TP2 and PP2 tests force the multiple to 16 with
+``force_multiple`` on the tiny batch of tests/test_attribution.py (width 29) and check that
+every Megatron pass ran padded lengths, and that log-probs, entropies, the probe teacher, OAR-G,
+OAR-P, screened OAR-P, the loss, the gradients and the updated weights equal the unpadded run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints_convert.convert import hf_to_megatron
+from megatron_oar.models.padding import (force_multiple, pad_to, padded_length, sequence_multiple,
+                                         trim)
+from tests.distributed import launch
+from tests.test_attribution import SEQ_ADV, make_batch, rel_error
+from tests.tiny import make_tiny_qwen2
+
+FORCED = 16
+SIGMA = 1e-2  # as in test_attribution: OAR-G's fp32 rounding floor stays ~1e-5
+TOL = 1e-5
+
+
+def _config(tp: int = 1, sp: bool = False, fp8: str | None = None):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=96, num_attention_heads=96,
+                             use_cpu_initialization=True, tensor_model_parallel_size=tp,
+                             sequence_parallel=sp, fp8=fp8)
+
+
+@pytest.mark.parametrize("tp,sp,fp8,want", [
+    (1, False, None, 1), (2, False, None, 1), (2, True, None, 2), (4, True, None, 4),
+    (1, False, "hybrid", 16), (2, False, "e4m3", 16), (2, True, "hybrid", 16), (8, True, "e4m3", 16),
+    (3, True, "hybrid", 48), (32, True, "hybrid", 32)])
+def test_sequence_multiple_rule(tp, sp, fp8, want):
+    assert sequence_multiple(_config(tp, sp, fp8)) == want
+
+
+def test_force_multiple_is_scoped_and_combines_by_lcm():
+    plain, sp4 = _config(2), _config(4, sp=True)
+    with force_multiple(16):
+        assert sequence_multiple(plain) == 16 and sequence_multiple(sp4) == 16
+        with force_multiple(6):
+            assert sequence_multiple(sp4) == 12
+        assert sequence_multiple(plain) == 16
+    assert sequence_multiple(plain) == 1
+    with pytest.raises(ValueError), force_multiple(0):
+        pass
+
+
+def test_pad_and_trim():
+    assert [padded_length(n, 16) for n in (1, 15, 16, 17, 29)] == [16, 16, 16, 32, 32]
+    assert padded_length(29, 1) == 29
+    t = torch.arange(6).view(2, 3)
+    p = pad_to(t, 5)
+    assert p.shape == (2, 5) and (p[:, 3:] == 0).all() and torch.equal(trim(p, 3), t)
+    assert pad_to(t, 3) is t
+    mask = pad_to(torch.ones(2, 3, dtype=torch.bool), 4)
+    assert mask.dtype == torch.bool and not mask[:, 3].any()
+    h = torch.randn(3, 2, 4)  # [s, b, h]
+    ph = pad_to(h, 8, dim=0)
+    assert ph.shape == (8, 2, 4) and (ph[3:] == 0).all() and torch.equal(trim(ph, 3, dim=0), h)
+
+
+def _record_lengths(gpt, log: dict, key: list):
+    """Every sequence length the model is run on, per pass (``key[0]``); a forward pre-hook."""
+
+    def hook(_module, args, kwargs):
+        tokens = args[0] if args else kwargs["input_ids"]
+        lengths = {tokens.shape[1]}
+        if kwargs.get("decoder_input") is not None:  # [s, b, h] (no sequence parallelism on CPU)
+            lengths.add(kwargs["decoder_input"].shape[0])
+        log.setdefault(key[0], set()).update(lengths)
+
+    return gpt.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _probe(out, rows=None) -> tuple:
+    """``(logp, score)`` of a ``ProbeOutput`` (its ``rows``); ``()`` off the last pipeline stage."""
+    if out is None:
+        return ()
+    rows = slice(None) if rows is None else rows
+    return out.logp[rows], out.score[rows]
+
+
+def _passes(ckpt: str, update: bool) -> dict:
+    """Every Megatron pass of one training step on a fresh policy; this rank's outputs."""
+    from transformers import AutoTokenizer
+
+    from megatron_oar.algorithms import CreditConfig, PolicyLossConfig, assign_credit
+    from megatron_oar.attribution import AttributionConfig, ProbeConfig
+    from megatron_oar.attribution import compute_importance, plan_probes, probe_teacher
+    from megatron_oar.attribution.spans import SpanFinder
+    from megatron_oar.config import ModelConfig, OptimConfig
+    from megatron_oar.models.qwen2 import read_hf_config
+    from megatron_oar.training.passes import (TrainBatch, old_logprob_pass, reference_logprobs,
+                                              update_step)
+    from megatron_oar.training.policy import build_policy
+
+    ckpt = Path(ckpt)
+    policy = build_policy(read_hf_config(ckpt / "hf"), ModelConfig(path=str(ckpt), spec="local"),
+                          OptimConfig(lr=1e-3), checkpoint=ckpt, total_optimizer_steps=4)
+    vocab = read_hf_config(ckpt / "hf")["vocab_size"]
+    tok = AutoTokenizer.from_pretrained(str(ckpt / "hf"))
+    seqs = make_batch(tok)
+    batch = TrainBatch(seqs.tokens, seqs.prompt_lens, seqs.lengths, seqs.sample_ids,
+                       seqs.response_mask(), torch.zeros(seqs.tokens.shape), SEQ_ADV)
+    lengths, key = {}, [""]
+    _record_lengths(policy.gpt, lengths, key)
+    probe = ProbeConfig(kind="answer_mean")
+    plan = plan_probes(seqs, probe, 3, SpanFinder(tok, probe.answer_pattern))
+    out = {"lengths": lengths}
+
+    key[0] = "old_logprob"
+    batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(policy.model, batch, vocab, 1, plan=plan)
+    out.update(logprobs=batch.old_logprobs, entropy=batch.entropy, teacher=_probe(teacher))
+    key[0] = "reference"
+    batch.ref_logprobs = reference_logprobs(policy.model, batch, vocab, 5)
+    out["ref_logprobs"] = batch.ref_logprobs
+    key[0] = "probe_teacher"
+    rows = [i for i in range(seqs.size) if SEQ_ADV[i] != 0]
+    clean = probe_teacher(policy.model, seqs, plan, rows, vocab, 2)
+    out["probe_teacher"] = _probe(clean, rows)
+    for name, cfg in {
+        "oar_g": AttributionConfig(method="oar_g", sigma=SIGMA, micro_batch_size=2),
+        "oar_p": AttributionConfig(method="oar_p", perturb_micro_batch_size=4, length_bucket=8),
+        "oar_p_screened": AttributionConfig(method="oar_p_screened", sigma=SIGMA, screen_fraction=0.5,
+                                            perturb_micro_batch_size=4, length_bucket=8),
+    }.items():
+        key[0] = name
+        out[name] = compute_importance(policy.model, seqs, cfg, vocab_size=vocab, seq_adv=SEQ_ADV,
+                                       step=3, tokenizer=tok, plan=plan, teacher=teacher,
+                                       external_teacher=True).importance
+    credit = assign_credit(CreditConfig(scheme="oar"), batch.seq_adv, batch.loss_mask,
+                           importance=out["oar_g"], score_mask=plan.score_mask)
+    batch.advantages = credit.advantages
+    if not update:
+        return out
+    key[0] = "update"
+    result = update_step(policy, batch, PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01), vocab, 1)
+    out.update(loss=result.stats["loss"], grad_norm=result.grad_norm, applied=result.applied,
+               grads=[p.main_grad.clone() for p in policy.gpt.parameters()],
+               weights=[p.detach().clone() for p in policy.gpt.parameters()])
+    return out
+
+
+def _copy_widths(ckpt: str) -> list[list[int]]:
+    """Token widths of OAR-P's schedule calls (length_bucket 8) with the forced multiple."""
+    from transformers import AutoTokenizer
+
+    from megatron_oar.attribution import ProbeConfig, plan_probes
+    from megatron_oar.attribution.passes import _copy_micros
+    from megatron_oar.attribution.spans import SpanFinder
+
+    tok = AutoTokenizer.from_pretrained(str(Path(ckpt) / "hf"))
+    seqs = make_batch(tok)
+    plan = plan_probes(seqs, ProbeConfig(), 3, SpanFinder(tok, ProbeConfig().answer_pattern))
+    copies = [(i, int(t)) for i in range(seqs.size) for t in plan.score_mask[i].nonzero().flatten()]
+    calls = _copy_micros(seqs, plan, copies, 4, tok.pad_token_id, 8, FORCED)
+    return [[m.tokens.shape[1] for m in micros] for micros in calls]
+
+
+def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+
+    init_runtime(ParallelConfig(tp=tp, pp=pp))
+    results = {}
+    for multiple in (1, FORCED):
+        with force_multiple(multiple):  # 1: no padding on this CPU model (no SP, no FP8)
+            results[multiple] = _passes(ckpt, update=True)
+    results["copy_widths"] = _copy_widths(ckpt)
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, results)
+    if torch.distributed.get_rank() == 0:
+        torch.save(gathered, out)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("padding")
+    hf = make_tiny_qwen2(root / "hf", seed=5, initializer_range=0.3)
+    hf_to_megatron(hf, root / "ckpt", progress=False)
+    return root / "ckpt"
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def runs(request, checkpoint):
+    """Per rank: ``{1: unpadded run, 16: forced run, "copy_widths": ...}``."""
+    tp, pp = request.param
+    out = checkpoint.parent / f"tp{tp}pp{pp}.pt"
+    launch(_worker, tp * pp, str(checkpoint), tp, pp, str(out))
+    return torch.load(out, weights_only=False)
+
+
+PASSES = ("old_logprob", "reference", "probe_teacher", "oar_g", "oar_p", "oar_p_screened", "update")
+
+
+@pytest.mark.slow
+def test_every_pass_runs_padded_lengths(runs):
+    for ranks in runs:
+        plain, padded = ranks[1]["lengths"], ranks[FORCED]["lengths"]
+        assert plain.keys() == padded.keys() and set(PASSES) <= plain.keys()
+        for name in plain:
+            assert any(n % FORCED for n in plain[name]), f"{name}: the test needs unpadded lengths"
+            assert all(n % FORCED == 0 for n in padded[name]), (name, padded[name])
+        # OAR-P buckets (multiples of 8, at most the width 29) are rounded up to the multiple
+        widths = ranks["copy_widths"]
+        assert all(w % FORCED == 0 for call in widths for w in call), widths
+        assert sorted({call[0] for call in widths}) == [16, 32]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> bool:
+    return torch.allclose(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.slow
+def test_padding_changes_nothing(runs):
+    for rank, ranks in enumerate(runs):
+        plain, padded = ranks[1], ranks[FORCED]
+        for name in ("logprobs", "entropy", "ref_logprobs"):
+            assert padded[name].shape == plain[name].shape
+            assert _close(padded[name], plain[name]), f"rank {rank}: {name}"
+        for name in ("teacher", "probe_teacher"):
+            for got, want in zip(padded[name], plain[name]):
+                assert _close(got, want), f"rank {rank}: {name}"
+        for name in ("oar_g", "oar_p", "oar_p_screened"):
+            assert plain[name].abs().max() > 0
+            err = rel_error(padded[name], plain[name])
+            assert err <= TOL, f"rank {rank}: {name} rel err {err:.2e}"
+        assert plain["applied"] and padded["applied"]
+        assert padded["loss"] == pytest.approx(plain["loss"], rel=TOL)
+        assert padded["grad_norm"] == pytest.approx(plain["grad_norm"], rel=TOL)
+        for got, want in zip(padded["grads"], plain["grads"]):
+            assert (got - want).abs().max() <= TOL * want.abs().max(), f"rank {rank}: grads"
+        for got, want in zip(padded["weights"], plain["weights"]):
+            assert _close(got, want), f"rank {rank}: updated weights"

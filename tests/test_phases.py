@@ -1,0 +1,225 @@
+"""The loop's memory handover with vLLM, proved with a recording fake engine.
+
+* over two steps with an evaluation after each (and the step-0 baseline), the engine's calls come
+  in the colocated order: wake weights -> sync -> wake KV cache -> generate -> sleep, for the
+  steps and for every evaluation;
+* every Megatron pass (old log-probs, reference, attribution, update) runs while the engine sleeps,
+  and every generation while it is fully awake;
+* the trainer's phases are the phases ``oar plan`` budgets (``plan.trainer_phases``), so the plan
+  cannot assume a sleeping vLLM where the loop keeps it awake;
+* ``RolloutEngine.wake_up`` frees PyTorch's cached blocks before vLLM re-allocates.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from megatron_oar.training.phases import ASLEEP, CHECKPOINT, EVAL, STEP
+from tests.distributed import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
+TINY = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, intermediate_size=256,
+            num_hidden_layers=2, max_position_embeddings=256)
+MEGATRON_PASSES = ("old_logprob_pass", "reference_logprobs", "compute_importance", "update_step")
+
+
+class RecordingEngine:
+    """Stands in for ``RolloutEngine``: random completions, and a trace of every call with what
+    the engine held on the GPU at that moment (sleep and wake_up as in vLLM: tags)."""
+
+    def __init__(self, rollout_cfg, tokenizer, trace: list):
+        self.config = rollout_cfg
+        self.tokenizer = tokenizer
+        self.trace = trace
+        self.asleep: set[str] = set()  # a new engine is awake
+        self.dp_size, self.dp_rank = 1, 0
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
+
+    def _record(self, call: str) -> None:
+        self.trace.append((call, sorted(self.asleep)))
+
+    def sleep(self) -> None:
+        self._record("sleep")
+        self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags=None) -> None:
+        self._record(f"wake_up({','.join(tags or ['all'])})")
+        self.asleep -= set(tags or self.asleep)
+
+    def sync_weights(self, model):
+        from megatron_oar.rollout.engine import SyncStats
+
+        self._record("sync_weights")
+        return SyncStats(seconds=0.0, bytes=0, num_tensors=0, num_buckets=0, max_bucket_bytes=0)
+
+    def generate(self, prompt_ids, *, n=None, seeds=None, temperature=None, **_):
+        from megatron_oar.rollout.batch import RolloutBatch
+
+        self._record("generate")
+        n = n or self.config.n
+        eos = self.tokenizer.eos_token_id
+        vocab = [i for i in range(len(self.tokenizer)) if i != eos]
+        ids, texts = [], []
+        for p, seed in zip(prompt_ids, seeds):
+            rng = random.Random(seed)
+            resp = [[rng.choice(vocab) for _ in range(rng.randint(4, 9))] + [eos] for _ in range(n)]
+            ids.append(resp)
+            texts.append([self.tokenizer.decode(r[:-1]) for r in resp])
+        k = len(prompt_ids)
+        return RolloutBatch(prompt_ids=[list(p) for p in prompt_ids], response_ids=ids,
+                            logprobs=[[[-1.0] * len(r) for r in rs] for rs in ids],
+                            finish_reasons=[["stop"] * n] * k, stop_reasons=[[None] * n] * k,
+                            texts=texts, seeds=list(seeds), n=n, temperature=temperature or 1.0,
+                            top_p=1.0, top_k=0, logprobs_mode="raw_logprobs")
+
+    def gather(self, batch):
+        return batch
+
+    def shutdown(self) -> None:
+        self._record("shutdown")
+
+
+def _run_worker(hf_dir: str, run_dir: str, out: str) -> None:
+    from transformers import AutoTokenizer
+
+    import megatron_oar.trainer as trainer_mod
+    from megatron_oar.config import load_config
+    from megatron_oar.plan import trainer_phases
+    from megatron_oar.trainer import Trainer
+
+    cfg = load_config(EXAMPLE, [
+        f"model.path={hf_dir}", f"run_dir={run_dir}", "parallel.tp=1", "rollout.tp=1",
+        "train.steps=2", "train.prompts_per_step=2", "train.group_size=4", "train.mini_batches=1",
+        "train.micro_batch_size=2", "train.eval_interval=1", "train.eval_max_prompts=2",
+        "train.dynamic_sampling=false", "credit=oar_g", "loss.kl_coef=0.01",
+        "attribution.probe.warmup_steps=0", r"attribution.probe.answer_pattern=(\d+)",
+        "rewards.format_weight=1.0", "rewards.accuracy_weight=0.0",
+        "rewards.format_pattern=.*[0-9].*", "checkpoint.export_hf_at_end=false",
+        "log.console=false"])
+    trace: list = []
+    engine = RecordingEngine(cfg.rollout, AutoTokenizer.from_pretrained(hf_dir), trace)
+    for name in MEGATRON_PASSES:  # each pass records what the engine held while it ran
+        def recorded(*args, _name=name, _fn=getattr(trainer_mod, name), **kwargs):
+            trace.append((_name, sorted(engine.asleep)))
+            return _fn(*args, **kwargs)
+        setattr(trainer_mod, name, recorded)
+    trainer = Trainer(cfg, engine=engine)
+    phase = trainer.logger.phase
+
+    def traced_phase(name):
+        trace.append((f"phase:{name}", sorted(engine.asleep)))
+        return phase(name)
+
+    trainer.logger.phase = traced_phase
+    trainer.run()
+    Path(out).write_text(json.dumps({"trace": trace,
+                                     "plan": [p.name for p in trainer_phases(cfg)]}))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    from megatron_oar.models.tiny import make_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("phases")
+    hf = make_tiny_qwen2(root / "hf", seed=3, **TINY)
+    out = root / "trace.json"
+    launch(_run_worker, 1, str(hf), str(root / "run"), str(out))
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_engine_calls_follow_the_colocated_order(run):
+    calls = [c for c, _ in run["trace"] if not c.startswith("phase:") and c not in MEGATRON_PASSES]
+    wake = ["wake_up(weights)", "sync_weights", "wake_up(kv_cache)", "generate", "sleep"]
+    # asleep once built, the step-0 evaluation, then per step: rollout, evaluation
+    assert calls == ["sleep"] + wake * 5, calls
+
+
+@pytest.mark.slow
+def test_megatron_passes_run_while_vllm_sleeps(run):
+    held = {}
+    for call, asleep in run["trace"]:
+        held.setdefault(call, set()).add(tuple(asleep))
+    for name in ("old_logprob_pass", "reference_logprobs", "compute_importance", "update_step"):
+        assert held[name] == {("kv_cache", "weights")}, (name, held.get(name))
+    assert held["generate"] == {()}  # generation only with weights and KV cache awake
+    assert held["sync_weights"] == {("kv_cache",)}  # weights awake, KV cache not yet
+    for name, phase in [(p.name, p) for p in STEP + EVAL + CHECKPOINT]:
+        if phase.vllm == ASLEEP:
+            assert held[f"phase:{name}"] == {("kv_cache", "weights")}, name
+
+
+@pytest.mark.slow
+def test_trainer_phases_are_the_plans(run):
+    phases = [c[len("phase:"):] for c, _ in run["trace"] if c.startswith("phase:")]
+    evaluation = [p.name for p in EVAL]
+    step = [p.name for p in STEP]
+    # the step-0 evaluation, then step / evaluation / checkpoint (the last step's) x 2
+    assert phases == evaluation + step + evaluation + step + evaluation + ["checkpoint"], phases
+    assert sorted(set(phases)) == sorted(run["plan"])
+
+
+def test_plan_phases_follow_the_config():
+    from megatron_oar.config import load_config
+    from megatron_oar.plan import trainer_phases
+
+    cfg = load_config(EXAMPLE, ["credit=grpo", "train.eval_interval=0"])
+    assert [p.name for p in trainer_phases(cfg)] == [
+        "wake_weights", "sync", "wake_kv_cache", "generate", "sleep", "logprob", "update",
+        "checkpoint"]
+    cfg = load_config(EXAMPLE, ["credit=oar_p", "train.eval_interval=5"])
+    assert [p.name for p in trainer_phases(cfg)] == [p.name for p in STEP] + ["eval", "checkpoint"]
+
+
+def test_plan_budgets_every_phase_and_vllm_asleep_for_megatron():
+    """The 7B example: every phase has a budget; Megatron's phases count vLLM asleep, and
+    with vLLM never sleeping (sleep_level 0) the training phase needs its awake share too."""
+    from megatron_oar.config import load_config
+    from megatron_oar.models.presets import resolve_hf_config
+    from megatron_oar.plan import Hardware, make_plan, trainer_phases
+
+    path = ROOT / "examples" / "qwen2.5-7b_oar_g.yaml"
+    plans = {}
+    for level in (2, 0):
+        cfg = load_config(path, [f"rollout.sleep_level={level}"])
+        hf, _ = resolve_hf_config(cfg.model.path, None)
+        plans[level] = make_plan(cfg, hf, nodes=1, gpus_per_node=8, hw=Hardware())
+        assert list(plans[level].phases_gib) == [p.name for p in trainer_phases(cfg)]
+        assert set(plans[level].time_s) - {"total"} <= set(plans[level].phases_gib)
+    asleep, awake = plans[2], plans[0]
+    share = asleep.vllm["share_gib"]
+    assert awake.phases_gib["update"] - asleep.phases_gib["update"] == pytest.approx(share - 1.0)
+    assert awake.train_peak_gib > asleep.hardware["gpu_mem_gib"] > asleep.train_peak_gib
+
+
+def test_wake_up_frees_torch_cache_first(monkeypatch):
+    from megatron_oar.rollout import engine as engine_mod
+    from megatron_oar.rollout.config import RolloutConfig
+
+    calls = []
+
+    class LLM:
+        def sleep(self, level):
+            calls.append(f"sleep({level})")
+
+        def wake_up(self, tags):
+            calls.append(f"wake_up({tags})")
+
+    eng = engine_mod.RolloutEngine.__new__(engine_mod.RolloutEngine)
+    eng.config, eng.sleep_supported, eng._asleep, eng._llm = RolloutConfig(), True, set(), LLM()
+    eng._weights_loaded = True
+    monkeypatch.setattr(engine_mod, "free_torch_cache", lambda: calls.append("free"))
+    eng.sleep()
+    assert not eng._weights_loaded  # the default level 2 discards them: a sync must come first
+    eng.wake_up(["weights"])
+    eng.wake_up(["kv_cache"])
+    eng.wake_up(["kv_cache"])  # awake already: nothing
+    assert calls == ["sleep(2)", "free", "wake_up(['weights'])", "free", "wake_up(['kv_cache'])"]
