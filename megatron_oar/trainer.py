@@ -172,8 +172,12 @@ class Trainer:
 
         plan = None
         if cfg.uses_attribution:
-            seqs = SequenceBatch(batch.tokens, batch.prompt_lens, batch.lengths, batch.sample_ids)
-            plan = plan_probes(seqs, cfg.attribution.probe, step, self.finder)
+            truncated = torch.tensor([data.samples[i].finish_reason == "length"
+                                      for i in batch.sample_ids.tolist()])
+            seqs = SequenceBatch(batch.tokens, batch.prompt_lens, batch.lengths, batch.sample_ids,
+                                 truncated=truncated)
+            plan = plan_probes(seqs, cfg.attribution.probe, step, self.finder,
+                               eos_ids={self.tokenizer.eos_token_id, *cfg.rollout.stop_token_ids})
         with lg.phase("logprob"):
             batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(
                 self.policy.model, batch, vocab, mbs, plan=plan)
@@ -186,7 +190,8 @@ class Trainer:
             with lg.phase("attribution"):
                 attr = compute_importance(self.policy.model, seqs, cfg.attribution, vocab_size=vocab,
                                           seq_adv=batch.seq_adv, step=step, tokenizer=self.tokenizer,
-                                          plan=plan, teacher=teacher, external_teacher=True)
+                                          plan=plan, teacher=teacher, external_teacher=True,
+                                          teacher_fp8=bool(cfg.model.fp8))  # the logprob pass's
             importance, score_mask, attr_stats = attr.importance, attr.score_mask, attr.stats
         credit = assign_credit(cfg.shaping, batch.seq_adv, batch.loss_mask, importance=importance,
                                entropy=batch.entropy, score_mask=score_mask,

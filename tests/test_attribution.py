@@ -168,8 +168,10 @@ def test_importance_matches_reference(setup, tp, pp):
     mask = first["oar_g_answer_mean"][1]
     assert not mask[2].any() and mask[3].any()
     # batched and serial OAR-P agree; micro-batch sizes change nothing
-    # (only fp32 rounding differs: other padded lengths and micro-batch shapes change GEMM blocking)
-    for a, b in [("oar_p_answer_mean", "oar_p_serial"), ("oar_p_answer_mean", "oar_p_mbs3"),
-                 ("oar_g_answer_mean", "oar_g_mbs1")]:
-        assert rel_error(first[a][0], first[b][0]) <= 2e-5, (a, b)
+    # (only fp32 rounding differs: other padded lengths and micro-batch shapes change GEMM blocking;
+    # OAR-G's floor is ~1e-5 of the largest score, and since the <answer> tag, whose scores dwarfed
+    # the reasoning's, is no longer scored, up to 3.6e-5 of a row's largest reasoning score)
+    for a, b, tol in [("oar_p_answer_mean", "oar_p_serial", 2e-5), ("oar_p_answer_mean", "oar_p_mbs3", 2e-5),
+                      ("oar_g_answer_mean", "oar_g_mbs1", 6e-5)]:
+        assert rel_error(first[a][0], first[b][0]) <= tol, (a, b)
     assert first["oar_p_answer_mean"][3]["masked_forwards"] == float(mask.sum())

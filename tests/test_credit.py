@@ -5,6 +5,7 @@ import torch
 
 from megatron_oar.algorithms import CreditConfig, assign_credit, credit_metrics, ess_ratio, top_mass
 from megatron_oar.algorithms.credit import entropy_advantages, random_weights
+from tests.test_oar import reference_weights
 
 
 def test_grpo_broadcasts():
@@ -51,6 +52,34 @@ def test_oar_scheme_uses_importance():
     out = assign_credit(CreditConfig(scheme="oar"), torch.tensor([-1.0]), torch.ones(1, 3), importance=imp)
     assert out.weights[0, 2] > 1 > out.weights[0, 0]
     torch.testing.assert_close(out.advantages, -out.weights)
+
+
+def test_suppression_floor_default_and_mass():
+    """Default floor 0 is Eqs. 14-16 (each row's least important scored token gets weight 0);
+    the authors' 0.1 floor bounds every suppressed weight away from 0; both preserve the mass."""
+    g = torch.Generator().manual_seed(0)
+    imp = torch.rand(6, 12, generator=g) ** 4 * 10  # skewed, like real importance
+    mask = torch.ones(6, 12, dtype=torch.bool)
+    mask[1, 9:] = mask[4, 5:] = False  # padding
+    score_mask = mask.clone()
+    score_mask[:, 7:] = False  # the answer span and what follows: not scored, weight 1
+    seq_adv = torch.tensor([1.0, -0.5, 2.0, -1.5, 0.7, 1.0])
+    assert CreditConfig().floor == 0.0
+    for floor in (0.0, 0.1, 0.5):
+        cfg = CreditConfig(floor=floor)
+        out = assign_credit(cfg, seq_adv, mask, importance=imp, score_mask=score_mask)
+        w, s = out.weights, score_mask
+        torch.testing.assert_close(w.sum(-1), mask.sum(-1).float())  # Eq. 17: sum of weights = T
+        torch.testing.assert_close((w * s).sum(-1), s.sum(-1).float())  # scored mass stays scored
+        torch.testing.assert_close(out.advantages.sum(-1), seq_adv * mask.sum(-1))
+        assert (w[mask & ~s] == 1).all() and (w[~mask] == 0).all()
+        lowest = torch.where(s, imp, torch.full_like(imp, float("inf"))).argmin(-1)
+        w_low = w[torch.arange(6), lowest]
+        assert (w_low == 0).all() if floor == 0 else (w_low > 0).all()  # Eq. 16 at I_hat = 0
+        for i in range(6):  # the scored tokens carry the paper's weights, floored before Eq. 17
+            sub = imp[i][s[i]].tolist()
+            want = reference_weights(sub, [1] * len(sub), cfg.tau, cfg.beta, cfg.tau_mode, floor)
+            torch.testing.assert_close(w[i][s[i]], torch.tensor(want), rtol=1e-5, atol=1e-6)
 
 
 def test_scheme_errors():

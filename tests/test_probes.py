@@ -45,11 +45,19 @@ def test_bad_pattern_is_named():
     ("12 + 3 is 15. <answer>15</answer>", None, "15"),
     ("x <answer> 7 </answer>", None, " 7"),
     ("so \\boxed{\\frac{1}{2}} done", "boxed", "\\frac{1}{2}"),
+    ("it is 42", r"is (\d+)", " 42"),  # " 42" is one token
 ])
 def test_span_finder_maps_to_tokens(tok, text, pattern, answer):
     ids = tok.encode(text)
-    k0, k1 = SpanFinder(tok, pattern or "<answer>(.*?)</answer>")(ids)
+    finder = SpanFinder(tok, pattern or "<answer>(.*?)</answer>")
+    k0, k1 = finder(ids)
     assert tok.decode(ids[k0:k1]) == answer  # the tokens holding the answer, nothing more
+    t0, *span = finder.locate(ids)
+    assert span == [k0, k1] and t0 <= k0
+    # the reasoning ends where the opening tag (the whole match) starts; a token holding both
+    # reasoning text and the tag's first character (" <" here) belongs to the tag
+    reasoning = {"12": "12 + 3 is 15.", "x ": "x", "so": "so ", "it": "it "}[text[:2]]
+    assert tok.decode(ids[:t0]) == reasoning
 
 
 def batch_of(tok, pairs):
@@ -69,20 +77,23 @@ PAIRS = [("1 + 2 = ", "1 + 2 is 3. <answer>3</answer>"), ("5 + 5 = ", "5 + 5 is 
 def test_answer_mean_plan(tok):
     batch = batch_of(tok, PAIRS)
     plan = plan_probes(batch, ProbeConfig(kind="answer_mean"), finder=SpanFinder(tok))
-    assert plan.kinds == ["answer_mean", "last_token", "answer_mean"]
+    assert plan.kinds == ["answer_mean", "last_token", "none"]
     p0, resp = int(batch.prompt_lens[0]), batch.response_ids(0)
-    k0, k1 = SpanFinder(tok)(resp)
+    t0, k0, k1 = SpanFinder(tok).locate(resp)
     # row 0: the positions that predict the answer tokens, and their targets
     sel = plan.row == 0
     assert plan.pos[sel].tolist() == list(range(p0 + k0 - 1, p0 + k1 - 1))
     assert tok.decode(plan.target[sel].tolist()) == "3"
-    # scored: the response before the answer span; the span and after keep weight 1
-    assert plan.score_mask[0].nonzero().flatten().tolist() == list(range(p0, p0 + k0))
-    # row 1: no answer -> last_token at the final position, every response token scored
-    assert plan.pos[plan.row == 1].tolist() == [int(batch.lengths[1]) - 1]
-    assert plan.score_mask[1].sum() == int(batch.lengths[1] - batch.prompt_lens[1])
-    # row 2: only the "<answer>" tag tokens come before the span
-    assert tok.decode(batch.tokens[2][plan.score_mask[2]].tolist()) == "<answer>"
+    # scored: the reasoning before the opening tag; the tag, the span and after keep weight 1
+    assert plan.score_mask[0].nonzero().flatten().tolist() == list(range(p0, p0 + t0))
+    assert tok.decode(batch.tokens[0][plan.score_mask[0]].tolist()) == "1 + 2 is 3."
+    # row 1: no answer (and no EOS) -> last_token at the final position; it scores the tokens
+    # before it, not the probe position itself
+    end = int(batch.lengths[1])
+    assert plan.pos[plan.row == 1].tolist() == [end - 1]
+    assert plan.score_mask[1].nonzero().flatten().tolist() == list(range(int(batch.prompt_lens[1]), end - 1))
+    # row 2: only the "<answer>" tag comes before the span: nothing to score
+    assert not plan.score_mask[2].any() and not (plan.row == 2).any()
     # an answer that opens the response leaves nothing to score
     opening = plan_probes(batch, ProbeConfig(answer_pattern=r"^(\d+)"), finder=SpanFinder(tok, r"^(\d+)"))
     assert opening.kinds[0] == "none" and not opening.score_mask[0].any()
@@ -94,16 +105,88 @@ def test_uniform_mode_warmup_and_last_token(tok):
     batch = batch_of(tok, PAIRS)
     finder = SpanFinder(tok)
     uniform = plan_probes(batch, ProbeConfig(kind="answer_joint", no_answer="uniform"), finder=finder)
-    assert uniform.kinds == ["answer_joint", "none", "answer_joint"]
+    assert uniform.kinds == ["answer_joint", "none", "none"]
     assert not uniform.score_mask[1].any()
     warm = plan_probes(batch, ProbeConfig(kind="answer_mean", warmup_steps=5), step=4, finder=finder)
-    assert warm.kinds == ["last_token"] * 3
+    assert warm.kinds == ["last_token", "last_token", "none"]
     after = plan_probes(batch, ProbeConfig(kind="answer_mean", warmup_steps=5), step=5, finder=finder)
     assert after.kinds[0] == "answer_mean"
     last = plan_probes(batch, ProbeConfig(kind="last_token"))  # no tokenizer needed
-    assert last.score_mask.sum() == int((batch.lengths - batch.prompt_lens).sum())
+    assert last.kinds == ["last_token"] * 3  # without a finder: the last token of each row
+    assert last.pos.tolist() == (batch.lengths - 1).tolist()
+    assert last.score_mask.sum() == int((batch.lengths - batch.prompt_lens - 1).sum())
     with pytest.raises(ValueError, match="needs a tokenizer"):
         plan_probes(batch, ProbeConfig(kind="answer_mean"))
+
+
+EOS = "<|endoftext|>"
+LT_PAIRS = [("1 + 2 = ", f"1 + 2 is 3. <answer>3</answer>{EOS}"),  # answer, then EOS
+            ("5 + 5 = ", f"5 + 5 is 10.{EOS}"),                     # no answer, EOS
+            ("7 + 1 = ", "7 + 1 is 8"),                              # no answer, stopped by a string
+            ("2 + 2 = ", "2 + 2 is 4. <answer>4</answer> and 4 and")]  # answer, then cut at the limit
+
+
+@pytest.mark.parametrize("cfg,step", [(ProbeConfig(kind="last_token"), 0),
+                                      (ProbeConfig(kind="answer_mean", warmup_steps=2), 1)],
+                         ids=["last_token", "warmup"])
+def test_last_token_reads_where_the_answer_is_predicted(tok, cfg, step):
+    """LT-Logits reads the distribution that predicts the answer (the last token of the opening
+    tag), else the one at the last content token (it predicts EOS), never the one after EOS."""
+    batch = batch_of(tok, LT_PAIRS)
+    plan = plan_probes(batch, cfg, step, finder=SpanFinder(tok))
+    assert plan.kinds == ["last_token"] * 4
+    assert plan.row.tolist() == [0, 1, 2, 3]  # one position per row
+    # row 1 ends with EOS: read at "." (the distribution that predicts EOS), score before it
+    end = int(batch.lengths[1])
+    assert plan.pos[1] == end - 2 and int(plan.target[1]) == tok.eos_token_id
+    assert tok.decode(batch.tokens[1][plan.score_mask[1]].tolist()) == "5 + 5 is 10"
+    for i in (0, 3):  # before the answer span: its target is the answer's first token
+        assert tok.decode([int(plan.target[i])]) == {0: "3", 3: "4"}[i]
+        reasoning = {0: "1 + 2 is 3.", 3: "2 + 2 is 4."}[i]
+        assert tok.decode(batch.tokens[i][plan.score_mask[i]].tolist()) == reasoning
+        start, (t0, k0, _) = int(batch.prompt_lens[i]), SpanFinder(tok).locate(batch.response_ids(i))
+        assert plan.pos[i] == start + k0 - 1
+    # row 2 has no EOS (a stop string ended it): its last token is the last content token
+    assert plan.pos[2] == int(batch.lengths[2]) - 1
+    assert tok.decode(batch.tokens[2][plan.score_mask[2]].tolist()) == "7 + 1 is"
+    # EOS ids can be given explicitly (no finder: no answer spans, every row falls back)
+    bare = plan_probes(batch, ProbeConfig(kind="last_token"), eos_ids=[tok.eos_token_id])
+    assert bare.pos[1] == end - 2 and bare.pos[0] == int(batch.lengths[0]) - 2
+
+
+def test_truncated_rows_are_not_read_at_the_cut(tok):
+    """A response cut at the length limit has no last content token: without an answer it is
+    not scored; with one, the answer's probe is read as usual."""
+    rows = [tok.encode(p) + tok.encode(r) for p, r in LT_PAIRS]
+    base = batch_of(tok, LT_PAIRS)
+    batch = SequenceBatch(base.tokens, base.prompt_lens, base.lengths,
+                          truncated=torch.tensor([False, False, True, True]))
+    assert len(rows) == batch.size
+    for cfg in (ProbeConfig(kind="last_token"), ProbeConfig(kind="answer_mean")):
+        plan = plan_probes(batch, cfg, finder=SpanFinder(tok))
+        assert plan.kinds[2] == "none" and not plan.score_mask[2].any() and not (plan.row == 2).any()
+        assert plan.kinds[3] == cfg.kind and plan.score_mask[3].any()
+        assert plan.kinds[1] == "last_token"
+    with pytest.raises(ValueError, match="truncated"):
+        SequenceBatch(base.tokens, base.prompt_lens, base.lengths, truncated=torch.tensor([True]))
+
+
+@pytest.mark.parametrize("kind", ["last_token", "answer_mean", "answer_joint"])
+@pytest.mark.parametrize("pattern", [None, "boxed", r"is (\d+)"])
+def test_scored_tokens_are_reasoning_only(tok, kind, pattern):
+    """No probe position and no token of the opening tag or the answer is ever scored."""
+    pairs = LT_PAIRS + PAIRS + [("3 + 3 = ", "so \\boxed{6} ok"), ("4 + 1 = ", "it is 5")]
+    batch = batch_of(tok, pairs)
+    finder = SpanFinder(tok, pattern) if pattern else SpanFinder(tok)
+    plan = plan_probes(batch, ProbeConfig(kind=kind, answer_pattern=finder.pattern), finder=finder)
+    assert not plan.score_mask[plan.row, plan.pos].any()  # never a probe position
+    for i in range(batch.size):
+        found = finder.locate(batch.response_ids(i))
+        scored = plan.score_mask[i].nonzero().flatten()
+        if found is not None and len(scored):
+            assert int(scored.max()) < int(batch.prompt_lens[i]) + found[0]  # before the tag
+        if plan.kinds[i] != "none":
+            assert int(plan.pos[plan.row == i].min()) >= int(scored.max()) + 1
 
 
 def test_take_renumbers_rows(tok):

@@ -34,7 +34,9 @@ class CreditConfig:
     tau: float = 0.4
     beta: float = 2.0
     tau_mode: str = "quantile"  # quantile | value
-    floor: float = 0.0  # lower bound on suppressed weights before renormalisation (0 = Eq. 16)
+    # suppression floor: lower bound on suppressed weights before renormalisation. 0 is Eqs. 14-16
+    # (the least important token gets 0); the authors' code uses 0.1 (see algorithms/oar.py)
+    floor: float = 0.0
     eps: float = 1e-6
     # entropy (Eq. 6): Cheng et al.'s alpha and kappa
     entropy_alpha: float = 0.4

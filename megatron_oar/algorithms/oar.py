@@ -20,8 +20,15 @@ Threshold (``tau_mode``):
 - ``"value"``: ``tau`` itself on the ``[0, 1]`` scale of ``I_hat``. ``tau = 1`` suppresses every
   token (``I_hat < 1`` always); ``tau = 0`` boosts every token.
 
-``floor`` (default 0, which is exactly Eq. 16) lower-bounds suppressed weights before the
-renormalisation, so no token's advantage is switched off completely.
+Suppression floor (``floor``, ``CreditConfig.floor``): suppressed tokens get
+``omega = max(I_hat / (tau + eps), floor)``, before the renormalisation, so the weights still sum
+to T (a floored token ends at ``floor * T_s / sum(omega)``). The default, 0, is what Eqs. 14-17
+give: Eq. 14 maps each row's least important scored token to ``I_hat = 0`` and Eq. 16 maps
+``I_hat = 0`` to ``omega = 0``; neither has a floor term. Appendix A.1.4's "suppression floor" is
+the bound ``omega(I_hat_k) <= eps << 1`` on a non-influential token's weight, whose gradient
+noise is then ``<= eps^2`` GRPO's and vanishes as ``eps -> 0``: a bound the equations meet with
+0, not a floor they add. The authors' released code floors suppressed weights at 0.1
+(``floor: 0.1`` reproduces it), so no token's advantage is switched off completely.
 
 Scored and unscored tokens: ``score_mask`` (a subset of ``mask``) names the tokens that were
 scored. Valid tokens outside it (for example the answer span, which the probe reads) keep

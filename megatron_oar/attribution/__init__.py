@@ -27,6 +27,7 @@ import torch
 from megatron_oar.attribution.batch import SequenceBatch
 from megatron_oar.attribution.passes import oar_g, oar_p, oar_p_screened, probe_teacher, screen_count
 from megatron_oar.attribution.probes import NONE, ProbeConfig, ProbeOutput, ProbePlan, plan_probes
+from megatron_oar.attribution.schedule import unwrap
 from megatron_oar.attribution.spans import SpanFinder
 
 METHODS = ("oar_g", "oar_p", "oar_p_screened")
@@ -80,7 +81,7 @@ def resolve_pad_id(cfg: AttributionConfig, tokenizer) -> int:
 def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, vocab_size: int,
                        seq_adv: torch.Tensor | None = None, step: int = 0, tokenizer=None,
                        plan: ProbePlan | None = None, teacher: ProbeOutput | None = None,
-                       external_teacher: bool = False) -> Attribution:
+                       external_teacher: bool = False, teacher_fp8: bool | None = None) -> Attribution:
     """Importance ``[B, L]`` of every scored response token of ``batch`` (any TP/PP layout).
 
     ``plan`` and ``teacher`` may come from the trainer's old-logprob pass (no extra forward);
@@ -88,6 +89,15 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
     is computed by one clean forward-only pass. ``external_teacher=True`` says the caller's
     ``teacher`` is the one to use even where it is None (pipeline stages other than the last,
     which never read it), so no rank runs the teacher pass.
+
+    The teacher P0 and the students must run in the same precision, or OAR-G differentiates
+    the precision gap (its scores stay non-zero as ``sigma -> 0``) and OAR-P measures it.
+    Students run outside FP8 (OAR-G inside it with ``allow_fp8`` on an FP8 model).
+    ``teacher_fp8`` says whether the caller's teacher came from a pass under FP8 autocast;
+    default (None): from a plain forward of ``model``, so FP8 iff the model's config has FP8
+    on (the trainer's old-logprob pass). A caller's teacher of another precision than a
+    student's is not used: that student gets a clean teacher pass in its own precision
+    (``stats["teacher_passes"]`` counts them).
     """
     start = time.perf_counter()
     if plan is None:
@@ -100,23 +110,36 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
     score_mask = plan.score_mask & selected.to(plan.score_mask.device).unsqueeze(-1)
     importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
     copies = 0
+    own_teachers: dict[bool, ProbeOutput | None] = {}
     if rows:
-        if teacher is None and not external_teacher:
-            teacher = probe_teacher(model, batch, plan, rows, vocab_size, cfg.micro_batch_size)
+        model_fp8 = bool(getattr(unwrap(model).config, "fp8", None))
+        external = teacher is not None or external_teacher
+        from_caller = model_fp8 if teacher_fp8 is None else bool(teacher_fp8)
+
+        def teacher_in(fp8: bool) -> ProbeOutput | None:
+            """P0 in a student's precision (the same decision on every rank: no deadlock)."""
+            if external and from_caller == fp8:
+                return teacher
+            if fp8 not in own_teachers:
+                own_teachers[fp8] = probe_teacher(model, batch, plan, rows, vocab_size,
+                                                  cfg.micro_batch_size, allow_fp8=fp8)
+            return own_teachers[fp8]
+
         if cfg.method in ("oar_g", "oar_p_screened"):
-            importance = oar_g(model, batch, plan, teacher, rows, vocab_size, sigma=cfg.sigma,
-                               seed=cfg.seed, step=step, micro_batch_size=cfg.micro_batch_size,
-                               allow_fp8=cfg.allow_fp8)
+            importance = oar_g(model, batch, plan, teacher_in(cfg.allow_fp8 and model_fp8), rows,
+                               vocab_size, sigma=cfg.sigma, seed=cfg.seed, step=step,
+                               micro_batch_size=cfg.micro_batch_size, allow_fp8=cfg.allow_fp8)
         if cfg.method in ("oar_p", "oar_p_screened"):
             exact = dict(pad_id=resolve_pad_id(cfg, tokenizer), micro_batch_size=cfg.perturb_micro_batch_size,
                          length_bucket=cfg.length_bucket, serial=cfg.serial,
                          joint_importance=cfg.probe.joint_importance)
             if cfg.method == "oar_p":
-                importance, copies = oar_p(model, batch, plan, teacher, rows, vocab_size, **exact)
+                importance, copies = oar_p(model, batch, plan, teacher_in(False), rows, vocab_size,
+                                           **exact)
             else:  # the OAR-G importance above is the screen
-                importance, copies = oar_p_screened(model, batch, plan, teacher, rows, vocab_size,
-                                                    screen=importance, fraction=cfg.screen_fraction,
-                                                    **exact)
+                importance, copies = oar_p_screened(model, batch, plan, teacher_in(False), rows,
+                                                    vocab_size, screen=importance,
+                                                    fraction=cfg.screen_fraction, **exact)
     kinds = plan.kinds
     lengths = batch.lengths.cpu()
     if cfg.method == "oar_p_screened":
@@ -129,6 +152,7 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
         "fallback_last_token": float(sum(k == "last_token" for k in kinds) if cfg.probe.kind != "last_token" else 0),
         "unscored_no_answer": float(sum(k == NONE for k in kinds)),
         "masked_forwards": float(copies),
+        "teacher_passes": float(len(own_teachers)),
         # the work, in tokens: OAR-G's noisy forward + input-gradient backward run over whole
         # scored sequences; each OAR-P copy is a forward over its sequence
         "oar_g_tokens": float(sum(int(lengths[i]) for i in rows)) if cfg.method != "oar_p" else 0.0,

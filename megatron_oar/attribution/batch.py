@@ -18,6 +18,9 @@ class SequenceBatch:
     prompt_lens: torch.Tensor  # [B]: the response starts here
     lengths: torch.Tensor  # [B]: prompt + response, <= L
     sample_ids: torch.Tensor | None = None  # [B] stable ids (noise seeds); default 0..B-1
+    # [B] bool: generation stopped at the length limit (vLLM finish_reason "length", no EOS);
+    # the probe plan reads no outcome at a truncation point. Default: none truncated
+    truncated: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, length = self.tokens.shape
@@ -29,6 +32,11 @@ class SequenceBatch:
             raise ValueError("need 1 <= prompt_len <= length <= tokens.shape[1] on every row")
         if self.sample_ids is None:
             self.sample_ids = torch.arange(b)
+        if self.truncated is None:
+            self.truncated = torch.zeros(b, dtype=torch.bool)
+        self.truncated = torch.as_tensor(self.truncated, dtype=torch.bool).cpu()
+        if self.truncated.shape != (b,):
+            raise ValueError(f"truncated must be [{b}], got {tuple(self.truncated.shape)}")
 
     @property
     def size(self) -> int:

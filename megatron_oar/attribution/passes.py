@@ -58,11 +58,12 @@ def _sequence_micros(batch: SequenceBatch, plan: ProbePlan, rows: list[int], siz
 
 
 def probe_teacher(model, batch: SequenceBatch, plan: ProbePlan, rows: list[int], vocab_size: int,
-                  micro_batch_size: int) -> ProbeOutput | None:
+                  micro_batch_size: int, allow_fp8: bool = False) -> ProbeOutput | None:
     """The clean probe output P0 (and S0) of ``rows``; on the last stage, else None.
 
     The trainer can skip this pass by building the teacher from its old-logprob forward with
-    ``ProbeOutput.from_position_logits`` at the same plan positions.
+    ``ProbeOutput.from_position_logits`` at the same plan positions, when that forward ran in
+    the students' precision (``compute_importance`` checks). ``allow_fp8``: as the student's.
     """
     outputs: dict[int, ProbeOutput] = {}
 
@@ -72,7 +73,7 @@ def probe_teacher(model, batch: SequenceBatch, plan: ProbePlan, rows: list[int],
                 outputs[r] = probe.take([j])
         return probe.score.sum() * 0
 
-    with attribution_mode(model), torch.no_grad():
+    with attribution_mode(model, allow_fp8), torch.no_grad():
         run_probe_schedule(model, _sequence_micros(batch, plan, rows, micro_batch_size), vocab_size,
                            forward_only=True, last_stage=last_stage)
     if not parallel_state.is_pipeline_last_stage():

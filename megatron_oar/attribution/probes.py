@@ -11,12 +11,22 @@ probe           output                                                          
 
 A :class:`ProbePlan` lists, for a batch, the positions whose logits each sequence's probe reads
 (``row``, ``pos``) and the tokens they predict (``target``), plus ``score_mask``: the tokens to
-score, which are the response tokens before the answer span (all response tokens for
-``last_token``). The span and what follows keep weight 1.
+score. Those are the reasoning tokens only: the response before the answer's opening tag
+(``<answer>``, ``\\boxed{``; :meth:`SpanFinder.locate`), and never a probe position (a probe
+reads its own position's embedding, so scoring it would measure the probe, not the reasoning).
+The tag, the span and what follows keep weight 1.
+
+Where ``last_token`` (LT-Logits) reads: at the position that predicts the answer's first token
+(the last token of the opening tag) when the response has an answer, else at the last content
+token, the one before the response's EOS (``eos_ids``), whose distribution is the model's
+prediction at the end of its reasoning; the distribution after EOS predicts nothing. A response
+truncated at the length limit (``SequenceBatch.truncated``) has no such point: without an answer
+it is not scored. ``last_token`` scores the response tokens before its probe position.
 
 Warm-up: for the first ``warmup_steps`` steps every sequence uses ``last_token``. A sequence
 without an answer span falls back to ``last_token`` (``no_answer="fallback"``) or is not scored
-and keeps uniform weights (``no_answer="uniform"``).
+and keeps uniform weights (``no_answer="uniform"``). A sequence with nothing to score (the
+answer opens the response, one content token) is not scored either (kind ``none``).
 
 Probe outputs are computed from vocab-parallel logits at the probe positions only; the
 distributions stay vocab-parallel (each TP rank holds its slice of log-probs).
@@ -25,6 +35,7 @@ distributions stay vocab-parallel (each TP rank holds its slice of log-probs).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -85,36 +96,57 @@ class ProbePlan:
                          torch.cat(parts_target), self.score_mask[rows])
 
 
+def _eos_set(eos_ids, finder: SpanFinder | None) -> set[int]:
+    if eos_ids is None:
+        eos = getattr(finder.tokenizer, "eos_token_id", None) if finder is not None else None
+        eos_ids = [] if eos is None else [eos]
+    elif isinstance(eos_ids, int):
+        eos_ids = [eos_ids]
+    return {int(e) for e in eos_ids}
+
+
 def plan_probes(batch: SequenceBatch, cfg: ProbeConfig, step: int = 0,
-                finder: SpanFinder | None = None) -> ProbePlan:
+                finder: SpanFinder | None = None, eos_ids: int | Iterable[int] | None = None) -> ProbePlan:
     """Probe positions and scored tokens for every row of ``batch``.
 
-    ``finder`` (a :class:`SpanFinder` over the tokenizer) is needed for the answer probes.
+    ``finder`` (a :class:`SpanFinder` over the tokenizer) is needed for the answer probes; with
+    it, ``last_token`` (also in the warm-up and as the no-answer fallback) reads before the
+    answer too. ``eos_ids``: the token ids that end a response (EOS, stop tokens); a response's
+    final token in this set is stepped over by ``last_token``. Default: the finder tokenizer's
+    ``eos_token_id`` (none without a finder). Rows of ``batch.truncated`` without an answer are
+    not scored.
     """
     response = batch.response_mask()
     kinds, rows, positions, score = [], [], [], torch.zeros_like(response)
     warm = step < cfg.warmup_steps or cfg.kind == "last_token"
     if not warm and finder is None:
         raise ValueError(f"probe.kind={cfg.kind!r} needs a tokenizer to find the answer span")
+    eos = _eos_set(eos_ids, finder)
+    truncated = batch.truncated.tolist()
+    nothing = torch.zeros(0, dtype=torch.long)
     for i in range(batch.size):
         start, end = int(batch.prompt_lens[i]), int(batch.lengths[i])
-        span = None if warm else finder(batch.response_ids(i))
-        if span is not None and span[0] == 0:
-            kinds.append(NONE)  # the answer opens the response: nothing before it to score
-            positions.append(torch.zeros(0, dtype=torch.long))
-        elif span is not None:
-            a0, a1 = start + span[0], start + span[1]
-            kinds.append(cfg.kind)
-            positions.append(torch.arange(a0 - 1, a1 - 1))  # these positions predict the span
-            score[i, start:a0] = True
-        elif warm or cfg.no_answer == "fallback":
-            kinds.append("last_token")
-            positions.append(torch.tensor([end - 1]))
-            score[i, start:end] = True
-        else:
-            kinds.append(NONE)
-            positions.append(torch.zeros(0, dtype=torch.long))
-        rows.append(torch.full((len(positions[-1]),), i, dtype=torch.long))
+        ids = batch.response_ids(i)
+        found = finder.locate(ids) if finder is not None and ids else None
+        kind, pos, reasoning_end = NONE, nothing, start
+        if found is not None:
+            t0, k0, k1 = found
+            kind = "last_token" if warm else cfg.kind
+            a0, a1 = start + k0, start + k1  # the answer's tokens
+            # positions a0 - 1 .. a1 - 2 predict the span; last_token reads the first of them
+            pos = torch.tensor([a0 - 1]) if kind == "last_token" else torch.arange(a0 - 1, a1 - 1)
+            reasoning_end = min(start + t0, a0 - 1)  # before the opening tag, before any probe
+        elif (warm or cfg.no_answer == "fallback") and not truncated[i]:
+            kind = "last_token"
+            last = end - 1 - int(ids[-1] in eos) if ids else start - 1  # the last content token
+            pos = torch.tensor([last])
+            reasoning_end = last
+        if reasoning_end <= start:
+            kind, pos = NONE, nothing  # nothing before the probe to score
+        score[i, start:reasoning_end] = True
+        kinds.append(kind)
+        positions.append(pos)
+        rows.append(torch.full((len(pos),), i, dtype=torch.long))
     pos = torch.cat(positions)
     row = torch.cat(rows)
     targets = batch.tokens.cpu()[row, (pos + 1).clamp(max=batch.tokens.shape[1] - 1)]

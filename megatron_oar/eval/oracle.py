@@ -124,14 +124,16 @@ def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, t
                        SpanFinder(tokenizer, cfg.attribution.probe.answer_pattern))
     importance, teacher = {}, None
     wanted = [m for m in ("oar_p", "oar_g") if m in methods]
-    if wanted:  # the clean probe P0 once, for both methods (compute_importance would run it each time)
+    # the clean probe P0 once, for both methods (compute_importance would run it each time); it
+    # runs outside FP8 like OAR-P (teacher_fp8=False; an FP8 OAR-G gets its own teacher)
+    if wanted:
         scored = plan.scored_rows().nonzero().flatten().tolist()
         teacher = probe_teacher(model, batch, plan, scored, vocab_size, cfg.attribution.micro_batch_size)
     for m in wanted:
         acfg = AttributionConfig(**{**vars(cfg.attribution), "method": m})
         importance[m] = compute_importance(model, batch, acfg, vocab_size=vocab_size, step=step,
                                            tokenizer=tokenizer, plan=plan, teacher=teacher,
-                                           external_teacher=True).importance
+                                           external_teacher=True, teacher_fp8=False).importance
     if not ps.is_pipeline_last_stage():
         return None
     out = []
