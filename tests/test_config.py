@@ -62,6 +62,7 @@ CASES = {
     "qwen2.5-32b_oar_g.yaml": ("32b", 32),
     "qwen2.5-72b_oar_g.yaml": ("72b", 64),
     "tiny_cpu.yaml": ("tiny", 2),
+    "tiny_chain_cpu.yaml": ("tiny", 2),
 }
 
 

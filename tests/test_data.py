@@ -391,3 +391,187 @@ def test_presets_cover_the_paper_datasets():
     a = _prompts(PromptSampler(make_arithmetic(8), 4, seed=1, max_epochs=1))
     random.seed(1)
     assert _prompts(PromptSampler(make_arithmetic(8), 4, seed=1, max_epochs=1)) == a
+
+
+# ------------------------------------------------------------------ the chain task (OAR testbed)
+
+
+def test_chain_stream_is_deterministic_lazy_and_random_access():
+    from megatron_oar.data.chain import ChainConfig, ChainStream, chain_examples
+
+    big = chain_examples(10**12, seed=3)  # nothing is generated until indexed
+    assert len(big) == 10**12 and isinstance(big, ChainStream)
+    first = [big[i] for i in range(30)]
+    assert first == [chain_examples(10**12, seed=3)[i] for i in range(30)]  # same in any process
+    assert first[7] == big[7] and big[-1] == big[10**12 - 1] and big[2:5] == first[2:5]
+    assert [e.index for e in first] == list(range(30))
+    assert first != [chain_examples(10**12, seed=4)[i] for i in range(30)]
+    assert len({e.prompt for e in first}) == 30 and first[0].source == "synthetic/chain"
+    with pytest.raises(IndexError):
+        chain_examples(5)[5]
+    with pytest.raises(ValueError, match="operators"):
+        chain_examples(5, cfg=ChainConfig(operators="+*"))
+    with pytest.raises(ValueError, match="split"):
+        ChainStream(5, 0, ChainConfig(), split="test")
+
+
+def test_chain_split_is_a_disjoint_hash_split():
+    from megatron_oar.data.chain import chain_examples, is_heldout
+
+    train = {e.prompt for s in (0, 1) for e in chain_examples(1500, seed=s, split="train")}
+    held = {e.prompt for s in (0, 1) for e in chain_examples(500, seed=s, split="heldout")}
+    assert not train & held and len(train) > 2900 and len(held) > 950
+    assert not any(is_heldout(p) for p in train) and all(is_heldout(p) for p in held)
+    everything = chain_examples(2000, seed=5, split="all")
+    share = sum(is_heldout(e.prompt) for e in everything) / len(everything)
+    assert 0.2 < share < 0.3  # one in heldout_every = 4
+
+
+def test_chain_answers_are_exact_and_respect_the_knobs():
+    from megatron_oar.data.chain import ChainConfig, chain_examples, expression_of, parse_prompt
+
+    cfg = ChainConfig(min_steps=2, max_steps=5, max_start=30, max_operand=12, max_total=40)
+    for ex in chain_examples(400, seed=1, cfg=cfg, split="all"):
+        assert re.fullmatch(r"Compute \d+( (plus|minus) \d+)+\.", ex.prompt)
+        assert Fraction(ex.answer) == _reference_value(f"Compute {expression_of(ex.prompt, cfg)}."), ex
+        start, steps = parse_prompt(ex.prompt, cfg)
+        assert 0 <= start <= 30 and 2 <= len(steps) <= 5
+        total = start
+        for op, b in steps:
+            assert op in "+-" and 1 <= b <= 12
+            total += b if op == "+" else -b
+            assert 0 <= total <= 40  # running totals stay in range
+    only_plus = ChainConfig(operators="+", min_steps=3, max_steps=3, max_total=99)
+    assert all("minus" not in e.prompt for e in chain_examples(50, cfg=only_plus))
+
+
+def test_chain_solution_labels_pivots_and_filler():
+    from megatron_oar.data import chain as C
+
+    cfg = C.ChainConfig()
+    fillers = set(C.STARTS) | set(C.CONNECTIVES) | set(C.CONNECTIVE_EXTRAS) | set(C.VERBS) \
+        | set(C.VERB_EXTRAS) | set(C.CLOSINGS)
+    fillers |= {" " + p for p in C.STARTS + C.OPENERS}
+    rng = random.Random(0)
+    for ex in _chain_list(C, 200, cfg):
+        seg = C.chain_segments(ex.prompt, rng, cfg)
+        text = "".join(t for t, _ in seg)
+        assert text.endswith(f" <answer>{ex.answer}</answer>")
+        assert C.answer_from_solution(text) == int(ex.answer)
+        start, steps = C.parse_prompt(ex.prompt, cfg)
+        pivots = [t for t, k in seg if k == "pivot"]
+        # start, then (operator word, operand, running total) per step
+        assert len(pivots) == 1 + 3 * len(steps) and pivots[0] == str(start)
+        assert pivots[-1] == ex.answer
+        assert pivots[1::3] == [" " + C.OP_WORDS[op] for op, _ in steps]
+        assert all(t in fillers for t, k in seg if k == "filler")
+        assert {k for _, k in seg} == {"pivot", "filler", "format"}
+        assert all(t.strip() in {"", ".", f"<answer>{ex.answer}</answer>"} for t, k in seg if k == "format")
+    bare = C.ChainConfig(filler_rate=0.0)
+    seg = C.chain_segments("Compute 5 plus 3 minus 2.", random.Random(1), bare)
+    assert sum(k == "filler" for _, k in seg) == 1 + 2 * 2  # start phrase, connective + verb per step
+
+
+def _chain_list(C, n, cfg):
+    return list(C.chain_examples(n, seed=2, cfg=cfg, split="all"))
+
+
+def test_chain_filler_substitution_leaves_the_answer_unchanged():
+    """Swap any filler phrase for another of its synonyms: the solution still implies the same
+    answer; change a pivot (an operand or an operator word) and it does not."""
+    from megatron_oar.data import chain as C
+
+    cfg = C.ChainConfig(filler_rate=1.0)
+    sets = [C.STARTS, C.CONNECTIVES, C.CONNECTIVE_EXTRAS, C.VERBS, C.VERB_EXTRAS, C.CLOSINGS, C.OPENERS]
+    checked = 0
+    for ex in _chain_list(C, 30, cfg):
+        seg = C.chain_segments(ex.prompt, random.Random(ex.index), cfg)
+        for i, (text, kind) in enumerate(seg):
+            if kind == "filler":
+                options = next(s for s in sets if text in s or text.removeprefix(" ") in s)
+                for other in options:
+                    other = " " + other if text.startswith(" ") and not other.startswith(" ") else other
+                    swapped = [t for t, _ in seg[:i]] + [other] + [t for t, _ in seg[i + 1:]]
+                    assert C.answer_from_solution("".join(swapped)) == int(ex.answer)
+                    checked += 1
+            elif kind == "pivot" and i > 2 and seg[i - 2][0] in (" plus", " minus"):  # an operand
+                bumped = [t for t, _ in seg[:i]] + [str(int(text) + 1)] + [t for t, _ in seg[i + 1:]]
+                assert C.answer_from_solution("".join(bumped)) != int(ex.answer)
+            elif text in (" plus", " minus"):
+                flipped = " minus" if text == " plus" else " plus"
+                swapped = [t for t, _ in seg[:i]] + [flipped] + [t for t, _ in seg[i + 1:]]
+                assert C.answer_from_solution("".join(swapped)) != int(ex.answer)
+    assert checked > 1000
+
+
+def test_chain_task_through_make_arithmetic_and_the_sampler():
+    """data.synthetic.task=chain: the trainer's calls (training draw with seed, eval draw with
+    seed + 1) get the two sides of the split, lazily; the sampler indexes the stream in place."""
+    from dataclasses import dataclass
+
+    from megatron_oar.data.chain import ChainStream, is_heldout
+
+    @dataclass
+    class Synthetic(ArithmeticConfig):  # the shape of config.SyntheticConfig
+        n: int = 10**9
+        seed: int = 4
+        eval_n: int = 50
+
+    cfg = Synthetic(task="chain")
+    train = make_arithmetic(cfg.n, cfg.seed, cfg)
+    held = make_arithmetic(cfg.eval_n, cfg.seed + 1, cfg)
+    assert isinstance(train, ChainStream) and (train.split, held.split) == ("train", "heldout")
+    assert len(train) == 10**9 and all(is_heldout(e.prompt) for e in held)
+    assert make_arithmetic(5, 0, cfg, split="all").split == "all"
+    with pytest.raises(ValueError, match="split"):
+        make_arithmetic(5, 0, ArithmeticConfig(), split="train")
+    with pytest.raises(ValueError, match="data.synthetic.task"):
+        make_arithmetic(5, 0, ArithmeticConfig(task="nope"))
+    small = make_arithmetic(40, 0, Synthetic(task="chain"))
+    s = PromptSampler(small, batch_size=8, seed=1)
+    assert s.examples is small  # not copied into a list
+    run = [next(s) for _ in range(7)]
+    assert sorted(e.index for b in run[:5] for e in b) == list(range(40))
+    resumed = PromptSampler(small, batch_size=8, seed=1)
+    resumed.load_state_dict(json.loads(json.dumps(PromptSampler(small, 8, seed=1).state_dict())))
+    assert _prompts([next(resumed) for _ in range(7)]) == _prompts(run)
+    huge = PromptSampler(train, batch_size=16, seed=1, shuffle=False)
+    assert [e.index for e in next(huge)] == list(range(16))
+
+
+def test_chain_answers_verify_with_the_reward_function():
+    from megatron_oar.data.chain import ChainConfig, chain_examples, chain_solution
+    from megatron_oar.rewards import RewardConfig, score_batch
+
+    examples = list(chain_examples(12, seed=6))
+    right = [chain_solution(e.prompt, random.Random(e.index), ChainConfig()) for e in examples]
+    wrong = [r.replace(f"<answer>{e.answer}</answer>", f"<answer>{int(e.answer) + 1}</answer>")
+             for r, e in zip(right, examples)]
+    batch = score_batch(right + wrong, [e.answer for e in examples] * 2,
+                        RewardConfig(extractors=["answer_tag"], timeout_s=5.0, num_workers=1))
+    assert batch.accuracy.tolist() == [1.0] * 12 + [0.0] * 12
+
+
+
+def test_chain_carry_slip_is_a_sloppy_teacher():
+    """carry_slip=1: every addition that carries is written without the carry, and the solution
+    goes on from the written total; 0: the solution is right."""
+    from megatron_oar.data import chain as C
+
+    cfg = C.ChainConfig()
+    seg = C.chain_segments("Compute 17 plus 5 minus 3.", random.Random(0), cfg, carry_slip=1.0)
+    totals = [t for t, k in seg if k == "pivot" and t.isdigit()][2::2]  # after start, operand
+    assert totals == ["12", "9"] and seg[-1][0] == " <answer>9</answer>"
+    assert C.chain_solution("Compute 17 plus 5 minus 3.", random.Random(0), cfg).endswith(
+        "<answer>19</answer>")
+    wrong = 0
+    for ex in _chain_list(C, 100, cfg):
+        text = C.chain_solution(ex.prompt, random.Random(1), cfg, carry_slip=1.0)
+        start, steps = C.parse_prompt(ex.prompt, cfg)
+        total, carried = start, False
+        for op, b in steps:
+            carried |= op == "+" and total % 10 + b >= 10
+            total = total + b if op == "+" else total - b
+        assert text.endswith(f"<answer>{ex.answer}</answer>") != carried
+        wrong += carried
+    assert 0 < wrong < 100

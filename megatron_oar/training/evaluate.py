@@ -36,6 +36,10 @@ def load_eval_examples(cfg, tokenizer, train_examples: list[Example]) -> list[Ex
         if not examples:
             raise ConfigError(f"data.eval_files: no usable examples ({stats.malformed} malformed, "
                               f"{stats.too_long} too long)")
+    elif d.synthetic is not None and d.synthetic.eval_n > 0 and d.synthetic.task == "chain":
+        # the held-out side of the hash split: disjoint from every training prompt by construction
+        examples = list(make_arithmetic(d.synthetic.eval_n, d.synthetic.seed + 1, d.synthetic,
+                                        split="heldout"))
     elif d.synthetic is not None and d.synthetic.eval_n > 0:
         train_prompts = {ex.prompt for ex in train_examples}
         drawn = make_arithmetic(d.synthetic.eval_n, d.synthetic.seed + 1, d.synthetic)
