@@ -13,6 +13,9 @@
     oar viz RECORDS.jsonl [--id ID | --index I] [--methods ...] [--out DIR]
                                    token-importance maps (HTML + PNG), OAR-P/OAR-G/entropy/oracle
     oar plot RUN_DIR [--out PNG]   training curves from RUN_DIR/logs/metrics.jsonl
+    oar repro [--out DIR] [--grid default|full|tiny] [--jobs 2] [--report-only]
+                                   every credit method x seeds on the chain testbed, ablations,
+                                   the oracle: Table 1, Figures 3/5/6/7 in DIR/repro.md
     oar demo [--out DIR]           tiny end-to-end demo: SFT warm-up, then OAR-G GRPO at TP=2
     oar info                       versions, device and which fused kernels megatron-core will use
     oar bench attribution ...      attribution cost vs GRPO: sweep and end-to-end ratios (Fig. 7)
@@ -95,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         "plan": ("megatron_oar.plan", "memory per GPU and step time of a config on its cluster"),
         "eval": ("megatron_oar.eval.run_eval", "pass@k on AIME24/25, AMC23, MATH500, GSM8K (Table 1)"),
         "viz": ("megatron_oar.eval.viz", "token-importance maps (HTML + PNG) from oracle records"),
+        "repro": ("megatron_oar.repro.runner", "the paper's tables and figures in miniature on CPU"),
     }
     analyses = {"oracle": "megatron_oar.eval.oracle", "recall": "megatron_oar.eval.recall"}
     an = sub.add_parser("analyze", help="oracle: causal-token oracle and recall of importance "

@@ -1,0 +1,300 @@
+"""``oar repro``: the paper's Table 1 and Figures 3, 5, 6, 7 in miniature, on the chain testbed.
+
+    oar repro --out repro_out                   # the default grid, 2 runs at a time on 2 cores
+    oar repro --out repro_out --grid full       # the paper-style grid (5 seeds, every ablation)
+    oar repro --out repro_out --report-only     # tables and figures again from what is there
+
+1. One SFT start: a tiny Qwen2 warmed up on the chain task (``demo_model``), shared by every run.
+2. The runs (:func:`grid`): every credit method x seeds, same budget; tau, probe and suppression
+   floor ablations of OAR-G. A run is ``python -m megatron_oar.train`` on one process with the
+   testbed config, ``model.path`` = the SFT start, its seed in the training, rollout and
+   attribution seeds (the same seed means the same prompts and sampling seeds for every method,
+   so differences to GRPO are paired). After training, pass@k of the exported model on held-out
+   problems (HF sampling, the reward verifier). A finished run writes ``result.json`` and is never
+   redone; an interrupted one resumes from its last checkpoint.
+3. The causal-token oracle (``oar analyze oracle``) on the SFT start, once per outcome probe.
+4. :mod:`megatron_oar.repro.report`: ``report.json``, ``repro.md``, ``curves.png``, ``recall.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megatron_oar.fileio import atomic_write_text
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "examples" / "tiny_chain_cpu.yaml"
+METHODS = ("grpo", "random", "entropy", "oar_g", "oar_p", "oar_p_screened")
+
+
+@dataclass
+class Grid:
+    """What ``oar repro`` trains. The default fits 2 CPU cores in about an hour (measured figures
+    in docs/repro.md); ``full`` is the paper-style grid."""
+
+    methods: tuple[str, ...] = METHODS
+    seeds: int = 3
+    steps: int = 30
+    eval_interval: int = 10
+    taus: tuple[float, ...] = (0.0, 0.7, 1.0)         # plus the main runs' 0.4 (Table 3)
+    probes: tuple[str, ...] = ("last_token", "answer_joint")  # plus answer_mean (Table 4)
+    floors: tuple[float, ...] = (0.1,)               # plus the default 0 (A.1.4)
+    ablation_method: str = "oar_g"
+    ablation_seeds: int = 1
+    pass_k: int = 8
+    pass_k_problems: int = 100
+    oracle_trajectories: int = 40
+    sft_steps: int | None = None                       # the warm-up; None: the demo's (CHAIN_SFT)
+    overrides: list[str] = field(default_factory=list)  # for every run
+
+
+GRIDS = {"default": Grid(),
+         "full": Grid(seeds=5, steps=60, taus=(0.0, 0.7, 1.0), ablation_seeds=3, pass_k=16,
+                      pass_k_problems=200, oracle_trajectories=200),
+         "tiny": Grid(methods=("grpo", "oar_g"), seeds=2, steps=2, eval_interval=1, taus=(1.0,),
+                      probes=("last_token",), floors=(), pass_k=2, pass_k_problems=4,
+                      oracle_trajectories=2, sft_steps=20)}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    group: str   # main | tau | probe | floor
+    label: str   # the method (main) or the setting (ablations)
+    method: str
+    seed: int
+    overrides: tuple[str, ...]
+
+
+def grid(g: Grid) -> list[RunSpec]:
+    runs = [RunSpec(f"{m}_s{s}", "main", m, m, s, ()) for s in range(g.seeds) for m in g.methods]
+    m = g.ablation_method
+    for s in range(g.ablation_seeds):
+        runs += [RunSpec(f"{m}_tau{t}_s{s}", "tau", f"tau={t}", m, s, (f"shaping.tau={t}",))
+                 for t in g.taus]
+        runs += [RunSpec(f"{m}_probe_{p}_s{s}", "probe", p, m, s, (f"attribution.probe.kind={p}",))
+                 for p in g.probes]
+        runs += [RunSpec(f"{m}_floor{f}_s{s}", "floor", f"floor={f}", m, s, (f"shaping.floor={f}",))
+                 for f in g.floors]
+    return runs
+
+
+def _baselines(runs: list[RunSpec], g: Grid) -> list[RunSpec]:
+    """The main runs that double as the ablations' default setting (tau 0.4, answer_mean, floor 0)."""
+    groups = [(group, label) for group, label, values in (
+        ("tau", "tau=0.4", g.taus), ("probe", "answer_mean", g.probes), ("floor", "floor=0", g.floors))
+        if values]
+    return [RunSpec(r.name, group, label, r.method, r.seed, ()) for r in runs for group, label in groups
+            if r.group == "main" and r.method == g.ablation_method and r.seed < g.ablation_seeds]
+
+
+# ------------------------------------------------------------------------------ the work
+
+def sft_start(out: Path, config: Path, steps: int | None) -> Path:
+    """The shared start (made once): the demo's tiny Qwen2 warmed up on the config's chain task
+    (``demo_model.CHAIN_ARCH``, ``CHAIN_SFT``; ``steps`` overrides the warm-up's length)."""
+    from megatron_oar import demo_model
+
+    hf = out / "sft"
+    if (hf / "sft.json").is_file():
+        return hf
+    task = _task(config)
+    demo_model.make_demo_model(hf, task=task, **demo_model.CHAIN_ARCH)
+    stats = demo_model.sft_warmup(hf, task=task, **{**demo_model.CHAIN_SFT,
+                                                    **({"steps": steps} if steps else {})})
+    atomic_write_text(hf / "sft.json", json.dumps(stats))
+    return hf
+
+
+def _task(config: Path):
+    from megatron_oar.config import load_config
+
+    return load_config(config).data.synthetic
+
+
+def pass_at_k(hf_dir: Path, task, *, k: int, n_problems: int, max_new_tokens: int, seed: int = 0) -> float:
+    """Share of ``n_problems`` held-out problems with a correct answer among ``k`` samples at
+    temperature 1 (HF sampling of the exported model, the reward verifier)."""
+    from transformers.utils import logging as hf_logging
+
+    from megatron_oar import demo_model
+    from megatron_oar.rewards import RewardConfig, score_batch
+
+    hf_logging.disable_progress_bar()  # one bar per run's model load otherwise
+    exs = demo_model.problems(4 * n_problems, 20_000 + seed, heldout=True, task=task,
+                              distinct=True)[:n_problems]
+    texts = demo_model.generate_responses(hf_dir, [ex.prompt for ex in exs], samples=k,
+                                          temperature=1.0, max_new_tokens=max_new_tokens, seed=seed)
+    refs = [ex.answer for ex, ts in zip(exs, texts) for _ in ts]
+    acc = score_batch([t for ts in texts for t in ts], refs,
+                      RewardConfig(extractors=["answer_tag"], num_workers=1)).accuracy
+    return sum(bool(acc[i * k:(i + 1) * k].max() > 0) for i in range(len(exs))) / len(exs)
+
+
+def train_run(spec: RunSpec, out: Path, sft: Path, config: Path, g: Grid, log) -> dict:
+    """One run, resumable: training (one process), the HF export, pass@k; ``result.json``."""
+    run_dir = out / "runs" / spec.name
+    if (run_dir / "result.json").is_file():
+        return json.loads((run_dir / "result.json").read_text())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "spec.json", json.dumps(asdict(spec)))
+    overrides = [f"model.path={sft}", f"run_dir={run_dir}", f"credit={spec.method}",
+                 "parallel.tp=1", "rollout.tp=1", f"train.steps={g.steps}",
+                 f"train.eval_interval={g.eval_interval}", f"train.seed={spec.seed}",
+                 f"rollout.seed={spec.seed}", f"attribution.seed={spec.seed}",
+                 f"checkpoint.interval={g.eval_interval}", "checkpoint.keep_last=1",
+                 "checkpoint.export_hf_at_end=true", "log.console=false", "log.tensorboard=false",
+                 *g.overrides, *spec.overrides]
+    cmd = [sys.executable, "-m", "megatron_oar.train", "--config", str(config), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    t0 = time.perf_counter()
+    with open(run_dir / "train.log", "a") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if rc != 0:
+        raise RuntimeError(f"run {spec.name} failed (exit {rc}); see {run_dir / 'train.log'}")
+    exported = sorted((run_dir / "hf").iterdir())[-1]
+    from megatron_oar.config import load_config
+
+    cfg = load_config(config, overrides)
+    result = {"seconds": time.perf_counter() - t0, "hf": str(exported),
+              "pass_at_k": pass_at_k(exported, cfg.data.synthetic, k=g.pass_k,
+                                     n_problems=g.pass_k_problems,
+                                     max_new_tokens=cfg.rollout.max_new_tokens, seed=spec.seed)}
+    atomic_write_text(run_dir / "result.json", json.dumps(result))
+    return result
+
+
+def oracle_run(probe: str, out: Path, sft: Path, config: Path, g: Grid) -> Path:
+    """The causal-token oracle on the SFT start with ``probe``; resumable (``recall.json``)."""
+    dst = out / "oracle" / probe
+    if (dst / "recall.json").is_file():
+        return dst
+    cmd = [sys.executable, "-m", "megatron_oar.eval.oracle", "--config", str(config),
+           "--model", str(sft), "--trajectories", str(g.oracle_trajectories), "--out", str(dst),
+           "parallel.tp=1", "rollout.tp=1", f"attribution.probe.kind={probe}", f"run_dir={dst / 'run'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
+    dst.mkdir(parents=True, exist_ok=True)
+    with open(dst / "oracle.log", "a") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if rc != 0:
+        raise RuntimeError(f"oracle ({probe}) failed (exit {rc}); see {dst / 'oracle.log'}")
+    return dst
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(out: Path, g: Grid, *, config: Path = CONFIG, jobs: int = 2, report_only: bool = False) -> dict:
+    from rich.console import Console
+
+    from megatron_oar.repro import report
+
+    console = Console()
+    out.mkdir(parents=True, exist_ok=True)
+    before = json.loads((out / "settings.json").read_text()) if (out / "settings.json").is_file() else {}
+    settings = {"config": str(config), "jobs": jobs, **asdict(g),
+                "wall_seconds": before.get("wall_seconds", 0.0)}  # over every invocation
+    atomic_write_text(out / "settings.json", json.dumps(settings, indent=1))
+    t_all = time.perf_counter()
+    if not report_only:
+        console.rule("[bold]oar repro: SFT start")
+        sft = sft_start(out, config, g.sft_steps)
+        console.print(f"SFT start: {sft} ({json.loads((sft / 'sft.json').read_text())})")
+        specs = grid(g)
+        todo = [s for s in specs if not (out / "runs" / s.name / "result.json").is_file()]
+        console.rule(f"[bold]{len(specs)} runs ({len(specs) - len(todo)} done), {jobs} at a time")
+        done = [0]
+
+        def one(spec: RunSpec) -> None:
+            t = time.perf_counter()
+            res = train_run(spec, out, sft, config, g, console)
+            done[0] += 1
+            elapsed = time.perf_counter() - t_all
+            eta = elapsed / done[0] * (len(todo) - done[0])
+            console.print(f"[{done[0]}/{len(todo)}] {spec.name}: {time.perf_counter() - t:.0f}s, "
+                          f"pass@{g.pass_k} {res['pass_at_k']:.1%} · elapsed {elapsed / 60:.1f} min, "
+                          f"ETA {eta / 60:.1f} min")
+
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(one, todo))  # re-raises the first failure
+        console.rule("[bold]causal-token oracle on the SFT start")
+        for probe in ("answer_mean", *g.probes):
+            t = time.perf_counter()
+            oracle_run(probe, out, sft, config, g)
+            console.print(f"oracle, probe {probe}: {time.perf_counter() - t:.0f}s")
+    if not report_only:
+        settings["wall_seconds"] += time.perf_counter() - t_all
+        atomic_write_text(out / "settings.json", json.dumps(settings, indent=1))
+    rep = report.build(out, settings, aliases=[asdict(s) for s in _baselines(grid(g), g)])
+    atomic_write_text(out / "repro.md", report.render(rep))
+    console.print(f"written: {out / 'repro.md'}, report.json, curves.png, recall.png "
+                  f"({(time.perf_counter() - t_all) / 60:.1f} min; {settings['wall_seconds'] / 60:.1f} "
+                  "min of runs in all)")
+    return rep
+
+
+def publish(out: Path, docs: Path, command: str) -> Path:
+    """``docs/repro.md`` (how it was made, then the tables) with the figures and report.json
+    under ``docs/repro/``; written to temp files and renamed."""
+    import shutil
+
+    rep = json.loads((out / "report.json").read_text())
+    assets = docs / "repro"
+    assets.mkdir(parents=True, exist_ok=True)
+    for name in ("curves.png", "recall.png", "report.json"):
+        if (out / name).is_file():
+            shutil.copyfile(out / name, assets / f".{name}.tmp")
+            (assets / f".{name}.tmp").replace(assets / name)
+    s = rep["settings"]
+    head = [f"# `oar repro`: the paper in miniature on the chain testbed", "",
+            f"Made by `{command}` in {s['wall_seconds'] / 60:.0f} min of wall time on a 2-core CPU "
+            f"machine ({s['jobs']} runs at a time). {rep['runs']} runs: "
+            f"{', '.join(s['methods'])} x {s['seeds']} seeds, {s['steps']} RL steps each, from one "
+            f"SFT start; ablations of {s['ablation_method']} with {s['ablation_seeds']} seed(s). "
+            f"Intervals are 95% Student-t intervals over seeds; with {s['seeds']} seeds they are wide, "
+            "and a difference whose interval contains 0 is not a finding.", "",
+            "![curves](repro/curves.png)", ""]
+    if (assets / "recall.png").is_file():
+        head += ["![recall](repro/recall.png)", ""]
+    return atomic_write_text(docs / "repro.md", "\n".join(head) + (out / "repro.md").read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="oar repro", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("repro_out"))
+    p.add_argument("--config", type=Path, default=CONFIG, help="the testbed config (chain task)")
+    p.add_argument("--grid", choices=sorted(GRIDS), default="default")
+    p.add_argument("--seeds", type=int, help="seeds per method (default: the grid's)")
+    p.add_argument("--steps", type=int, help="RL steps per run (default: the grid's)")
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each)")
+    p.add_argument("--report-only", action="store_true", help="tables and figures from what is there")
+    p.add_argument("--publish", type=Path, metavar="DOCS",
+                   help="also write DOCS/repro.md and DOCS/repro/ (figures, report.json)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
+    args = p.parse_args(argv)
+    g = GRIDS[args.grid]
+    g = Grid(**{**asdict(g), **{k: v for k, v in (("seeds", args.seeds), ("steps", args.steps))
+                                if v is not None}, "overrides": list(args.overrides)})
+    run(args.out, g, config=args.config, jobs=args.jobs, report_only=args.report_only)
+    if args.publish:
+        publish(args.out, args.publish, "oar repro " + " ".join(argv if argv is not None else sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

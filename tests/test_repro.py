@@ -1,0 +1,121 @@
+"""``oar repro``: intervals, the grid, the report from run directories, resumability.
+
+The runs themselves are ``megatron_oar.train`` (tested in test_trainer.py); here synthetic run
+directories stand in for them, so the report's arithmetic is checked against values written by
+hand. The end-to-end harness on a tiny budget is the slow test at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megatron_oar.repro import report, runner
+from megatron_oar.repro.stats import fmt, mean_ci, paired_diff_ci, t975
+
+
+def test_t_interval():
+    iv = mean_ci([1.0, 2.0, 3.0])
+    assert iv.mean == 2.0 and iv.n == 3
+    assert iv.half == pytest.approx(4.303 * 1.0 / math.sqrt(3))
+    assert math.isnan(mean_ci([0.5]).half) and fmt(mean_ci([0.5])) == "50.0 (1 seed)"
+    assert fmt(mean_ci([0.2, 0.4])) == f"30.0 ± {12.706 * math.sqrt(0.02) / math.sqrt(2) * 100:.1f}"
+    assert t975(40) == 1.96
+    with pytest.raises(ValueError, match="NaN"):
+        mean_ci([0.1, float("nan")])
+    d = paired_diff_ci({0: 0.5, 1: 0.7, 2: 0.9}, {0: 0.4, 1: 0.5, 2: 0.6, 3: 0.9})
+    assert d.n == 3 and d.mean == pytest.approx(0.2)  # seed 3 has no pair
+
+
+def test_grid_default_and_aliases():
+    g = runner.Grid()
+    specs = runner.grid(g)
+    assert len({s.name for s in specs}) == len(specs)
+    main = [s for s in specs if s.group == "main"]
+    assert len(main) == len(runner.METHODS) * 3
+    assert {s.label for s in specs if s.group == "tau"} == {"tau=0.0", "tau=0.7", "tau=1.0"}
+    assert all(s.method == "oar_g" for s in specs if s.group != "main")
+    aliases = runner._baselines(specs, g)
+    assert {(a.group, a.label, a.name) for a in aliases} == {
+        ("tau", "tau=0.4", "oar_g_s0"), ("probe", "answer_mean", "oar_g_s0"),
+        ("floor", "floor=0", "oar_g_s0")}
+
+
+def _write_run(out: Path, spec: runner.RunSpec, evals: dict[int, float], pass_k: float,
+               step_seconds: float) -> None:
+    from dataclasses import asdict
+
+    d = out / "runs" / spec.name
+    (d / "logs").mkdir(parents=True)
+    (d / "spec.json").write_text(json.dumps(asdict(spec)))
+    (d / "result.json").write_text(json.dumps({"pass_at_k": pass_k, "seconds": 1.0}))
+    lines = []
+    for step in range(0, 5):
+        rec = {"step": step, "wall_time": 0.0}
+        if step in evals:
+            rec["eval/accuracy"] = evals[step]
+        if step > 0:
+            rec.update({"reward/mean": 0.1 * step, "policy/entropy": 1.0, "credit/ess_ratio": 0.9,
+                        "credit/top10_mass": 0.2, "tokens/action": 100.0,
+                        "time/logprob": step_seconds, "time/update": step_seconds,
+                        "time/step": 4 * step_seconds})
+        lines.append(json.dumps(rec))
+    (d / "logs" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_report_from_runs(tmp_path):
+    g = runner.Grid(methods=("grpo", "oar_g"), seeds=2, taus=(1.0,), probes=(), floors=())
+    acc = {("grpo", 0): 0.40, ("grpo", 1): 0.50, ("oar_g", 0): 0.55, ("oar_g", 1): 0.60}
+    for s in runner.grid(g):
+        if s.group == "main":
+            _write_run(tmp_path, s, {0: 0.3, 4: acc[s.method, s.seed]}, 0.8 if s.method == "grpo" else 0.9,
+                       1.0 if s.method == "grpo" else 2.0)
+        else:
+            _write_run(tmp_path, s, {0: 0.3, 4: 0.45}, 0.7, 2.0)
+    (tmp_path / "oracle" / "answer_mean").mkdir(parents=True)
+    (tmp_path / "oracle" / "answer_mean" / "recall.json").write_text(json.dumps({
+        "k_percents": [10, 20], "trajectories": 5, "with_pivots": 4, "pivots": 12,
+        "scored_tokens": 100, "recall": {"oar_p": {"micro": [0.3, 0.5], "macro": [0.3, 0.5]},
+                                          "random": {"micro": [0.1, 0.2], "macro": [0.1, 0.2]}}}))
+    aliases = [dict(a.__dict__) for a in runner._baselines(runner.grid(g), g)]
+    rep = report.build(tmp_path, {"pass_k": 8}, aliases=aliases)
+    t1 = rep["table1"]
+    assert t1["grpo"]["accuracy"]["mean"] == pytest.approx(0.45)
+    assert t1["oar_g"]["accuracy_vs_grpo"]["mean"] == pytest.approx(0.125)  # (0.15 + 0.10) / 2
+    assert t1["oar_g"]["accuracy_vs_grpo"]["half95"] == pytest.approx(12.706 * 0.025)
+    assert t1["oar_g"]["pass_at_k_vs_grpo"]["mean"] == pytest.approx(0.1)
+    assert t1["grpo"]["start_accuracy"]["mean"] == pytest.approx(0.3)
+    assert set(rep["ablations"]["tau"]) == {"tau=1.0", "tau=0.4"}
+    assert rep["ablations"]["tau"]["tau=0.4"]["accuracy"]["mean"] == pytest.approx(0.55)
+    assert rep["cost"]["oar_g"]["sweep_ratio"] == pytest.approx(2.0)
+    assert rep["cost"]["oar_g"]["step_ratio"] == pytest.approx(2.0)
+    curve = rep["curves"]["reward/mean"]["grpo"]
+    assert curve["steps"] == [1, 2, 3, 4] and curve["mean"][0] == pytest.approx(0.1)
+    assert Path(rep["figures"]["curves"]).is_file() and Path(rep["figures"]["recall"]).is_file()
+    text = report.render(rep)
+    assert "| oar_g | 2 | 30.0 ± 0.0 | 57.5 ± 31.8 | 12.5 ± 31.8 |" in text
+    assert "pivot share 12.0%" in text and "| oar_p | 30.0 | 50.0 |" in text
+
+
+def test_finished_runs_are_not_redone(tmp_path, monkeypatch):
+    spec = runner.grid(runner.GRIDS["tiny"])[0]
+    _write_run(tmp_path, spec, {0: 0.1, 4: 0.2}, 0.5, 1.0)
+    monkeypatch.setattr(runner.subprocess, "call", lambda *a, **k: pytest.fail("re-ran a finished run"))
+    res = runner.train_run(spec, tmp_path, tmp_path / "sft", runner.CONFIG, runner.GRIDS["tiny"], None)
+    assert res["pass_at_k"] == 0.5
+
+
+@pytest.mark.slow
+def test_tiny_grid_end_to_end(tmp_path):
+    """The whole harness on a tiny budget: SFT start, 2 methods x 2 seeds x 2 steps, the oracle
+    with two probes, the report; then a second call redoes nothing."""
+    rep = runner.run(tmp_path, runner.GRIDS["tiny"], jobs=2)
+    assert set(rep["table1"]) == {"grpo", "oar_g"} and rep["runs"] == 6
+    assert set(rep["oracle"]) == {"answer_mean", "last_token"}
+    assert (tmp_path / "repro.md").read_text().startswith("## Table 1")
+    stamps = {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/result.json")}
+    runner.run(tmp_path, runner.GRIDS["tiny"], jobs=2)
+    assert stamps == {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/result.json")}
