@@ -261,7 +261,7 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
         source=source, params_b=total_params(a) / 1e9,
         layout={"nodes": nodes, "gpus": world, "tp": tp, "pp": pp, "dp": dp,
                 "sequence_parallel": sp, "recompute": m.recompute, "fp8": m.fp8,
-                "rollout_tp": rtp, "engines": engines, "seq_len": s,
+                "rollout_tp": rtp, "engines": engines, "seq_len": s, "sleep_level": r.sleep_level,
                 "micro_batches_per_rank": microbatches},
         memory_gib={k: v / GIB for k, v in mem.items()},
         phases_gib={k: v / GIB for k, v in phases.items()},
@@ -383,9 +383,11 @@ def render(plan: Plan, name: str) -> str:
     lines += [f"| vLLM awake (weights {v['weights_gib']:.1f} + KV cache {v['kv_cache_gib']:.1f} "
               f"+ overhead) | {v['share_gib']:.2f} |",
               "", "| phase of the loop | vLLM on the GPU | peak GiB |", "|---|---|---:|"]
-    lines += [f"| {k} | {plan.phase_vllm[k]} | {g:.1f} |" for k, g in plan.phases_gib.items()]
-    lines += [f"| **peak, vLLM awake** | | **{plan.rollout_peak_gib:.1f}** |",
-              f"| **peak, vLLM asleep (Megatron passes)** | | **{plan.train_peak_gib:.1f}** |", "",
+    awake = "awake (sleep_level 0)"
+    lines += [f"| {k} | {plan.phase_vllm[k] if L['sleep_level'] else awake} | {g:.1f} |"
+              for k, g in plan.phases_gib.items()]
+    lines += [f"| **peak, rollout phases** | | **{plan.rollout_peak_gib:.1f}** |",
+              f"| **peak, Megatron passes** | | **{plan.train_peak_gib:.1f}** |", "",
               f"vLLM: KV cache {v['kv_tokens']:,} tokens per engine, {v['concurrent_sequences']} of "
               f"{v['sequences_per_engine']} sequences at once; host memory for sleeping weights "
               f"{v['host_offload_gib_per_node']:.0f} GiB per node", "",
