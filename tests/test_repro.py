@@ -104,7 +104,7 @@ def test_finished_runs_are_not_redone(tmp_path, monkeypatch):
     spec = runner.grid(runner.GRIDS["tiny"])[0]
     _write_run(tmp_path, spec, {0: 0.1, 4: 0.2}, 0.5, 1.0)
     monkeypatch.setattr(runner.subprocess, "call", lambda *a, **k: pytest.fail("re-ran a finished run"))
-    res = runner.train_run(spec, tmp_path, tmp_path / "sft", runner.CONFIG, runner.GRIDS["tiny"], None)
+    res = runner.train_run(spec, tmp_path, tmp_path / "sft", runner.CONFIG, runner.GRIDS["tiny"])
     assert res["pass_at_k"] == 0.5
 
 

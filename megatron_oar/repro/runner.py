@@ -139,7 +139,7 @@ def pass_at_k(hf_dir: Path, task, *, k: int, n_problems: int, max_new_tokens: in
     return sum(bool(acc[i * k:(i + 1) * k].max() > 0) for i in range(len(exs))) / len(exs)
 
 
-def train_run(spec: RunSpec, out: Path, sft: Path, config: Path, g: Grid, log) -> dict:
+def train_run(spec: RunSpec, out: Path, sft: Path, config: Path, g: Grid) -> dict:
     """One run, resumable: training (one process), the HF export, pass@k; ``result.json``."""
     run_dir = out / "runs" / spec.name
     if (run_dir / "result.json").is_file():
@@ -154,13 +154,8 @@ def train_run(spec: RunSpec, out: Path, sft: Path, config: Path, g: Grid, log) -
                  "checkpoint.export_hf_at_end=true", "log.console=false", "log.tensorboard=false",
                  *g.overrides, *spec.overrides]
     cmd = [sys.executable, "-m", "megatron_oar.train", "--config", str(config), *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}
     t0 = time.perf_counter()
-    with open(run_dir / "train.log", "a") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    if rc != 0:
-        raise RuntimeError(f"run {spec.name} failed (exit {rc}); see {run_dir / 'train.log'}")
+    _run_one_process(cmd, run_dir / "train.log", f"run {spec.name}")
     exported = sorted((run_dir / "hf").iterdir())[-1]
     from megatron_oar.config import load_config
 
@@ -181,22 +176,24 @@ def oracle_run(probe: str, out: Path, sft: Path, config: Path, g: Grid) -> Path:
     cmd = [sys.executable, "-m", "megatron_oar.eval.oracle", "--config", str(config),
            "--model", str(sft), "--trajectories", str(g.oracle_trajectories), "--out", str(dst),
            "parallel.tp=1", "rollout.tp=1", f"attribution.probe.kind={probe}", f"run_dir={dst / 'run'}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}
     dst.mkdir(parents=True, exist_ok=True)
-    with open(dst / "oracle.log", "a") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    if rc != 0:
-        raise RuntimeError(f"oracle ({probe}) failed (exit {rc}); see {dst / 'oracle.log'}")
+    _run_one_process(cmd, dst / "oracle.log", f"oracle ({probe})")
     return dst
 
 
-def _free_port() -> int:
+def _run_one_process(cmd: list[str], log: Path, what: str) -> None:
+    """``cmd`` as a one-process torch.distributed world (its own port, one thread, so two run
+    side by side on 2 cores), output appended to ``log``; raises naming ``what`` on failure."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    with open(log, "a") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if rc != 0:
+        raise RuntimeError(f"{what} failed (exit {rc}); see {log}")
 
 
 def run(out: Path, g: Grid, *, config: Path = CONFIG, jobs: int = 2, report_only: bool = False) -> dict:
@@ -222,7 +219,7 @@ def run(out: Path, g: Grid, *, config: Path = CONFIG, jobs: int = 2, report_only
 
         def one(spec: RunSpec) -> None:
             t = time.perf_counter()
-            res = train_run(spec, out, sft, config, g, console)
+            res = train_run(spec, out, sft, config, g)
             done[0] += 1
             elapsed = time.perf_counter() - t_all
             eta = elapsed / done[0] * (len(todo) - done[0])
