@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from checkpoints_convert import mapping
+from megatron_oar.models import hf_mapping
 from checkpoints_convert.hf_io import HFReader, ShardedSafetensorsWriter
 from megatron_oar.models.checkpoint import (
     HF_DIR,
@@ -130,7 +130,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int 
     dtype = _resolve_dtype(dtype, hf)
     torch_dtype = DTYPES[dtype]
     reader = HFReader(hf_dir)
-    reader.require(mapping.hf_shapes(arch))
+    reader.require(hf_mapping.hf_shapes(arch))
     padded = arch.padded_vocab_size(vocab_multiple)
     tmp = _prepare_out(out)
     try:
@@ -142,17 +142,17 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int 
 
             def produce(key: str, offset: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
                 shape = sizes
-                if key.startswith(mapping.MC_LAYER_PREFIX):  # axis 0 is the layer number
-                    layer, rel = offset[0], key[len(mapping.MC_LAYER_PREFIX):]
+                if key.startswith(hf_mapping.MC_LAYER_PREFIX):  # axis 0 is the layer number
+                    layer, rel = offset[0], key[len(hf_mapping.MC_LAYER_PREFIX):]
                     offset, sizes = offset[1:], sizes[1:]
                     if cache.get("id") != (layer, rel):  # fc1's gate/up chunks share one tensor
                         cache.clear()
                         cache["id"] = (layer, rel)
-                        cache["t"] = mapping.hf_to_mcore_layer_tensor(
-                            reader.get, arch, layer, rel, mapping.CHECKPOINT_SPEC)
+                        cache["t"] = hf_mapping.hf_to_mcore_layer_tensor(
+                            reader.get, arch, layer, rel, hf_mapping.CHECKPOINT_SPEC)
                     full = cache["t"]
                 else:
-                    full = mapping.hf_to_mcore_global(reader.get, arch, key, padded)
+                    full = hf_mapping.hf_to_mcore_global(reader.get, arch, key, padded)
                 idx = tuple(slice(o, o + s) for o, s in zip(offset, sizes))
                 return full[idx].to(torch_dtype).reshape(shape).contiguous()
 
@@ -191,7 +191,7 @@ def _set_hf_dtype(config_path: Path, dtype: str) -> None:
 
 
 def _check_checkpoint_shapes(reader, arch: QwenArch, meta: CheckpointMeta, ckpt: Path) -> None:
-    expected = mapping.checkpoint_shapes(arch, meta.padded_vocab_size)
+    expected = hf_mapping.checkpoint_shapes(arch, meta.padded_vocab_size)
     for key, shape in expected.items():
         try:
             got = reader.shape(key)
@@ -222,19 +222,19 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, max_shard_bytes: int = 
     hf, arch = _hf_arch(ckpt / HF_DIR, "--ckpt")
     reader = CheckpointRegionReader(mdir)
     _check_checkpoint_shapes(reader, arch, meta, ckpt)  # fail before writing anything
-    layer_keys = [mapping.MC_LAYER_PREFIX + n for n in mapping.layer_names(mapping.CHECKPOINT_SPEC)]
+    layer_keys = [hf_mapping.MC_LAYER_PREFIX + n for n in hf_mapping.layer_names(hf_mapping.CHECKPOINT_SPEC)]
     tmp = _prepare_out(out)
     try:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
         for i in tqdm(range(arch.num_layers), desc="megatron->hf", disable=not progress):
             layer = reader.read_layer(layer_keys, i)
-            rel = {k[len(mapping.MC_LAYER_PREFIX):]: v for k, v in layer.items()}
-            for name, t in mapping.mcore_to_hf_layer(rel.__getitem__, arch, i,
-                                                     mapping.CHECKPOINT_SPEC).items():
+            rel = {k[len(hf_mapping.MC_LAYER_PREFIX):]: v for k, v in layer.items()}
+            for name, t in hf_mapping.mcore_to_hf_layer(rel.__getitem__, arch, i,
+                                                     hf_mapping.CHECKPOINT_SPEC).items():
                 writer.add(name, t)
             del layer, rel
-        for name in mapping.mcore_to_hf_global_names(arch):  # one tensor at a time
-            writer.add(name, mapping.mcore_to_hf_global_tensor(
+        for name in hf_mapping.mcore_to_hf_global_names(arch):  # one tensor at a time
+            writer.add(name, hf_mapping.mcore_to_hf_global_tensor(
                 lambda k: reader.read_whole([k])[k], arch, name))
         writer.finish()
         copy_hf_side_files(ckpt / HF_DIR, tmp)

@@ -17,12 +17,6 @@ from safetensors.torch import save_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-# Files copied next to the weights so a checkpoint can be turned back into an HF model.
-HF_SIDE_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "chat_template.jinja", "chat_template.json",
-)
 
 
 class HFCheckpointError(ValueError):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints_convert import mapping
+from megatron_oar.models import hf_mapping
 from checkpoints_convert.cli import _size, main
 from checkpoints_convert.convert import ConversionError, hf_to_megatron, megatron_to_hf
 from checkpoints_convert.hf_io import INDEX, HFCheckpointError, HFReader
@@ -350,7 +350,7 @@ def test_failure_while_writing_hf_to_megatron_leaves_nothing(tiny, tmp_path, mon
     from megatron.core import parallel_state
 
     out = tmp_path / "out"
-    real = mapping.hf_to_mcore_layer_tensor
+    real = hf_mapping.hf_to_mcore_layer_tensor
     seen: list[list[str]] = []
 
     def failing(get, arch, i, name, spec):
@@ -373,7 +373,7 @@ def test_failure_while_writing_hf_to_megatron_leaves_nothing(tiny, tmp_path, mon
 
 def test_failure_while_writing_megatron_to_hf_leaves_nothing(tiny, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    real = mapping.mcore_to_hf_layer
+    real = hf_mapping.mcore_to_hf_layer
     seen: list[list[str]] = []
 
     def failing(get, arch, i, spec):

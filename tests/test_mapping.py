@@ -1,11 +1,11 @@
-"""Pure unit tests of checkpoints_convert.mapping (no megatron runtime, no files)."""
+"""Pure unit tests of megatron_oar.models.hf_mapping (no megatron runtime, no files)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from checkpoints_convert import mapping
+from megatron_oar.models import hf_mapping
 from megatron_oar.models.qwen2 import QwenArch
 
 
@@ -32,7 +32,7 @@ def test_merge_qkv_per_group_interleaving_hand_built(hidden):
     q = _rows(8 * 4, 0, hidden)      # 32 rows: group 0 = rows 0..15, group 1 = rows 16..31
     k = _rows(2 * 4, 1000, hidden)   # 8 rows: group 0 = rows 0..3, group 1 = rows 4..7
     v = _rows(2 * 4, 2000, hidden)
-    merged = mapping.merge_qkv(q, k, v, arch)
+    merged = hf_mapping.merge_qkv(q, k, v, arch)
 
     expected = torch.cat([q[0:16], k[0:4], v[0:4],      # q_g0, k_g0, v_g0
                           q[16:32], k[4:8], v[4:8]])    # q_g1, k_g1, v_g1
@@ -60,44 +60,44 @@ def test_split_qkv_inverts_merge_qkv(heads, groups, head_dim, bias):
     q = torch.randn(heads * head_dim, *tail, generator=g)
     k = torch.randn(groups * head_dim, *tail, generator=g)
     v = torch.randn(groups * head_dim, *tail, generator=g)
-    merged = mapping.merge_qkv(q, k, v, arch)
+    merged = hf_mapping.merge_qkv(q, k, v, arch)
     assert merged.shape == ((heads + 2 * groups) * head_dim, *tail)
-    q2, k2, v2 = mapping.split_qkv(merged, arch)
+    q2, k2, v2 = hf_mapping.split_qkv(merged, arch)
     for a, b in ((q, q2), (k, k2), (v, v2)):
         assert b.is_contiguous()
         assert torch.equal(a, b)
     # and the other way round: merge(split(x)) == x for an arbitrary packed tensor
     packed = torch.randn_like(merged)
-    assert torch.equal(mapping.merge_qkv(*mapping.split_qkv(packed, arch), arch), packed)
+    assert torch.equal(hf_mapping.merge_qkv(*hf_mapping.split_qkv(packed, arch), arch), packed)
 
 
 def test_merge_qkv_is_not_plain_concatenation_for_gqa():
     arch = _arch(heads=8, groups=2, head_dim=4)
     q, k, v = _rows(32, 0, 32), _rows(8, 1000, 32), _rows(8, 2000, 32)
-    assert not torch.equal(mapping.merge_qkv(q, k, v, arch), torch.cat([q, k, v]))
+    assert not torch.equal(hf_mapping.merge_qkv(q, k, v, arch), torch.cat([q, k, v]))
     # with a single group it is
     arch1 = _arch(heads=8, groups=1, head_dim=4)
     q, k, v = _rows(32, 0, 32), _rows(4, 1000, 32), _rows(4, 2000, 32)
-    assert torch.equal(mapping.merge_qkv(q, k, v, arch1), torch.cat([q, k, v]))
+    assert torch.equal(hf_mapping.merge_qkv(q, k, v, arch1), torch.cat([q, k, v]))
 
 
 # ------------------------------------------------------------------------------ pad_vocab
 
 def test_pad_vocab_appends_zero_rows():
     w = torch.randn(10, 3, dtype=torch.bfloat16) + 5
-    p = mapping.pad_vocab(w, 16)
+    p = hf_mapping.pad_vocab(w, 16)
     assert p.shape == (16, 3) and p.dtype == torch.bfloat16
     assert torch.equal(p[:10], w)
     assert torch.count_nonzero(p[10:]) == 0
-    b = mapping.pad_vocab(torch.ones(10), 12)  # 1-D too
+    b = hf_mapping.pad_vocab(torch.ones(10), 12)  # 1-D too
     assert b.tolist() == [1.0] * 10 + [0.0, 0.0]
 
 
 def test_pad_vocab_exact_and_too_small():
     w = torch.randn(16, 3)
-    assert torch.equal(mapping.pad_vocab(w, 16), w)
+    assert torch.equal(hf_mapping.pad_vocab(w, 16), w)
     with pytest.raises(ValueError, match="exceed padded size"):
-        mapping.pad_vocab(w, 8)
+        hf_mapping.pad_vocab(w, 8)
 
 
 # --------------------------------------------------------------------- whole-layer mapping
@@ -122,22 +122,22 @@ def test_layer_roundtrip_is_identity(spec):
     arch = _arch(heads=8, groups=2, head_dim=4, inter=24)
     i = 3
     hf = _hf_layer(arch, i)
-    assert sorted(hf) == sorted(mapping.hf_layer_names(i))
-    mc = mapping.hf_to_mcore_layer(hf.__getitem__, arch, i, spec)
-    assert list(mc) == mapping.layer_names(spec)
+    assert sorted(hf) == sorted(hf_mapping.hf_layer_names(i))
+    mc = hf_mapping.hf_to_mcore_layer(hf.__getitem__, arch, i, spec)
+    assert list(mc) == hf_mapping.layer_names(spec)
     h = arch.hidden_size
-    assert mc[mapping.QKV_W].shape == ((8 + 2 * 2) * 4, h)
-    assert mc[mapping.QKV_B].shape == ((8 + 2 * 2) * 4,)
-    assert mc[mapping.FC1_W].shape == (2 * 24, h)
+    assert mc[hf_mapping.QKV_W].shape == ((8 + 2 * 2) * 4, h)
+    assert mc[hf_mapping.QKV_B].shape == ((8 + 2 * 2) * 4,)
+    assert mc[hf_mapping.FC1_W].shape == (2 * 24, h)
     p = f"model.layers.{i}."
     # gate first, then up
-    assert torch.equal(mc[mapping.FC1_W][:24], hf[p + "mlp.gate_proj.weight"])
-    assert torch.equal(mc[mapping.FC1_W][24:], hf[p + "mlp.up_proj.weight"])
-    attn_norm, mlp_norm = mapping.layer_names(spec)[0], mapping.layer_names(spec)[4]
+    assert torch.equal(mc[hf_mapping.FC1_W][:24], hf[p + "mlp.gate_proj.weight"])
+    assert torch.equal(mc[hf_mapping.FC1_W][24:], hf[p + "mlp.up_proj.weight"])
+    attn_norm, mlp_norm = hf_mapping.layer_names(spec)[0], hf_mapping.layer_names(spec)[4]
     assert torch.equal(mc[attn_norm], hf[p + "input_layernorm.weight"])
     assert torch.equal(mc[mlp_norm], hf[p + "post_attention_layernorm.weight"])
 
-    back = mapping.mcore_to_hf_layer(mc.__getitem__, arch, i, spec)
+    back = hf_mapping.mcore_to_hf_layer(mc.__getitem__, arch, i, spec)
     assert sorted(back) == sorted(hf)
     for name, t in hf.items():
         assert back[name].shape == t.shape, name
@@ -147,47 +147,47 @@ def test_layer_roundtrip_is_identity(spec):
 def test_layer_norm_names_per_spec_and_same_tensors():
     arch = _arch()
     hf = _hf_layer(arch, 0, seed=1)
-    local = mapping.hf_to_mcore_layer(hf.__getitem__, arch, 0, "local")
-    te = mapping.hf_to_mcore_layer(hf.__getitem__, arch, 0, "te")
+    local = hf_mapping.hf_to_mcore_layer(hf.__getitem__, arch, 0, "local")
+    te = hf_mapping.hf_to_mcore_layer(hf.__getitem__, arch, 0, "te")
     assert "input_layernorm.weight" in local and "pre_mlp_layernorm.weight" in local
     assert "self_attention.linear_qkv.layer_norm_weight" in te
     assert "mlp.linear_fc1.layer_norm_weight" in te
     assert "input_layernorm.weight" not in te
     for name, t in local.items():
-        assert torch.equal(te[mapping.rename_spec(name, "local", "te")], t), name
+        assert torch.equal(te[hf_mapping.rename_spec(name, "local", "te")], t), name
 
 
 def test_unknown_spec_and_name():
     arch = _arch()
     with pytest.raises(ValueError, match="unknown layer spec"):
-        mapping.layer_names("transformer_engine")
+        hf_mapping.layer_names("transformer_engine")
     with pytest.raises(KeyError, match="no HF source"):
-        mapping.hf_to_mcore_layer_tensor(lambda n: torch.zeros(1), arch, 0, "bogus.weight", "te")
+        hf_mapping.hf_to_mcore_layer_tensor(lambda n: torch.zeros(1), arch, 0, "bogus.weight", "te")
     with pytest.raises(KeyError, match="no HF source"):
-        mapping.hf_to_mcore_global(lambda n: torch.zeros(1), arch, "bogus", 64)
+        hf_mapping.hf_to_mcore_global(lambda n: torch.zeros(1), arch, "bogus", 64)
 
 
 def test_rename_spec():
-    assert mapping.rename_spec("input_layernorm.weight", "local", "te") == \
+    assert hf_mapping.rename_spec("input_layernorm.weight", "local", "te") == \
         "self_attention.linear_qkv.layer_norm_weight"
-    assert mapping.rename_spec("pre_mlp_layernorm.weight", "local", "te") == \
+    assert hf_mapping.rename_spec("pre_mlp_layernorm.weight", "local", "te") == \
         "mlp.linear_fc1.layer_norm_weight"
-    assert mapping.rename_spec("self_attention.linear_qkv.layer_norm_weight", "te", "local") == \
+    assert hf_mapping.rename_spec("self_attention.linear_qkv.layer_norm_weight", "te", "local") == \
         "input_layernorm.weight"
-    assert mapping.rename_spec("mlp.linear_fc1.layer_norm_weight", "te", "local") == \
+    assert hf_mapping.rename_spec("mlp.linear_fc1.layer_norm_weight", "te", "local") == \
         "pre_mlp_layernorm.weight"
     # non-norm names and same-spec renames are untouched
-    for name in (mapping.QKV_W, mapping.QKV_B, mapping.PROJ_W, mapping.FC1_W, mapping.FC2_W):
-        assert mapping.rename_spec(name, "local", "te") == name
-        assert mapping.rename_spec(name, "te", "local") == name
+    for name in (hf_mapping.QKV_W, hf_mapping.QKV_B, hf_mapping.PROJ_W, hf_mapping.FC1_W, hf_mapping.FC2_W):
+        assert hf_mapping.rename_spec(name, "local", "te") == name
+        assert hf_mapping.rename_spec(name, "te", "local") == name
     for spec in ("local", "te"):
-        for name in mapping.layer_names(spec):
-            assert mapping.rename_spec(name, spec, spec) == name
+        for name in hf_mapping.layer_names(spec):
+            assert hf_mapping.rename_spec(name, spec, spec) == name
     # every name survives a round trip between the specs
-    for name in mapping.layer_names("local"):
-        assert mapping.rename_spec(mapping.rename_spec(name, "local", "te"), "te", "local") == name
-    assert [mapping.rename_spec(n, "local", "te") for n in mapping.layer_names("local")] == \
-        mapping.layer_names("te")
+    for name in hf_mapping.layer_names("local"):
+        assert hf_mapping.rename_spec(hf_mapping.rename_spec(name, "local", "te"), "te", "local") == name
+    assert [hf_mapping.rename_spec(n, "local", "te") for n in hf_mapping.layer_names("local")] == \
+        hf_mapping.layer_names("te")
 
 
 # ---------------------------------------------------------------------------- globals/names
@@ -196,17 +196,17 @@ def test_rename_spec():
 def test_global_roundtrip_pads_and_trims_vocab(tied):
     arch = _arch(vocab=50, tied=tied)
     g = torch.Generator().manual_seed(7)
-    hf = {mapping.HF_EMBED: torch.randn(50, arch.hidden_size, generator=g),
-          mapping.HF_NORM: torch.randn(arch.hidden_size, generator=g)}
+    hf = {hf_mapping.HF_EMBED: torch.randn(50, arch.hidden_size, generator=g),
+          hf_mapping.HF_NORM: torch.randn(arch.hidden_size, generator=g)}
     if not tied:
-        hf[mapping.HF_HEAD] = torch.randn(50, arch.hidden_size, generator=g)
+        hf[hf_mapping.HF_HEAD] = torch.randn(50, arch.hidden_size, generator=g)
     padded = arch.padded_vocab_size(64)
     assert padded == 64
-    keys = [mapping.MC_EMBED, mapping.MC_NORM] + ([] if tied else [mapping.MC_HEAD])
-    mc = {k: mapping.hf_to_mcore_global(hf.__getitem__, arch, k, padded) for k in keys}
-    assert mc[mapping.MC_EMBED].shape == (64, arch.hidden_size)
-    assert torch.count_nonzero(mc[mapping.MC_EMBED][50:]) == 0
-    back = mapping.mcore_to_hf_global(mc.__getitem__, arch)
+    keys = [hf_mapping.MC_EMBED, hf_mapping.MC_NORM] + ([] if tied else [hf_mapping.MC_HEAD])
+    mc = {k: hf_mapping.hf_to_mcore_global(hf.__getitem__, arch, k, padded) for k in keys}
+    assert mc[hf_mapping.MC_EMBED].shape == (64, arch.hidden_size)
+    assert torch.count_nonzero(mc[hf_mapping.MC_EMBED][50:]) == 0
+    back = hf_mapping.mcore_to_hf_global(mc.__getitem__, arch)
     assert sorted(back) == sorted(hf)
     for k, t in hf.items():
         assert torch.equal(back[k], t), k
@@ -215,8 +215,8 @@ def test_global_roundtrip_pads_and_trims_vocab(tied):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_hf_names(tied):
     arch = _arch(layers=3, tied=tied)
-    names = mapping.hf_names(arch)
+    names = hf_mapping.hf_names(arch)
     assert len(names) == len(set(names)) == 2 + 12 * 3 + (0 if tied else 1)
-    assert (mapping.HF_HEAD in names) is (not tied)
+    assert (hf_mapping.HF_HEAD in names) is (not tied)
     assert "model.layers.2.mlp.up_proj.weight" in names
     assert not any(n.startswith("model.layers.3.") for n in names)

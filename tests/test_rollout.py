@@ -67,7 +67,7 @@ def test_config_validation_names_the_field():
 @pytest.mark.parametrize("spec", ["local", "te"])
 def test_per_tensor_conversion_matches_converter_mapping(spec):
     """Every megatron tensor converts to exactly the HF tensors the converter's mapping gives."""
-    from checkpoints_convert import mapping
+    from megatron_oar.models import hf_mapping
     from megatron_oar.models import parse_arch
     from megatron_oar.rollout import mcore_tensor_to_hf
 
@@ -76,15 +76,15 @@ def test_per_tensor_conversion_matches_converter_mapping(spec):
                       tie_word_embeddings=tied_emb, **TINY)
         arch = parse_arch(hf_cfg)
         g = torch.Generator().manual_seed(0)
-        hf = {k: torch.randn(s, generator=g) for k, s in mapping.hf_shapes(arch).items()}
+        hf = {k: torch.randn(s, generator=g) for k, s in hf_mapping.hf_shapes(arch).items()}
         got: dict[str, torch.Tensor] = {}
         for i in range(arch.num_layers):
-            for rel, t in mapping.hf_to_mcore_layer(hf.__getitem__, arch, i, spec).items():
+            for rel, t in hf_mapping.hf_to_mcore_layer(hf.__getitem__, arch, i, spec).items():
                 got.update(mcore_tensor_to_hf(f"decoder.layers.{i}.{rel}", t, arch))
         padded = arch.padded_vocab_size()
-        keys = [mapping.MC_EMBED, mapping.MC_NORM] + ([] if tied_emb else [mapping.MC_HEAD])
+        keys = [hf_mapping.MC_EMBED, hf_mapping.MC_NORM] + ([] if tied_emb else [hf_mapping.MC_HEAD])
         for key in keys:
-            got.update(mcore_tensor_to_hf(key, mapping.hf_to_mcore_global(hf.__getitem__, arch,
+            got.update(mcore_tensor_to_hf(key, hf_mapping.hf_to_mcore_global(hf.__getitem__, arch,
                                                                           key, padded), arch))
         assert got.keys() == hf.keys()
         for k in hf:
@@ -179,7 +179,7 @@ def _gather_worker(ckpt: str, hf: str, tp: int, pp: int, bucket_bytes: int, out:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from checkpoints_convert import mapping
+    from megatron_oar.models import hf_mapping
     from megatron_oar.models import ModelOptions, build_gpt_model, parse_arch, read_hf_config
     from megatron_oar.models.checkpoint import load_model
     from megatron_oar.rollout import iter_hf_buckets
@@ -197,7 +197,7 @@ def _gather_worker(ckpt: str, hf: str, tp: int, pp: int, bucket_bytes: int, out:
         for name, t in bucket.tensors:
             assert name not in seen, f"{name} sent twice"
             seen[name] = torch.equal(t, ref[name])
-    assert set(seen) == set(mapping.hf_names(arch)) == set(ref)
+    assert set(seen) == set(hf_mapping.hf_names(arch)) == set(ref)
     bad = [k for k, ok in seen.items() if not ok]
     assert not bad, f"rank {dist.get_rank()}: tensors differ from the HF checkpoint: {bad}"
     if dist.get_rank() == 0:

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
+from megatron_oar.models.hf_mapping import HF_SIDE_FILES
+
 META_FILE = "oar_checkpoint.json"
 MODEL_DIR = "model"
 HF_DIR = "hf"
@@ -102,8 +104,6 @@ def save_model(model, ckpt_dir: str | Path, meta: CheckpointMeta, hf_files_from:
 
 
 def copy_hf_side_files(src: str | Path, dst: Path) -> None:
-    from checkpoints_convert.hf_io import HF_SIDE_FILES
-
     dst.mkdir(parents=True, exist_ok=True)
     for name in HF_SIDE_FILES:
         if (Path(src) / name).is_file():

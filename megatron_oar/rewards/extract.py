@@ -28,6 +28,10 @@ _GSM8K_RE = re.compile(r"####[ \t]*(?:\$[ \t]*)?([-+]?(?:[0-9][0-9,]*(?:\.[0-9]+
 _ANSWER_LINE_RE = re.compile(r"(?im)^[ \t*#]*(?:final[ \t]+)?answer[ \t*]*[:\uff1a][ \t*]*([^\n]*)$")
 
 
+class AnswerParseError(ValueError):
+    """Raised by a verifier when an answer cannot be parsed (the pool's status ``parse_error``)."""
+
+
 @dataclass(frozen=True)
 class Extraction:
     """An extracted answer: its text and its character span ``[start, end)`` in the response."""

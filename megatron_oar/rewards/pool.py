@@ -26,13 +26,11 @@ from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import wait
 
+from megatron_oar.rewards.extract import AnswerParseError
+
 log = logging.getLogger(__name__)
 
 STATUSES = ("ok", "no_answer", "parse_error", "timeout", "error")
-
-
-class AnswerParseError(ValueError):
-    """Raised by a verifier when an answer cannot be parsed (status ``parse_error``)."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from functools import lru_cache
 from math_verify import LatexExtractionConfig, parse, verify
 from sympy import Basic, MatrixBase
 
-from megatron_oar.rewards.pool import AnswerParseError
+from megatron_oar.rewards.extract import AnswerParseError
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout disabled" warnings
 

@@ -9,7 +9,7 @@ Every rank ends up with every full HF tensor (each rank feeds its own vLLM engin
 2. Per parameter, the owning stage all-gathers the TP shards over the TP group along the
    parameter's ``partition_dim`` (``linear_fc1`` holds ``[gate_i; up_i]`` per rank, so gate and
    up are re-joined separately), then it broadcasts the full tensor over the PP group.
-3. The converter's mapping (:mod:`checkpoints_convert.mapping`) turns the megatron tensor into
+3. The converter's mapping (:mod:`megatron_oar.models.hf_mapping`) turns the megatron tensor into
    HF tensors: ``linear_qkv`` -> q/k/v, ``linear_fc1`` -> gate/up, padded vocab rows dropped.
 4. Tensors accumulate into a bucket until the next one would exceed the bound; the bucket is
    yielded, handed to vLLM, and freed before the next is gathered.
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoints_convert import mapping
+from megatron_oar.models import hf_mapping
 from megatron_oar.models.qwen2 import QwenArch
 
 # Layer-relative names in the TE spelling (local-spec norm names are renamed to these).
-_TE = mapping.layer_names("te")
+_TE = hf_mapping.layer_names("te")
 _ATTN_NORM, _MLP_NORM = _TE[0], _TE[4]
 
 
@@ -80,32 +80,32 @@ def mcore_tensor_to_hf(key: str, tensor: torch.Tensor, arch: QwenArch) -> list[t
     or TE norm spelling) or ``embedding.word_embeddings.weight`` / ``decoder.final_layernorm.weight``
     / ``output_layer.weight``.
     """
-    if key.startswith(mapping.MC_LAYER_PREFIX):
-        layer_str, rel = key[len(mapping.MC_LAYER_PREFIX):].split(".", 1)
-        rel = mapping.rename_spec(rel, "local", "te")
+    if key.startswith(hf_mapping.MC_LAYER_PREFIX):
+        layer_str, rel = key[len(hf_mapping.MC_LAYER_PREFIX):].split(".", 1)
+        rel = hf_mapping.rename_spec(rel, "local", "te")
         p = f"model.layers.{int(layer_str)}."
         if rel == _ATTN_NORM:
             return [(p + "input_layernorm.weight", tensor)]
         if rel == _MLP_NORM:
             return [(p + "post_attention_layernorm.weight", tensor)]
-        if rel in (mapping.QKV_W, mapping.QKV_B):
+        if rel in (hf_mapping.QKV_W, hf_mapping.QKV_B):
             kind = rel.rsplit(".", 1)[1]
-            q, k, v = mapping.split_qkv(tensor, arch)
+            q, k, v = hf_mapping.split_qkv(tensor, arch)
             return [(f"{p}self_attn.{x}_proj.{kind}", t) for x, t in zip("qkv", (q, k, v))]
-        if rel == mapping.PROJ_W:
+        if rel == hf_mapping.PROJ_W:
             return [(p + "self_attn.o_proj.weight", tensor)]
-        if rel == mapping.FC1_W:
+        if rel == hf_mapping.FC1_W:
             gate, up = torch.chunk(tensor, 2, dim=0)
             return [(p + "mlp.gate_proj.weight", gate.contiguous()),
                     (p + "mlp.up_proj.weight", up.contiguous())]
-        if rel == mapping.FC2_W:
+        if rel == hf_mapping.FC2_W:
             return [(p + "mlp.down_proj.weight", tensor)]
         raise KeyError(f"no HF name for megatron parameter {key!r}")
-    hf_name = {mapping.MC_EMBED: mapping.HF_EMBED, mapping.MC_NORM: mapping.HF_NORM,
-               mapping.MC_HEAD: mapping.HF_HEAD}.get(key)
+    hf_name = {hf_mapping.MC_EMBED: hf_mapping.HF_EMBED, hf_mapping.MC_NORM: hf_mapping.HF_NORM,
+               hf_mapping.MC_HEAD: hf_mapping.HF_HEAD}.get(key)
     if hf_name is None:
         raise KeyError(f"no HF name for megatron parameter {key!r}")
-    return [(hf_name, mapping.mcore_to_hf_global_tensor(lambda _: tensor, arch, hf_name))]
+    return [(hf_name, hf_mapping.mcore_to_hf_global_tensor(lambda _: tensor, arch, hf_name))]
 
 
 def _local_params(chunks, arch: QwenArch) -> dict[str, torch.nn.Parameter]:
@@ -113,12 +113,12 @@ def _local_params(chunks, arch: QwenArch) -> dict[str, torch.nn.Parameter]:
     out: dict[str, torch.nn.Parameter] = {}
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            if name == mapping.MC_HEAD and arch.tie_word_embeddings:
+            if name == hf_mapping.MC_HEAD and arch.tie_word_embeddings:
                 continue  # the last stage's copy of the tied embedding
-            if name.startswith(mapping.MC_LAYER_PREFIX):
-                local_str, rel = name[len(mapping.MC_LAYER_PREFIX):].split(".", 1)
+            if name.startswith(hf_mapping.MC_LAYER_PREFIX):
+                local_str, rel = name[len(hf_mapping.MC_LAYER_PREFIX):].split(".", 1)
                 layer = chunk.decoder.layers[int(local_str)].layer_number - 1
-                name = f"{mapping.MC_LAYER_PREFIX}{layer}.{rel}"
+                name = f"{hf_mapping.MC_LAYER_PREFIX}{layer}.{rel}"
             if name in out:
                 raise ValueError(f"parameter {name!r} appears twice across model chunks")
             out[name] = p
@@ -160,7 +160,7 @@ def _join_tp(p: torch.Tensor, key: str, tp_group, tp: int) -> torch.Tensor:
         return shard
     parts = [torch.empty_like(shard) for _ in range(tp)]
     dist.all_gather(parts, shard, group=tp_group)
-    if key.endswith(mapping.FC1_W):  # each rank holds [gate_i; up_i]
+    if key.endswith(hf_mapping.FC1_W):  # each rank holds [gate_i; up_i]
         halves = [torch.chunk(x, 2, dim=0) for x in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(parts, dim=dim)

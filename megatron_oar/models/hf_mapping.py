@@ -1,4 +1,5 @@
-"""Qwen2 parameter mapping between Hugging Face and megatron-core names and layouts.
+"""Qwen2 parameter mapping between Hugging Face and megatron-core names and layouts, and the HF
+side files a checkpoint keeps next to its weights.
 
 Everything here works on whole (TP=1) tensors of one layer at a time, which is what the
 streaming converter and the vLLM weight sync need. megatron-core's own sharded state dict
@@ -23,6 +24,13 @@ import torch
 from megatron_oar.models.qwen2 import QwenArch
 
 Getter = Callable[[str], torch.Tensor]
+
+# Files copied next to the weights so a checkpoint can be turned back into an HF model.
+HF_SIDE_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)
 
 HF_EMBED = "model.embed_tokens.weight"
 HF_NORM = "model.norm.weight"
