@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
 
-.PHONY: install demo test test-fast test-gpu lock clean
+.PHONY: install demo lint test test-fast test-gpu lock clean
 
 install: $(STAMP)
 
@@ -19,7 +19,10 @@ $(STAMP): requirements/cpu-lock.txt setup.py
 demo: $(STAMP)
 	$(BIN)/oar demo --out demo_out
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: lint
 	$(PYTEST) tests
 
 test-fast: $(STAMP)

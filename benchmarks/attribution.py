@@ -30,8 +30,8 @@ sync, allocator warm-up):
 * forward-equivalents per action token, counted (not timed), forward = 1, full backward = 2,
   input-gradient-only backward = 1:  ``[S (1 + 3E + R) + 2 G + C] / A`` with S sequence tokens,
   E PPO epochs (``train.ppo_epochs``), R = 1 with a reference model (``loss.kl_coef > 0``),
-  G = ``attribution/oar_g_tokens``, C = ``attribution/masked_copy_tokens``, A = action tokens. Its ratio to GRPO's is the floor of the measured
-  ratios if compute were all that cost.
+  G = ``attribution/oar_g_tokens``, C = ``attribution/masked_copy_tokens``, A = action tokens.
+  Its ratio to GRPO's is the floor of the measured ratios if compute were all that cost.
 
 Writes ``OUT/attribution.json`` (every measured step, the summaries, the machine) and
 ``OUT/attribution.md`` (the BENCHMARKS.md section); ``--update-benchmarks`` rewrites that section
@@ -291,12 +291,12 @@ def _arch_of(cfg: dict) -> dict:
 
 def _n_params(arch: dict) -> int | None:
     try:
-        h, f, l, v = (arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"],
+        h, f, n_layers, v = (arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"],
                       arch["vocab_size"])
         heads, kv = arch["num_attention_heads"], arch["num_key_value_heads"]
         d = h // heads
         layer = h * h + 2 * h * kv * d + (h + 2 * kv * d) + h * h + 3 * h * f + 2 * h
-        return l * layer + (1 if arch.get("tie_word_embeddings") else 2) * v * h + h
+        return n_layers * layer + (1 if arch.get("tie_word_embeddings") else 2) * v * h + h
     except (KeyError, TypeError, ZeroDivisionError):
         return None
 

@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     import torch  # noqa: F401  (baseline includes torch + megatron imports)
+
     from checkpoints_convert.convert import hf_to_megatron, megatron_to_hf
     from megatron_oar.models.tiny import make_tiny_qwen2
 

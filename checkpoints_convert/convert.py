@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megatron_oar.models import hf_mapping
 from checkpoints_convert.hf_io import HFReader, ShardedSafetensorsWriter
+from megatron_oar.models import hf_mapping
 from megatron_oar.models.checkpoint import (
     HF_DIR,
     MODEL_DIR,

@@ -16,8 +16,8 @@ layer-stacked tensor; DCP assembles it from whatever TP/PP chunks the writer sto
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from megatron.core.dist_checkpointing.strategies.torch import (

@@ -31,7 +31,6 @@ import argparse
 import sys
 from pathlib import Path
 
-
 # `oar bench SUITE`: the module in benchmarks/ (results in BENCHMARKS.md)
 BENCH_SUITES = {"attribution": "attribution", "rollout": "rollout", "screening": "screening",
                 "convert": "convert_memory"}

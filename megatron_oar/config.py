@@ -26,17 +26,23 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import (ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException,
-                              ValidationError)
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from megatron_oar.algorithms import CreditConfig, PolicyLossConfig
 from megatron_oar.attribution import AttributionConfig
-from megatron_oar.fileio import atomic_write_text
 from megatron_oar.data import ANSWER_FORMATS, PRESETS, TEMPLATES, ArithmeticConfig, FieldMap
+from megatron_oar.fileio import atomic_write_text
 from megatron_oar.models.checkpoint import HF_DIR, META_FILE
-from megatron_oar.models.qwen2 import (DTYPES, ModelConfigError, ModelOptions,
-                                      check_fp8_recipe_device, check_layout, check_spec_features,
-                                      parse_arch, resolve_spec)
+from megatron_oar.models.qwen2 import (
+    DTYPES,
+    ModelConfigError,
+    ModelOptions,
+    check_fp8_recipe_device,
+    check_layout,
+    check_spec_features,
+    parse_arch,
+    resolve_spec,
+)
 from megatron_oar.rewards import RewardConfig
 from megatron_oar.rollout.config import RolloutConfig
 from megatron_oar.runtime.distributed import ParallelConfig

@@ -408,8 +408,9 @@ def render(plan: Plan, name: str) -> str:
 
 def summary_row(name: str, plan: Plan) -> str:
     L = plan.layout
+    model_states = plan.memory_gib['weights'] + plan.memory_gib['gradients'] + plan.memory_gib['optimizer']
     return (f"| {name} | {L['nodes']}x{L['gpus'] // L['nodes']} | {L['tp']}/{L['pp']}/{L['dp']} | "
-            f"{L['rollout_tp']} | {plan.memory_gib['weights'] + plan.memory_gib['gradients'] + plan.memory_gib['optimizer']:.1f} | "
+            f"{L['rollout_tp']} | {model_states:.1f} | "
             f"{plan.rollout_peak_gib:.1f} | {plan.train_peak_gib:.1f} | "
             f"{plan.vllm['kv_tokens'] // 1000}k | {plan.time_s['total']:.0f} | "
             f"{'fits' if plan.fits else 'does not fit'} |")

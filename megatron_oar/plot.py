@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_oar.training.logger import read_metrics
 from megatron_oar.fileio import atomic_write
+from megatron_oar.training.logger import read_metrics
 
 # (panel title, metric keys or glob patterns); adjust the keys when the trainer's names change.
 PANELS: list[tuple[str, list[str]]] = [

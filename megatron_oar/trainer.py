@@ -38,6 +38,7 @@ from megatron_oar.config import Config, ConfigError, save_config, validate
 from megatron_oar.models.checkpoint import CheckpointMeta
 from megatron_oar.models.qwen2 import parse_arch, read_hf_config
 from megatron_oar.runtime import init_runtime
+from megatron_oar.seeds import RANDOM_CREDIT, derive_seed
 from megatron_oar.training import checkpoint as ckpt
 from megatron_oar.training.evaluate import evaluate, load_eval_examples
 from megatron_oar.training.logger import MetricsLogger
@@ -286,7 +287,7 @@ class Trainer:
 
     def _generator(self) -> torch.Generator:
         """Per-step generator (random credit): reproducible and independent of resumes."""
-        seed = (self.cfg.train.seed * 1_000_003 + self.step) * 1009 + ps.get_data_parallel_rank()
+        seed = derive_seed(RANDOM_CREDIT, self.cfg.train.seed, self.step, ps.get_data_parallel_rank())
         return torch.Generator(device=self.rt.device).manual_seed(seed)
 
     # ---------------------------------------------------------------------------- metrics

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from megatron_oar.attribution.batch import SequenceBatch
-from megatron_oar.attribution.passes import noise_seed, sample_noise
+from megatron_oar.attribution.passes import sample_noise
 from megatron_oar.attribution.probes import ProbePlan
+from megatron_oar.seeds import OAR_G_NOISE, derive_seed
 
 
 def probe(logits: torch.Tensor, plan: ProbePlan, row: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +65,7 @@ def oar_g(model, batch: SequenceBatch, plan: ProbePlan, rows: list[int], sigma: 
         with torch.no_grad():
             emb = embed(ids)
             teacher = probe(_logits(model, ids), plan, i)
-        noise = sample_noise(noise_seed(seed, step, int(batch.sample_ids[i])), n, emb.shape[-1], sigma)
+        noise = sample_noise(derive_seed(OAR_G_NOISE, seed, step, int(batch.sample_ids[i])), n, emb.shape[-1], sigma)
         x = (emb + noise * plan.score_mask[i, :n].unsqueeze(-1)).requires_grad_(True)
         student = probe(_logits(model, embeds=x), plan, i)
         divergence(teacher, student, plan.kinds[i], clamp=False).backward()

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import attribution as attr
-from benchmarks import common
-from benchmarks import rollout
+from benchmarks import common, rollout
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,10 +11,17 @@ from omegaconf import OmegaConf
 
 from megatron_oar.algorithms import CreditConfig, PolicyLossConfig
 from megatron_oar.attribution import AttributionConfig, ProbeConfig
-from megatron_oar.models.qwen2 import parse_arch
-from megatron_oar.config import (CREDITS, DERIVED, Config, ConfigError, credit_scheme, load_config,
-                                 save_config, validate)
-from megatron_oar.models.qwen2 import ModelOptions
+from megatron_oar.config import (
+    CREDITS,
+    DERIVED,
+    Config,
+    ConfigError,
+    credit_scheme,
+    load_config,
+    save_config,
+    validate,
+)
+from megatron_oar.models.qwen2 import ModelOptions, parse_arch
 from megatron_oar.rewards import RewardConfig
 from megatron_oar.rollout.config import RolloutConfig
 from megatron_oar.runtime.distributed import ParallelConfig

@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_oar.models import hf_mapping
 from checkpoints_convert.cli import _size, main
 from checkpoints_convert.convert import ConversionError, hf_to_megatron, megatron_to_hf
 from checkpoints_convert.hf_io import INDEX, HFCheckpointError, HFReader
+from megatron_oar.models import hf_mapping
 from megatron_oar.models.checkpoint import CheckpointError
 from megatron_oar.models.qwen2 import ModelConfigError, check_layout, parse_arch
 from tests.tiny import make_tiny_qwen2, read_config
@@ -360,7 +360,7 @@ def test_failure_while_writing_hf_to_megatron_leaves_nothing(tiny, tmp_path, mon
             raise RuntimeError("injected failure on layer 2")
         return real(get, arch, i, name, spec)
 
-    monkeypatch.setattr(mapping, "hf_to_mcore_layer_tensor", failing)
+    monkeypatch.setattr(hf_mapping, "hf_to_mcore_layer_tensor", failing)
     # torch DCP re-raises producer errors as CheckpointException, a BaseException subclass
     with pytest.raises(BaseException) as exc:
         hf_to_megatron(tiny.hf, out, progress=False)
@@ -383,7 +383,7 @@ def test_failure_while_writing_megatron_to_hf_leaves_nothing(tiny, tmp_path, mon
             raise RuntimeError("injected failure on layer 2")
         return real(get, arch, i, spec)
 
-    monkeypatch.setattr(mapping, "mcore_to_hf_layer", failing)
+    monkeypatch.setattr(hf_mapping, "mcore_to_hf_layer", failing)
     with pytest.raises(RuntimeError, match="injected failure on layer 2"):
         # tiny shards: layers 0 and 1 are already on disk when layer 2 fails
         megatron_to_hf(tiny.ckpt, out, max_shard_bytes=20 << 10, progress=False)

@@ -25,11 +25,17 @@ from pathlib import Path
 import pytest
 
 from megatron_oar.data import PRESETS
-from megatron_oar.eval.benchmarks import (BENCHMARKS, PAPER_ORDER, BenchmarkError, candidate_names,
-                                          find_file, load_benchmark, parse_benchmarks)
+from megatron_oar.eval.benchmarks import (
+    BENCHMARKS,
+    PAPER_ORDER,
+    BenchmarkError,
+    candidate_names,
+    find_file,
+    load_benchmark,
+    parse_benchmarks,
+)
 from megatron_oar.eval.passk import mean_pass_at_k, pass_at_k, pass_at_ks
-from megatron_oar.eval.run_eval import (EvalError, build_parser, check_args, main, make_plan,
-                                        render_markdown)
+from megatron_oar.eval.run_eval import EvalError, build_parser, check_args, main, make_plan, render_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 

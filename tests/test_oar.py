@@ -7,8 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_oar.algorithms.oar import (bilevel_gate, bilevel_weights, normalize_importance,
-                                         oar_weights, reshape_advantages, row_quantile)
+from megatron_oar.algorithms.oar import (
+    bilevel_gate,
+    bilevel_weights,
+    normalize_importance,
+    oar_weights,
+    reshape_advantages,
+    row_quantile,
+)
 
 EPS = 1e-6
 

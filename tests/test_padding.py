@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from checkpoints_convert.convert import hf_to_megatron
-from megatron_oar.models.padding import (force_multiple, pad_to, padded_length, sequence_multiple,
-                                         trim)
+from megatron_oar.models.padding import force_multiple, pad_to, padded_length, sequence_multiple, trim
 from tests.distributed import launch
 from tests.test_attribution import SEQ_ADV, make_batch, rel_error
 from tests.tiny import make_tiny_qwen2
@@ -94,13 +93,17 @@ def _passes(ckpt: str, update: bool) -> dict:
     from transformers import AutoTokenizer
 
     from megatron_oar.algorithms import CreditConfig, PolicyLossConfig, assign_credit
-    from megatron_oar.attribution import AttributionConfig, ProbeConfig
-    from megatron_oar.attribution import compute_importance, plan_probes, probe_teacher
+    from megatron_oar.attribution import (
+        AttributionConfig,
+        ProbeConfig,
+        compute_importance,
+        plan_probes,
+        probe_teacher,
+    )
     from megatron_oar.attribution.spans import SpanFinder
     from megatron_oar.config import ModelConfig, OptimConfig
     from megatron_oar.models.qwen2 import read_hf_config
-    from megatron_oar.training.passes import (TrainBatch, old_logprob_pass, reference_logprobs,
-                                              update_step)
+    from megatron_oar.training.passes import TrainBatch, old_logprob_pass, reference_logprobs, update_step
     from megatron_oar.training.policy import build_policy
 
     ckpt = Path(ckpt)

@@ -144,7 +144,7 @@ def test_last_token_reads_where_the_answer_is_predicted(tok, cfg, step):
         assert tok.decode([int(plan.target[i])]) == {0: "3", 3: "4"}[i]
         reasoning = {0: "1 + 2 is 3.", 3: "2 + 2 is 4."}[i]
         assert tok.decode(batch.tokens[i][plan.score_mask[i]].tolist()) == reasoning
-        start, (t0, k0, _) = int(batch.prompt_lens[i]), SpanFinder(tok).locate(batch.response_ids(i))
+        start, (_, k0, _) = int(batch.prompt_lens[i]), SpanFinder(tok).locate(batch.response_ids(i))
         assert plan.pos[i] == start + k0 - 1
     # row 2 has no EOS (a stop string ended it): its last token is the last content token
     assert plan.pos[2] == int(batch.lengths[2]) - 1

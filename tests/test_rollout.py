@@ -67,8 +67,7 @@ def test_config_validation_names_the_field():
 @pytest.mark.parametrize("spec", ["local", "te"])
 def test_per_tensor_conversion_matches_converter_mapping(spec):
     """Every megatron tensor converts to exactly the HF tensors the converter's mapping gives."""
-    from megatron_oar.models import hf_mapping
-    from megatron_oar.models import parse_arch
+    from megatron_oar.models import hf_mapping, parse_arch
     from megatron_oar.rollout import mcore_tensor_to_hf
 
     for tied_emb in (False, True):
@@ -179,8 +178,7 @@ def _gather_worker(ckpt: str, hf: str, tp: int, pp: int, bucket_bytes: int, out:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from megatron_oar.models import hf_mapping
-    from megatron_oar.models import ModelOptions, build_gpt_model, parse_arch, read_hf_config
+    from megatron_oar.models import ModelOptions, build_gpt_model, hf_mapping, parse_arch, read_hf_config
     from megatron_oar.models.checkpoint import load_model
     from megatron_oar.rollout import iter_hf_buckets
     from megatron_oar.runtime import ParallelConfig, init_runtime

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_oar.runtime import ParallelConfig, validate_layout
-from megatron_oar.runtime import kernels
+from megatron_oar.runtime import ParallelConfig, kernels, validate_layout
 from tests.distributed import launch
 
 # ----------------------------------------------------------------------- validate_layout

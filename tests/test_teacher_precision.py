@@ -9,7 +9,6 @@ student, and the FP8 decision rule of ``compute_importance`` is checked on a stu
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

@@ -43,8 +43,13 @@ def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3, adv_scale: float =
     """Builds, scores and updates on this process's device; returns tensors on the CPU."""
     from checkpoints_convert.convert import hf_to_megatron
     from megatron_oar.algorithms import CreditConfig, PolicyLossConfig, assign_credit
-    from megatron_oar.attribution import AttributionConfig, ProbeConfig, SequenceBatch
-    from megatron_oar.attribution import compute_importance, plan_probes
+    from megatron_oar.attribution import (
+        AttributionConfig,
+        ProbeConfig,
+        SequenceBatch,
+        compute_importance,
+        plan_probes,
+    )
     from megatron_oar.config import ModelConfig, OptimConfig
     from megatron_oar.models.qwen2 import read_hf_config
     from megatron_oar.models.tiny import make_tiny_qwen2

@@ -45,8 +45,14 @@ from __future__ import annotations
 
 import torch
 
-from megatron_oar.algorithms.masking import (as_bool_mask, check_2d, check_finite, float_view,
-                                             masked_sum, sub_mask)
+from megatron_oar.algorithms.masking import (
+    as_bool_mask,
+    check_2d,
+    check_finite,
+    float_view,
+    masked_sum,
+    sub_mask,
+)
 
 TAU_MODES = ("quantile", "value")
 NEGATIVE_TOLERANCE = 1e-6  # KL estimates can come out at -1e-9; anything below this is a bug

@@ -16,16 +16,15 @@ from megatron.core import parallel_state
 
 from megatron_oar.attribution.batch import SequenceBatch
 from megatron_oar.attribution.probes import ProbeOutput, ProbePlan, divergence
-from megatron_oar.attribution.schedule import (Micro, attribution_mode, broadcast_from_stage,
-                                               clean_embeddings, run_probe_schedule)
+from megatron_oar.attribution.schedule import (
+    Micro,
+    attribution_mode,
+    broadcast_from_stage,
+    clean_embeddings,
+    run_probe_schedule,
+)
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple
-
-SEED_MIX = (1_000_003, 998_244_353)
-
-
-def noise_seed(seed: int, step: int, sample_id: int) -> int:
-    """The per-sample noise seed: the same sample at the same step always gets the same noise."""
-    return ((seed * SEED_MIX[0] + step) * SEED_MIX[1] + sample_id) % (2 ** 63)
+from megatron_oar.seeds import OAR_G_NOISE, derive_seed
 
 
 def sample_noise(seed: int, length: int, hidden: int, sigma: float) -> torch.Tensor:
@@ -101,7 +100,7 @@ def oar_g(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeOutput | N
         noise = torch.zeros(emb.shape, dtype=torch.float32)
         for j, r in enumerate(_real(micro.rows)):
             n = int(batch.lengths[r])
-            noise[:n, j] = sample_noise(noise_seed(seed, step, int(batch.sample_ids[r])), n, h, sigma)
+            noise[:n, j] = sample_noise(derive_seed(OAR_G_NOISE, seed, step, int(batch.sample_ids[r])), n, h, sigma)
         noise *= micro.plan.score_mask[:, :s].T.unsqueeze(-1).cpu()
         x = (emb + noise.to(emb.device, emb.dtype)).requires_grad_(True)
         micro.extra = (x, emb)

@@ -34,8 +34,8 @@ distributions stay vocab-parallel (each TP rank holds its slice of log-probs).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
@@ -84,7 +84,7 @@ class ProbePlan:
     def scored_rows(self) -> torch.Tensor:
         return torch.tensor([k != NONE for k in self.kinds]) & self.score_mask.any(dim=-1).cpu()
 
-    def take(self, rows: list[int]) -> "ProbePlan":
+    def take(self, rows: list[int]) -> ProbePlan:
         """The plan of the sub-batch ``rows`` (repeats allowed), rows renumbered 0..len-1."""
         parts_row, parts_pos, parts_target = [], [], []
         for new, old in enumerate(rows):
@@ -161,7 +161,7 @@ class ProbeOutput:
     score: torch.Tensor  # [B] mean answer log-likelihood (answer_joint rows)
 
     @classmethod
-    def from_position_logits(cls, logits: torch.Tensor, plan: ProbePlan, vocab_size: int) -> "ProbeOutput":
+    def from_position_logits(cls, logits: torch.Tensor, plan: ProbePlan, vocab_size: int) -> ProbeOutput:
         """From vocab-parallel logits ``[N, V/TP]`` at ``plan``'s positions (in plan order)."""
         b, dev, f64 = plan.size, logits.device, torch.float64  # [B, V/TP]: float64 costs nothing
         row = plan.row.to(dev)
@@ -173,7 +173,7 @@ class ProbeOutput:
         score = torch.zeros(b, dtype=f64, device=dev).index_add(0, row, token_lp) / count
         return cls(logp, score)
 
-    def take(self, rows: list[int]) -> "ProbeOutput":
+    def take(self, rows: list[int]) -> ProbeOutput:
         return ProbeOutput(self.logp[rows], self.score[rows])
 
 

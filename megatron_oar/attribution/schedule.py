@@ -17,17 +17,19 @@ and restores all of it afterwards.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
-                                           gather_from_sequence_parallel_region,
-                                           scatter_to_sequence_parallel_region)
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 
 from megatron_oar.attribution.probes import ProbeOutput, ProbePlan
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim

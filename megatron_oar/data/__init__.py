@@ -10,12 +10,20 @@ task, the OAR testbed), the prompt sampler.
 """
 
 from megatron_oar.data.chain import ChainConfig, ChainStream, chain_examples, chain_solution
-from megatron_oar.data.readers import (ANSWER_FORMATS, PRESETS, DataError, Example, FieldMap, ReadStats,
-                                       detect_preset, read_examples, write_jsonl)
+from megatron_oar.data.readers import (
+                                       ANSWER_FORMATS,
+                                       PRESETS,
+                                       DataError,
+                                       Example,
+                                       FieldMap,
+                                       ReadStats,
+                                       detect_preset,
+                                       read_examples,
+                                       write_jsonl,
+)
 from megatron_oar.data.sampler import PromptSampler
 from megatron_oar.data.synthetic import ArithmeticConfig, arithmetic_problem, make_arithmetic
-from megatron_oar.data.templates import (TEMPLATES, PromptTemplate, build_messages, get_template,
-                                         render_prompt)
+from megatron_oar.data.templates import TEMPLATES, PromptTemplate, build_messages, get_template, render_prompt
 
 __all__ = [
     "ANSWER_FORMATS", "PRESETS", "TEMPLATES", "ArithmeticConfig", "ChainConfig", "ChainStream",

@@ -17,6 +17,7 @@ import random
 from collections.abc import Sequence
 
 from megatron_oar.data.readers import Example
+from megatron_oar.seeds import SAMPLER, derive_seed
 
 
 class PromptSampler:
@@ -56,7 +57,7 @@ class PromptSampler:
         if not self.shuffle:
             return range(len(self.examples))  # lazy: a stream of any length costs nothing here
         order = list(range(len(self.examples)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        random.Random(derive_seed(SAMPLER, self.seed, epoch)).shuffle(order)
         return order
 
     def __iter__(self) -> PromptSampler:

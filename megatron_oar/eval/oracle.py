@@ -41,9 +41,9 @@ import torch.distributed as dist
 
 from megatron_oar.eval.recall import K_PERCENTS, recall_table, render_markdown, write_outputs
 from megatron_oar.eval.records import METHODS, TokenRecord, write_records
+from megatron_oar.seeds import ORACLE, ORACLE_RANDOM, derive_seed
 
 log = logging.getLogger(__name__)
-ORACLE_SEED_STEP = -2  # sampling_seed "step" of the oracle's trajectories (training uses >= 0)
 
 
 @dataclass
@@ -60,13 +60,13 @@ class Trajectory:
 def sample_correct(engine, scorer, tokenizer, examples, *, template: str, wanted: int,
                    per_prompt: int, temperature: float, seed: int, group) -> list[Trajectory]:
     """Collective: correct completions of ``examples`` in order, until ``wanted`` are found."""
-    from megatron_oar.training.rollouts import generate_samples, sampling_seed, score_samples
+    from megatron_oar.training.rollouts import generate_samples, score_samples
 
     found: list[Trajectory] = []
     chunk = max(8, math.ceil(wanted / per_prompt))
     for round_, start in enumerate(range(0, len(examples), chunk)):
         prompts = examples[start:start + chunk]
-        seeds = [sampling_seed(seed, ORACLE_SEED_STEP, round_, start + i) for i in range(len(prompts))]
+        seeds = [derive_seed(ORACLE, seed, round_, start + i) for i in range(len(prompts))]
         samples = generate_samples(engine, tokenizer, prompts, template, seeds, n=per_prompt,
                                    temperature=temperature)
         score_samples(samples, scorer, group)
@@ -93,8 +93,13 @@ def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, t
     indices) seed OAR-G's noise, so the scores do not depend on the DP layout."""
     from megatron.core import parallel_state as ps
 
-    from megatron_oar.attribution import (AttributionConfig, SequenceBatch, compute_importance,
-                                          plan_probes, probe_teacher)
+    from megatron_oar.attribution import (
+        AttributionConfig,
+        SequenceBatch,
+        compute_importance,
+        plan_probes,
+        probe_teacher,
+    )
     from megatron_oar.attribution.spans import SpanFinder
     from megatron_oar.models import vocab_parallel as vp
     from megatron_oar.models.forward import forward_map
@@ -146,7 +151,7 @@ def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, t
         if "entropy" in methods:
             scores["entropy"] = prev[:, 2].tolist()
         if "random" in methods:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + ids[i])  # per trajectory
+            gen = torch.Generator().manual_seed(derive_seed(ORACLE_RANDOM, seed, ids[i]))
             scores["random"] = torch.rand(n - p, generator=gen).tolist()
         for m, imp in importance.items():
             scores[m] = imp[i, p:n].float().cpu().tolist()

@@ -45,13 +45,18 @@ import shutil
 import subprocess
 import sys
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_oar.data import TEMPLATES, DataError, Example, render_prompt
-from megatron_oar.eval.benchmarks import (PAPER_ORDER, Benchmark, BenchmarkError, find_file,
-                                          load_benchmark, parse_benchmarks)
+from megatron_oar.eval.benchmarks import (
+    PAPER_ORDER,
+    Benchmark,
+    BenchmarkError,
+    find_file,
+    load_benchmark,
+    parse_benchmarks,
+)
 from megatron_oar.eval.passk import pass_at_ks
 from megatron_oar.fileio import atomic_write_text
 
@@ -342,12 +347,11 @@ def run_benchmark(task: Task, engine, scorer, tokenizer, args: argparse.Namespac
     """Collective: generate, verify, and (rank 0) write the benchmark's two files."""
     import torch.distributed as dist
 
-    from megatron_oar.training.evaluate import EVAL_SEED_STEP
-    from megatron_oar.training.rollouts import generate_samples, sampling_seed, score_samples
+    from megatron_oar.seeds import BENCHMARK, derive_seed
+    from megatron_oar.training.rollouts import generate_samples, score_samples
 
     name, n, examples = task.bench.name, args.n, task.examples
-    stream = zlib.crc32(name.encode())  # the seed's "round": one stream per benchmark
-    seeds = [sampling_seed(args.seed, EVAL_SEED_STEP, stream, ex.index) for ex in examples]
+    seeds = [derive_seed(BENCHMARK, args.seed, name, ex.index) for ex in examples]
     log.info("%s: %d problems x %d samples", name, len(examples), n)
     t0 = time.perf_counter()
     samples = generate_samples(engine, tokenizer, examples, args.template, seeds, n=n,

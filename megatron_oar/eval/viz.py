@@ -96,7 +96,7 @@ def text_rgb(bg: RGB) -> RGB:
 
 
 def hex_color(rgb: RGB) -> str:
-    return "#%02x%02x%02x" % rgb
+    return "#{:02x}{:02x}{:02x}".format(*rgb)
 
 
 def normalize(scores: list[float], mask: list[bool]) -> np.ndarray:
@@ -294,7 +294,7 @@ pre.prompt{white-space:pre-wrap;background:#f6f6f6;padding:8px;max-height:260px;
  white-space:pre-wrap;overflow-wrap:anywhere;border:1px solid #ddd;border-radius:4px;padding:8px}
 .t{border-radius:2px}.pv{box-shadow:inset 0 -2px 0 %(pivot)s}
 .nl::before{content:"\\21B5";opacity:.55}
-""" % {"pivot": hex_color(PIVOT_RGB)}
+""" % {"pivot": hex_color(PIVOT_RGB)}  # noqa: UP031 (CSS braces stay literal with %)
 
 
 def _span(c: Cell) -> str:

@@ -49,7 +49,7 @@ class CheckpointMeta:
         (Path(ckpt_dir) / META_FILE).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
-    def read(cls, ckpt_dir: str | Path) -> "CheckpointMeta":
+    def read(cls, ckpt_dir: str | Path) -> CheckpointMeta:
         path = Path(ckpt_dir) / META_FILE
         if not path.is_file():
             raise CheckpointError(f"{path}: missing; is {ckpt_dir} a megatron-oar checkpoint?")

@@ -12,7 +12,7 @@ trimmed back before ``fn`` sees them.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from megatron.core import parallel_state

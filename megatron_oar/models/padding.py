@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F

@@ -297,8 +297,10 @@ def layer_spec(spec: str, config=None, vp_stage: int | None = None):
         layer, norm = specs.get_gpt_layer_local_spec(normalization="RMSNorm"), WrappedTorchNorm
     if config is None:
         return layer
-    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
-                                                             get_num_layers_to_build)
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     return TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=norm)

@@ -22,7 +22,7 @@ def make_tokenizer(out: Path, vocab_size: int = 1000, corpus: Iterable[str] | No
     ``AutoTokenizer`` rebuilds from these files next to a Qwen2 ``config.json``: the saved
     ``tokenizer.json`` and the loaded tokenizer then agree token for token.
     """
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers, decoders
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))

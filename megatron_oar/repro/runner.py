@@ -258,7 +258,7 @@ def publish(out: Path, docs: Path, command: str) -> Path:
             shutil.copyfile(out / name, assets / f".{name}.tmp")
             (assets / f".{name}.tmp").replace(assets / name)
     s = rep["settings"]
-    head = [f"# `oar repro`: the paper in miniature on the chain testbed", "",
+    head = ["# `oar repro`: the paper in miniature on the chain testbed", "",
             f"Made by `{command}` in {s['wall_seconds'] / 60:.0f} min of wall time on a 2-core CPU "
             f"machine ({s['jobs']} runs at a time). {rep['runs']} runs: "
             f"{', '.join(s['methods'])} x {s['seeds']} seeds, {s['steps']} RL steps each, from one "

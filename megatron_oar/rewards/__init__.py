@@ -10,9 +10,19 @@
 Importing this package is light: sympy / math-verify load only in the worker processes.
 """
 
-from megatron_oar.rewards.extract import (EXTRACTORS, AnswerParseError, Extraction, extract_answer, extract_answer_line,
-                                          extract_answer_tag, extract_boxed, extract_gsm8k,
-                                          normalize_answer, normalize_reference, sanitize)
+from megatron_oar.rewards.extract import (
+                                          EXTRACTORS,
+                                          AnswerParseError,
+                                          Extraction,
+                                          extract_answer,
+                                          extract_answer_line,
+                                          extract_answer_tag,
+                                          extract_boxed,
+                                          extract_gsm8k,
+                                          normalize_answer,
+                                          normalize_reference,
+                                          sanitize,
+)
 from megatron_oar.rewards.format_reward import FORMAT_STYLES, format_score
 from megatron_oar.rewards.pool import STATUSES, VerifierPool, VerifyResult
 from megatron_oar.rewards.score import RewardBatch, RewardConfig, RewardScorer, score_batch

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import logging
 import os
 import random
@@ -32,9 +31,9 @@ from megatron_oar.models.qwen2 import parse_arch, read_hf_config
 from megatron_oar.rollout.batch import RolloutBatch
 from megatron_oar.rollout.config import VLLM_DTYPES, RolloutConfig, check_sampling
 from megatron_oar.rollout.weight_sync import iter_hf_buckets
+from megatron_oar.seeds import ENGINE, derive_seed
 
 log = logging.getLogger(__name__)
-_SEED_SPACE = 2**31 - 2**20  # room for seed + j, j < n
 # The oldest vLLM with every call made here: LLM(logprobs_mode=...) and the worker's in-place
 # reload_weights(weights_iterator=...); setup.py's extras carry the same bound.
 VLLM_MIN_VERSION = "0.24"
@@ -357,9 +356,7 @@ class RolloutEngine:
     # -- generation -----------------------------------------------------------------------
 
     def _seed(self, call: int, index: int) -> int:
-        digest = hashlib.blake2b(f"{self.config.seed}:{self.dp_rank}:{call}:{index}".encode(),
-                                 digest_size=8).digest()
-        return int.from_bytes(digest, "little") % _SEED_SPACE
+        return derive_seed(ENGINE, self.config.seed, self.dp_rank, call, index)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, n: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_mode: "CudaToCpuMode | None" = None
+_mode: CudaToCpuMode | None = None
 
 
 def _is_cuda(device) -> bool:

@@ -35,8 +35,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_oar.models.checkpoint import (HF_DIR, MODEL_DIR, CheckpointError, CheckpointMeta,
-                                            copy_hf_side_files, load_model)
+from megatron_oar.models.checkpoint import (
+    HF_DIR,
+    MODEL_DIR,
+    CheckpointError,
+    CheckpointMeta,
+    copy_hf_side_files,
+    load_model,
+)
 
 log = logging.getLogger(__name__)
 

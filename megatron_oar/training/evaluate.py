@@ -18,9 +18,8 @@ minus every prompt of the training set (so they are held out).
 from __future__ import annotations
 
 from megatron_oar.data import Example
-from megatron_oar.training.rollouts import generate_samples, sampling_seed, score_samples
-
-EVAL_SEED_STEP = -1  # the sampling_seed "step" of evaluations: disjoint from training's steps
+from megatron_oar.seeds import EVAL, derive_seed
+from megatron_oar.training.rollouts import generate_samples, score_samples
 
 
 def load_eval_examples(cfg, tokenizer, train_examples: list[Example]) -> list[Example]:
@@ -56,7 +55,7 @@ def load_eval_examples(cfg, tokenizer, train_examples: list[Example]) -> list[Ex
 def evaluate(engine, scorer, tokenizer, examples: list[Example], *, template: str, n: int,
              temperature: float, seed: int, group) -> dict[str, float]:
     """Collective: ``eval/*`` metrics of the engine's current weights on ``examples``."""
-    seeds = [sampling_seed(seed, EVAL_SEED_STEP, 0, i) for i in range(len(examples))]
+    seeds = [derive_seed(EVAL, seed, i) for i in range(len(examples))]
     samples = generate_samples(engine, tokenizer, examples, template, seeds, n=n,
                                temperature=temperature)
     score_samples(samples, scorer, group)

@@ -50,7 +50,7 @@ class TrainBatch:
     def size(self) -> int:
         return self.tokens.shape[0]
 
-    def select(self, rows: torch.Tensor | list[int]) -> "TrainBatch":
+    def select(self, rows: torch.Tensor | list[int]) -> TrainBatch:
         """The rows ``rows`` of every per-sequence tensor, trimmed to their longest sequence."""
         rows = torch.as_tensor(rows, dtype=torch.long)
         length = int(self.lengths[rows].max())

@@ -98,8 +98,11 @@ def build_scheduler(optimizer, optim, total_optimizer_steps: int):
 def build_policy(hf_config: dict, model_cfg, optim, *, checkpoint: str | Path,
                  total_optimizer_steps: int) -> Policy:
     """Collective: the model shard loaded from ``checkpoint``, wrapped for training."""
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import get_megatron_optimizer
 
     # perform_initialization stays on: with CPU initialisation megatron marks the TP-sharded

@@ -15,7 +15,6 @@ exactly what the uninterrupted run would have.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 
@@ -23,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_oar.data import Example, render_prompt
-
-SEED_SPACE = 2**31 - 2**20  # room for seed + j (vLLM's per-completion seed)
+from megatron_oar.seeds import ROLLOUT, derive_seed
 
 
 @dataclass
@@ -48,11 +46,6 @@ class Sample:
 class StepData:
     samples: list[Sample]    # prompts_per_step groups of group_size, group-major
     metrics: dict[str, float]
-
-
-def sampling_seed(base: int, step: int, round_: int, prompt: int) -> int:
-    digest = hashlib.blake2b(f"{base}:{step}:{round_}:{prompt}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % SEED_SPACE
 
 
 def group_share(engine, n: int) -> range:
@@ -105,7 +98,7 @@ def collect(engine, scorer, sampler, tokenizer, *, step: int, group_size: int, t
     rounds = 0
     while True:
         prompts = next(sampler)
-        seeds = [sampling_seed(seed, step, rounds, i) for i in range(len(prompts))]
+        seeds = [derive_seed(ROLLOUT, seed, step, rounds, i) for i in range(len(prompts))]
         t0 = time.perf_counter()
         samples = generate_samples(engine, tokenizer, prompts, template, seeds)
         gen_seconds += time.perf_counter() - t0

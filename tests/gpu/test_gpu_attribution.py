@@ -6,8 +6,6 @@ in docs/gpu-validation.md.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
