@@ -32,6 +32,7 @@ from megatron_oar.algorithms import CreditConfig, PolicyLossConfig
 from megatron_oar.attribution import AttributionConfig
 from megatron_oar.data import ANSWER_FORMATS, PRESETS, TEMPLATES, ArithmeticConfig, FieldMap
 from megatron_oar.fileio import atomic_write_text
+from megatron_oar.log_setup import LEVELS as LOG_LEVELS
 from megatron_oar.models.checkpoint import HF_DIR, META_FILE
 from megatron_oar.models.qwen2 import (
     DTYPES,
@@ -174,6 +175,11 @@ class LogConfig:
     wandb_name: str | None = None   # null: the run_dir's name
     console: bool = True            # progress line per step (rank 0)
     phase_lines: bool = True        # and one console line per phase of the step (rank 0)
+    level: str = "info"             # info | debug (debug: our DEBUG lines and vLLM's INFO ones)
+
+    def __post_init__(self):
+        if self.level not in LOG_LEVELS:
+            raise ValueError(f"log.level={self.level!r}: must be one of {', '.join(LOG_LEVELS)}")
 
 
 @dataclass

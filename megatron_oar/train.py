@@ -9,9 +9,10 @@ work starts, naming the key.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
+
+from megatron_oar.log_setup import setup_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,12 +37,12 @@ def config_from_args(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank{rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    setup_logging(rank)
     from megatron_oar.config import ConfigError
 
     try:
         cfg = config_from_args(args)
+        setup_logging(rank, cfg.log.level)
         from megatron_oar.runtime import destroy_runtime
         from megatron_oar.trainer import Trainer
 

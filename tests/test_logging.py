@@ -5,6 +5,9 @@ from __future__ import annotations
 import builtins
 import json
 import math
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -271,3 +274,26 @@ def test_plot_main(tmp_path, capsys):
     assert plot.main(argv) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "c.png")
     assert (tmp_path / "c.png").is_file()
+
+
+def _vllm_level_after(level: str) -> str:
+    """vLLM's logger level in a fresh process after ``setup_logging(0, level)`` and vLLM's import."""
+    code = ("import logging; from megatron_oar.log_setup import setup_logging; "
+            f"setup_logging(0, {level!r}); import vllm.logger; "
+            "print(logging.getLevelName(logging.getLogger('vllm').getEffectiveLevel()))")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_vllm_logs_warnings_only_unless_debug():
+    assert _vllm_level_after("info") == "WARNING"
+    assert _vllm_level_after("debug") == "DEBUG"
+
+
+def test_log_level_is_checked_with_the_key():
+    from megatron_oar.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="log.level='verbose': must be one of info, debug"):
+        load_config(None, ["log.level=verbose"])

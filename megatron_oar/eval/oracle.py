@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from megatron_oar.eval.recall import K_PERCENTS, recall_table, render_markdown, write_outputs
 from megatron_oar.eval.records import METHODS, TokenRecord, write_records
+from megatron_oar.log_setup import setup_logging
 from megatron_oar.seeds import ORACLE, ORACLE_RANDOM, derive_seed
 
 log = logging.getLogger(__name__)
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ModelConfigError) as e:
         print(f"oar analyze oracle: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(int(os.environ.get("RANK", "0")), cfg.log.level)
     try:
         table = run(cfg, trajectories=args.trajectories, per_prompt=args.samples_per_prompt,
                     methods=methods, k_percents=ks, split=args.split, out=args.out, seed=args.seed)

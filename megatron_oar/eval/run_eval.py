@@ -59,6 +59,7 @@ from megatron_oar.eval.benchmarks import (
 )
 from megatron_oar.eval.passk import pass_at_ks
 from megatron_oar.fileio import atomic_write_text
+from megatron_oar.log_setup import setup_logging
 
 log = logging.getLogger("megatron_oar.eval")
 HF_EXPORT = "hf_model"
@@ -535,8 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank{rank}] %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    setup_logging(rank)
     try:
         if args.table:
             print(combine_tables(args.table), end="")
