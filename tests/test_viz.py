@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 from collections import Counter
@@ -277,6 +278,8 @@ def test_browser_screenshot_is_not_blank(tmp_path):
     paths = viz.visualize(_write(tmp_path, [rec]), tmp_path / "out", index=0, png=False)
     shot = tmp_path / "shot.png"
     if _screenshot(paths[0], shot) is None:
+        if os.environ.get("OAR_REQUIRE_BROWSER") == "1":  # .ci/run installs Debian's chromium
+            pytest.fail("OAR_REQUIRE_BROWSER=1 but no headless browser was found (chromium not on PATH)")
         pytest.skip("no headless browser installed (chromium/chromium-browser/google-chrome not on "
                     "PATH, no playwright browsers); not downloading one")
     img = Image.open(shot).convert("RGB")
