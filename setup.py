@@ -16,7 +16,7 @@ setup(
     packages=find_packages(include=["megatron_oar*", "checkpoints_convert*", "benchmarks*"]),
     install_requires=[
         "torch>=2.6",
-        # Upper bound: training/passes.py splits megatron's optimizer.step() into its internals
+        # Upper bound: training/policy_passes.py splits megatron's optimizer.step() into its internals
         # (prepare_grads, get_grad_norm, step_with_ready_grads, chained_optimizers,
         # is_stub_optimizer, clip_grad_by_total_norm_fp32(use_decoupled_grad=...)) and
         # models/qwen2.py passes TransformerBlockSubmodules; read in 0.16.1 (tested) and 0.19.2.

@@ -78,7 +78,7 @@ def worker(spec_path: str) -> int:
         torch.set_num_threads(spec["threads"])
     from checkpoints_convert.convert import hf_to_megatron
     from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
-    from megatron_oar.models.checkpoint import load_model
+    from megatron_oar.models.model_checkpoint import load_model
     from megatron_oar.models.tiny import make_tiny_qwen2
     from megatron_oar.rollout import RolloutConfig, RolloutEngine
     from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_oar.attribution.passes import merge_screened, screen_count, screen_positions
+from megatron_oar.attribution.importance_passes import merge_screened, screen_count, screen_positions
 from megatron_oar.eval.recall import top_mask
 from megatron_oar.eval.records import RecordError, read_records
 

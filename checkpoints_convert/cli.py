@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from checkpoints_convert.convert import ConversionError
     from checkpoints_convert.hf_io import HFCheckpointError
-    from megatron_oar.models.checkpoint import CheckpointError
+    from megatron_oar.models.model_checkpoint import CheckpointError
     from megatron_oar.models.qwen2 import ModelConfigError
 
     args = build_parser().parse_args(argv)

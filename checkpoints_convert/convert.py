@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from checkpoints_convert.hf_io import HFReader, ShardedSafetensorsWriter
 from megatron_oar.models import hf_mapping
-from megatron_oar.models.checkpoint import (
+from megatron_oar.models.model_checkpoint import (
     HF_DIR,
     MODEL_DIR,
     CheckpointMeta,

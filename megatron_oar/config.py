@@ -7,7 +7,7 @@
     save_config(cfg, Path(cfg.run_dir) / "config.yaml")
 
 Sections are the components' own dataclasses (``parallel`` is a ``ParallelConfig``, ``rollout`` a
-``RolloutConfig``, ``shaping`` a ``CreditConfig``, ...), so the trainer hands them on as they are.
+``RolloutConfig``, ``shaping`` a ``ShapingConfig``, ...), so the trainer hands them on as they are.
 A setting that two components carry has one key; :data:`DERIVED` lists the copies, which
 ``Config.sync()`` fills in and which a YAML file or an override may not set.
 
@@ -28,12 +28,13 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
-from megatron_oar.algorithms import CreditConfig, PolicyLossConfig
+from megatron_oar.algorithms import PolicyLossConfig, ShapingConfig
 from megatron_oar.attribution import AttributionConfig
 from megatron_oar.data import ANSWER_FORMATS, PRESETS, TEMPLATES, ArithmeticConfig, FieldMap
 from megatron_oar.fileio import atomic_write_text
 from megatron_oar.log_setup import LEVELS as LOG_LEVELS
-from megatron_oar.models.checkpoint import HF_DIR, META_FILE
+from megatron_oar.methods import ATTRIBUTION_METHODS, CREDIT_METHODS, shaping_scheme
+from megatron_oar.models.model_checkpoint import HF_DIR, META_FILE
 from megatron_oar.models.qwen2 import (
     DTYPES,
     ModelConfigError,
@@ -50,10 +51,6 @@ from megatron_oar.runtime.distributed import ParallelConfig
 
 log = logging.getLogger(__name__)
 
-# credit -> (CreditConfig.scheme, AttributionConfig.method or None when no attribution runs)
-CREDITS = {"grpo": ("grpo", None), "random": ("random", None), "entropy": ("entropy", None),
-           "oar_g": ("oar", "oar_g"), "oar_p": ("oar", "oar_p"),
-           "oar_p_screened": ("oar", "oar_p_screened")}
 # copy -> the one key it is copied from (Config.sync); YAML and overrides may set only the latter
 DERIVED = {"model.sequence_parallel": "parallel.sequence_parallel", "shaping.scheme": "credit",
            "attribution.method": "credit", "rollout.n": "train.group_size"}
@@ -68,10 +65,10 @@ class ConfigError(ValueError):
 
 
 def credit_scheme(credit: str) -> tuple[str, str | None]:
-    """``credit`` -> ``(CreditConfig.scheme, AttributionConfig.method or None)``."""
-    if credit not in CREDITS:
-        raise ConfigError(f"credit={credit!r}: expected one of {list(CREDITS)}")
-    return CREDITS[credit]
+    """``credit`` -> ``(ShapingConfig.scheme, AttributionConfig.method or None)``."""
+    if credit not in CREDIT_METHODS:
+        raise ConfigError(f"credit={credit!r}: expected one of {list(CREDIT_METHODS)}")
+    return shaping_scheme(credit), (credit if credit in ATTRIBUTION_METHODS else None)
 
 
 @dataclass
@@ -223,7 +220,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)     # vLLM engine + sampling
     rewards: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
-    shaping: CreditConfig = field(default_factory=CreditConfig)       # OAR tau/beta, entropy alpha
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)       # OAR tau/beta, entropy alpha
     attribution: AttributionConfig = field(default_factory=AttributionConfig)  # OAR-G/-P, probe
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # clip, agg, kl_coef
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -33,18 +33,18 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_oar.algorithms import assign_credit, credit_metrics, group_advantages
-from megatron_oar.attribution import SequenceBatch, SpanFinder, compute_importance, plan_probes
+from megatron_oar.attribution import SequenceBatch, SpanFinder, compute_importance, locate_probes
 from megatron_oar.config import Config, ConfigError, save_config, validate
-from megatron_oar.models.checkpoint import CheckpointMeta
+from megatron_oar.models.model_checkpoint import CheckpointMeta
 from megatron_oar.models.qwen2 import parse_arch, read_hf_config
 from megatron_oar.runtime import init_runtime
 from megatron_oar.seeds import RANDOM_CREDIT, derive_seed
-from megatron_oar.training import checkpoint as ckpt
+from megatron_oar.training import step_checkpoint as ckpt
+from megatron_oar.training.collect import StepData, collect
 from megatron_oar.training.evaluate import evaluate, load_eval_examples
 from megatron_oar.training.logger import MetricsLogger
-from megatron_oar.training.passes import TrainBatch, old_logprob_pass, reference_logprobs, update_step
 from megatron_oar.training.policy import build_policy, build_reference, init_checkpoint
-from megatron_oar.training.rollouts import StepData, collect
+from megatron_oar.training.policy_passes import TrainBatch, old_logprob_pass, reference_logprobs, update_step
 
 log = logging.getLogger(__name__)
 
@@ -172,17 +172,17 @@ class Trainer:
         mbs = cfg.train.micro_batch_size
         vocab = self.arch.vocab_size
 
-        plan = None
+        sites = None
         if cfg.uses_attribution:
             truncated = torch.tensor([data.samples[i].finish_reason == "length"
                                       for i in batch.sample_ids.tolist()])
             seqs = SequenceBatch(batch.tokens, batch.prompt_lens, batch.lengths, batch.sample_ids,
                                  truncated=truncated)
-            plan = plan_probes(seqs, cfg.attribution.probe, step, self.finder,
+            sites = locate_probes(seqs, cfg.attribution.probe, step, self.finder,
                                eos_ids={self.tokenizer.eos_token_id, *cfg.rollout.stop_token_ids})
         with lg.phase("logprob"):
             batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(
-                self.policy.model, batch, vocab, mbs, plan=plan)
+                self.policy.model, batch, vocab, mbs, sites=sites)
             if self.reference is not None:
                 batch.ref_logprobs = reference_logprobs(self.reference, batch, vocab, mbs)
 
@@ -192,7 +192,7 @@ class Trainer:
             with lg.phase("attribution"):
                 attr = compute_importance(self.policy.model, seqs, cfg.attribution, vocab_size=vocab,
                                           seq_adv=batch.seq_adv, step=step, tokenizer=self.tokenizer,
-                                          plan=plan, teacher=teacher, external_teacher=True,
+                                          sites=sites, teacher=teacher, external_teacher=True,
                                           teacher_fp8=bool(cfg.model.fp8))  # the logprob pass's
             importance, score_mask, attr_stats = attr.importance, attr.score_mask, attr.stats
         credit = assign_credit(cfg.shaping, batch.seq_adv, batch.loss_mask, importance=importance,

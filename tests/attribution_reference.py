@@ -9,15 +9,15 @@ from __future__ import annotations
 import torch
 
 from megatron_oar.attribution.batch import SequenceBatch
-from megatron_oar.attribution.passes import sample_noise
-from megatron_oar.attribution.probes import ProbePlan
+from megatron_oar.attribution.importance_passes import sample_noise
+from megatron_oar.attribution.probes import ProbeSites
 from megatron_oar.seeds import OAR_G_NOISE, derive_seed
 
 
-def probe(logits: torch.Tensor, plan: ProbePlan, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+def probe(logits: torch.Tensor, sites: ProbeSites, row: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs over the vocabulary, mean answer log-likelihood) of one sequence's probe."""
-    sel = plan.row == row
-    pos, target = plan.pos[sel], plan.target[sel]
+    sel = sites.row == row
+    pos, target = sites.pos[sel], sites.target[sel]
     logits = logits.double()
     logp = torch.log_softmax(logits[pos].mean(0), dim=-1)
     score = torch.log_softmax(logits[pos], dim=-1).gather(-1, target.unsqueeze(-1)).mean()
@@ -41,21 +41,21 @@ def _logits(model, ids=None, embeds=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def oar_p(model, batch: SequenceBatch, plan: ProbePlan, rows: list[int], pad_id: int,
+def oar_p(model, batch: SequenceBatch, sites: ProbeSites, rows: list[int], pad_id: int,
           joint_importance: str = "drop") -> torch.Tensor:
     out = torch.zeros(batch.tokens.shape)
     for i in rows:
         ids = batch.tokens[i, :int(batch.lengths[i])]
-        teacher = probe(_logits(model, ids), plan, i)
-        for t in plan.score_mask[i].nonzero().flatten().tolist():
+        teacher = probe(_logits(model, ids), sites, i)
+        for t in sites.score_mask[i].nonzero().flatten().tolist():
             masked = ids.clone()
             masked[t] = pad_id
-            student = probe(_logits(model, masked), plan, i)
-            out[i, t] = divergence(teacher, student, plan.kinds[i], True, joint_importance)
+            student = probe(_logits(model, masked), sites, i)
+            out[i, t] = divergence(teacher, student, sites.kinds[i], True, joint_importance)
     return out
 
 
-def oar_g(model, batch: SequenceBatch, plan: ProbePlan, rows: list[int], sigma: float, seed: int,
+def oar_g(model, batch: SequenceBatch, sites: ProbeSites, rows: list[int], sigma: float, seed: int,
           step: int) -> torch.Tensor:
     out = torch.zeros(batch.tokens.shape)
     embed = model.get_input_embeddings()
@@ -64,10 +64,10 @@ def oar_g(model, batch: SequenceBatch, plan: ProbePlan, rows: list[int], sigma: 
         ids = batch.tokens[i, :n]
         with torch.no_grad():
             emb = embed(ids)
-            teacher = probe(_logits(model, ids), plan, i)
+            teacher = probe(_logits(model, ids), sites, i)
         noise = sample_noise(derive_seed(OAR_G_NOISE, seed, step, int(batch.sample_ids[i])), n, emb.shape[-1], sigma)
-        x = (emb + noise * plan.score_mask[i, :n].unsqueeze(-1)).requires_grad_(True)
-        student = probe(_logits(model, embeds=x), plan, i)
-        divergence(teacher, student, plan.kinds[i], clamp=False).backward()
+        x = (emb + noise * sites.score_mask[i, :n].unsqueeze(-1)).requires_grad_(True)
+        student = probe(_logits(model, embeds=x), sites, i)
+        divergence(teacher, student, sites.kinds[i], clamp=False).backward()
         out[i, :n] = (x.grad * emb).sum(-1).abs()
-    return out * plan.score_mask
+    return out * sites.score_mask

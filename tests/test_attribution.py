@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from checkpoints_convert.convert import hf_to_megatron
-from megatron_oar.attribution import AttributionConfig, ProbeConfig, SequenceBatch, plan_probes
+from megatron_oar.attribution import AttributionConfig, ProbeConfig, SequenceBatch, locate_probes
 from megatron_oar.attribution.spans import SpanFinder
 from tests import attribution_reference as ref
 from tests.distributed import launch
@@ -68,8 +68,8 @@ def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
 
     from megatron_oar.attribution import ProbeOutput, compute_importance
     from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
-    from megatron_oar.models.checkpoint import load_model
     from megatron_oar.models.forward import forward_logits
+    from megatron_oar.models.model_checkpoint import load_model
     from megatron_oar.runtime import ParallelConfig, init_runtime
 
     init_runtime(ParallelConfig(tp=tp, pp=pp))
@@ -90,11 +90,11 @@ def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
     if tp == 1 and pp == 1:
         # the trainer's path: the teacher from an old-logprob forward's logits, no extra pass
         cfg = CASES["oar_g_answer_mean"]
-        plan = plan_probes(batch, cfg.probe, 3, SpanFinder(tok, cfg.probe.answer_pattern))
+        sites = locate_probes(batch, cfg.probe, 3, SpanFinder(tok, cfg.probe.answer_pattern))
         local = torch.nn.functional.pad(after, (0, meta.padded_vocab_size - meta.vocab_size))  # the TP1 slice
-        teacher = ProbeOutput.from_position_logits(local[plan.row, plan.pos], plan, meta.vocab_size)
+        teacher = ProbeOutput.from_position_logits(local[sites.row, sites.pos], sites, meta.vocab_size)
         reused = compute_importance(model, batch, cfg, vocab_size=meta.vocab_size, seq_adv=SEQ_ADV,
-                                    step=3, plan=plan, teacher=teacher)
+                                    step=3, sites=sites, teacher=teacher)
         results["teacher_reused"] = reused.importance
     results["grads_untouched"] = all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
     results["requires_grad_restored"] = all(p.requires_grad for p in model.parameters())
@@ -121,13 +121,13 @@ def setup(request, tmp_path_factory):
     batch = make_batch(tok)
     refs = {}
     for name, cfg in CASES.items():
-        plan = plan_probes(batch, cfg.probe, 3, SpanFinder(tok, cfg.probe.answer_pattern))
-        rows = [i for i in range(batch.size) if plan.kinds[i] != "none" and SEQ_ADV[i] != 0
-                and plan.score_mask[i].any()]
+        sites = locate_probes(batch, cfg.probe, 3, SpanFinder(tok, cfg.probe.answer_pattern))
+        rows = [i for i in range(batch.size) if sites.kinds[i] != "none" and SEQ_ADV[i] != 0
+                and sites.score_mask[i].any()]
         if cfg.method == "oar_g":
-            refs[name] = ref.oar_g(model, batch, plan, rows, cfg.sigma, cfg.seed, 3)
+            refs[name] = ref.oar_g(model, batch, sites, rows, cfg.sigma, cfg.seed, 3)
         else:
-            refs[name] = ref.oar_p(model, batch, plan, rows, tok.pad_token_id, cfg.probe.joint_importance)
+            refs[name] = ref.oar_p(model, batch, sites, rows, tok.pad_token_id, cfg.probe.joint_importance)
     return root, ckpt, refs
 
 

@@ -9,10 +9,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from megatron_oar.algorithms import CreditConfig, PolicyLossConfig
+from megatron_oar.algorithms import PolicyLossConfig, ShapingConfig
 from megatron_oar.attribution import AttributionConfig, ProbeConfig
 from megatron_oar.config import (
-    CREDITS,
     DERIVED,
     Config,
     ConfigError,
@@ -21,6 +20,7 @@ from megatron_oar.config import (
     save_config,
     validate,
 )
+from megatron_oar.methods import CREDIT_METHODS
 from megatron_oar.models.qwen2 import ModelOptions, parse_arch
 from megatron_oar.rewards import RewardConfig
 from megatron_oar.rollout.config import RolloutConfig
@@ -132,7 +132,7 @@ def test_sections_are_component_dataclasses():
     cfg = example("qwen2.5-7b_oar_g.yaml")
     for value, cls in ((cfg.model, ModelOptions), (cfg.parallel, ParallelConfig),
                        (cfg.rollout, RolloutConfig), (cfg.rewards, RewardConfig),
-                       (cfg.shaping, CreditConfig), (cfg.loss, PolicyLossConfig),
+                       (cfg.shaping, ShapingConfig), (cfg.loss, PolicyLossConfig),
                        (cfg.attribution, AttributionConfig), (cfg.attribution.probe, ProbeConfig)):
         assert isinstance(value, cls), (value, cls)
     assert not OmegaConf.is_config(cfg.data.train_files) and isinstance(cfg.data.train_files, list)
@@ -227,7 +227,8 @@ def test_credit_mapping():
     assert credit_scheme("entropy") == ("entropy", None)
     assert credit_scheme("oar_g") == ("oar", "oar_g")
     assert credit_scheme("oar_p") == ("oar", "oar_p")
-    for credit, (scheme, method) in CREDITS.items():
+    for credit in CREDIT_METHODS:
+        scheme, method = credit_scheme(credit)
         cfg = example("tiny_cpu.yaml", f"credit={credit}")
         assert cfg.shaping.scheme == scheme and cfg.uses_attribution == (method is not None)
         if method:

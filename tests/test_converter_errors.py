@@ -19,7 +19,7 @@ from checkpoints_convert.cli import _size, main
 from checkpoints_convert.convert import ConversionError, hf_to_megatron, megatron_to_hf
 from checkpoints_convert.hf_io import INDEX, HFCheckpointError, HFReader
 from megatron_oar.models import hf_mapping
-from megatron_oar.models.checkpoint import CheckpointError
+from megatron_oar.models.model_checkpoint import CheckpointError
 from megatron_oar.models.qwen2 import ModelConfigError, check_layout, parse_arch
 from tests.tiny import make_tiny_qwen2, read_config
 
@@ -511,8 +511,8 @@ def test_verify_feeds_the_model_on_its_own_device(tiny, monkeypatch, capsys):
     compares on CPU. With no second device here, the model is a stand-in on the meta device,
     its load and forward are faked, and the forward records where its input was."""
     import megatron_oar.models as models
-    import megatron_oar.models.checkpoint as checkpoint
     import megatron_oar.models.forward as forward
+    import megatron_oar.models.model_checkpoint as checkpoint
     from checkpoints_convert import verify as verify_module
 
     seen = {}

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from megatron_oar.algorithms import CreditConfig, assign_credit, credit_metrics, ess_ratio, top_mass
+from megatron_oar.algorithms import ShapingConfig, assign_credit, credit_metrics, ess_ratio, top_mass
 from megatron_oar.algorithms.credit import entropy_advantages, random_weights
 from tests.test_oar import reference_weights
 
 
 def test_grpo_broadcasts():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    out = assign_credit(CreditConfig(scheme="grpo"), torch.tensor([0.5, -1.0]), mask)
+    out = assign_credit(ShapingConfig(scheme="grpo"), torch.tensor([0.5, -1.0]), mask)
     assert out.advantages.tolist() == [[0.5, 0.5, 0.0], [-1.0, 0.0, 0.0]]
     assert out.weights.tolist() == [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
 
@@ -26,7 +26,7 @@ def test_entropy_eq6_hand_computed():
 
 def test_entropy_scheme_weights_and_zero_advantage():
     h = torch.tensor([[2.0, 0.5], [2.0, 0.5]])
-    out = assign_credit(CreditConfig(scheme="entropy"), torch.tensor([2.0, 0.0]), torch.ones(2, 2),
+    out = assign_credit(ShapingConfig(scheme="entropy"), torch.tensor([2.0, 0.0]), torch.ones(2, 2),
                         entropy=h)
     torch.testing.assert_close(out.advantages, torch.tensor([[2.8, 2.2], [0.0, 0.0]]))
     torch.testing.assert_close(out.weights, torch.tensor([[1.4, 1.1], [1.0, 1.0]]))
@@ -41,7 +41,7 @@ def test_random_is_mass_preserving_and_seeded():
     assert (w1[~mask.bool()] == 0).all()
     assert w1.std() > 0
     score = torch.tensor([[1, 1, 0, 1, 0], [1, 1, 0, 0, 0]])
-    out = assign_credit(CreditConfig(scheme="random"), torch.tensor([1.0, 1.0]), mask,
+    out = assign_credit(ShapingConfig(scheme="random"), torch.tensor([1.0, 1.0]), mask,
                         score_mask=score, generator=torch.Generator().manual_seed(0))
     assert out.weights[0, 2] == 1.0
     torch.testing.assert_close(out.weights.sum(-1), torch.tensor([4.0, 2.0]))
@@ -49,7 +49,7 @@ def test_random_is_mass_preserving_and_seeded():
 
 def test_oar_scheme_uses_importance():
     imp = torch.tensor([[0.0, 1.0, 10.0]])
-    out = assign_credit(CreditConfig(scheme="oar"), torch.tensor([-1.0]), torch.ones(1, 3), importance=imp)
+    out = assign_credit(ShapingConfig(scheme="oar"), torch.tensor([-1.0]), torch.ones(1, 3), importance=imp)
     assert out.weights[0, 2] > 1 > out.weights[0, 0]
     torch.testing.assert_close(out.advantages, -out.weights)
 
@@ -64,9 +64,9 @@ def test_suppression_floor_default_and_mass():
     score_mask = mask.clone()
     score_mask[:, 7:] = False  # the answer span and what follows: not scored, weight 1
     seq_adv = torch.tensor([1.0, -0.5, 2.0, -1.5, 0.7, 1.0])
-    assert CreditConfig().floor == 0.0
+    assert ShapingConfig().floor == 0.0
     for floor in (0.0, 0.1, 0.5):
-        cfg = CreditConfig(floor=floor)
+        cfg = ShapingConfig(floor=floor)
         out = assign_credit(cfg, seq_adv, mask, importance=imp, score_mask=score_mask)
         w, s = out.weights, score_mask
         torch.testing.assert_close(w.sum(-1), mask.sum(-1).float())  # Eq. 17: sum of weights = T
@@ -84,13 +84,13 @@ def test_suppression_floor_default_and_mass():
 
 def test_scheme_errors():
     with pytest.raises(ValueError, match="credit scheme must be one of"):
-        CreditConfig(scheme="oar_x")
+        ShapingConfig(scheme="oar_x")
     with pytest.raises(ValueError, match="tau"):
-        CreditConfig(tau=2.0)
+        ShapingConfig(tau=2.0)
     with pytest.raises(ValueError, match="needs importance"):
-        assign_credit(CreditConfig(scheme="oar"), torch.ones(1), torch.ones(1, 2))
+        assign_credit(ShapingConfig(scheme="oar"), torch.ones(1), torch.ones(1, 2))
     with pytest.raises(ValueError, match="needs token entropies"):
-        assign_credit(CreditConfig(scheme="entropy"), torch.ones(1), torch.ones(1, 2))
+        assign_credit(ShapingConfig(scheme="entropy"), torch.ones(1), torch.ones(1, 2))
 
 
 # --- metrics ---------------------------------------------------------------------------------------

@@ -92,19 +92,19 @@ def _passes(ckpt: str, update: bool) -> dict:
     """Every Megatron pass of one training step on a fresh policy; this rank's outputs."""
     from transformers import AutoTokenizer
 
-    from megatron_oar.algorithms import CreditConfig, PolicyLossConfig, assign_credit
+    from megatron_oar.algorithms import PolicyLossConfig, ShapingConfig, assign_credit
     from megatron_oar.attribution import (
         AttributionConfig,
         ProbeConfig,
         compute_importance,
-        plan_probes,
+        locate_probes,
         probe_teacher,
     )
     from megatron_oar.attribution.spans import SpanFinder
     from megatron_oar.config import ModelConfig, OptimConfig
     from megatron_oar.models.qwen2 import read_hf_config
-    from megatron_oar.training.passes import TrainBatch, old_logprob_pass, reference_logprobs, update_step
     from megatron_oar.training.policy import build_policy
+    from megatron_oar.training.policy_passes import TrainBatch, old_logprob_pass, reference_logprobs, update_step
 
     ckpt = Path(ckpt)
     policy = build_policy(read_hf_config(ckpt / "hf"), ModelConfig(path=str(ckpt), spec="local"),
@@ -117,18 +117,18 @@ def _passes(ckpt: str, update: bool) -> dict:
     lengths, key = {}, [""]
     _record_lengths(policy.gpt, lengths, key)
     probe = ProbeConfig(kind="answer_mean")
-    plan = plan_probes(seqs, probe, 3, SpanFinder(tok, probe.answer_pattern))
+    sites = locate_probes(seqs, probe, 3, SpanFinder(tok, probe.answer_pattern))
     out = {"lengths": lengths}
 
     key[0] = "old_logprob"
-    batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(policy.model, batch, vocab, 1, plan=plan)
+    batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(policy.model, batch, vocab, 1, sites=sites)
     out.update(logprobs=batch.old_logprobs, entropy=batch.entropy, teacher=_probe(teacher))
     key[0] = "reference"
     batch.ref_logprobs = reference_logprobs(policy.model, batch, vocab, 5)
     out["ref_logprobs"] = batch.ref_logprobs
     key[0] = "probe_teacher"
     rows = [i for i in range(seqs.size) if SEQ_ADV[i] != 0]
-    clean = probe_teacher(policy.model, seqs, plan, rows, vocab, 2)
+    clean = probe_teacher(policy.model, seqs, sites, rows, vocab, 2)
     out["probe_teacher"] = _probe(clean, rows)
     for name, cfg in {
         "oar_g": AttributionConfig(method="oar_g", sigma=SIGMA, micro_batch_size=2),
@@ -138,10 +138,10 @@ def _passes(ckpt: str, update: bool) -> dict:
     }.items():
         key[0] = name
         out[name] = compute_importance(policy.model, seqs, cfg, vocab_size=vocab, seq_adv=SEQ_ADV,
-                                       step=3, tokenizer=tok, plan=plan, teacher=teacher,
+                                       step=3, tokenizer=tok, sites=sites, teacher=teacher,
                                        external_teacher=True).importance
-    credit = assign_credit(CreditConfig(scheme="oar"), batch.seq_adv, batch.loss_mask,
-                           importance=out["oar_g"], score_mask=plan.score_mask)
+    credit = assign_credit(ShapingConfig(scheme="oar"), batch.seq_adv, batch.loss_mask,
+                           importance=out["oar_g"], score_mask=sites.score_mask)
     batch.advantages = credit.advantages
     if not update:
         return out
@@ -157,15 +157,15 @@ def _copy_widths(ckpt: str) -> list[list[int]]:
     """Token widths of OAR-P's schedule calls (length_bucket 8) with the forced multiple."""
     from transformers import AutoTokenizer
 
-    from megatron_oar.attribution import ProbeConfig, plan_probes
-    from megatron_oar.attribution.passes import _copy_micros
+    from megatron_oar.attribution import ProbeConfig, locate_probes
+    from megatron_oar.attribution.importance_passes import _copy_micros
     from megatron_oar.attribution.spans import SpanFinder
 
     tok = AutoTokenizer.from_pretrained(str(Path(ckpt) / "hf"))
     seqs = make_batch(tok)
-    plan = plan_probes(seqs, ProbeConfig(), 3, SpanFinder(tok, ProbeConfig().answer_pattern))
-    copies = [(i, int(t)) for i in range(seqs.size) for t in plan.score_mask[i].nonzero().flatten()]
-    calls = _copy_micros(seqs, plan, copies, 4, tok.pad_token_id, 8, FORCED)
+    sites = locate_probes(seqs, ProbeConfig(), 3, SpanFinder(tok, ProbeConfig().answer_pattern))
+    copies = [(i, int(t)) for i in range(seqs.size) for t in sites.score_mask[i].nonzero().flatten()]
+    calls = _copy_micros(seqs, sites, copies, 4, tok.pad_token_id, 8, FORCED)
     return [[m.tokens.shape[1] for m in micros] for micros in calls]
 
 

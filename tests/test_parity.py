@@ -23,8 +23,8 @@ def _logits_worker(ckpt: str, tp: int, pp: int, tokens: torch.Tensor, out: str,
     from megatron.core import parallel_state as ps
 
     from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
-    from megatron_oar.models.checkpoint import load_model, save_model
     from megatron_oar.models.forward import forward_logits
+    from megatron_oar.models.model_checkpoint import load_model, save_model
     from megatron_oar.runtime import ParallelConfig, init_runtime
 
     init_runtime(ParallelConfig(tp=tp, pp=pp))

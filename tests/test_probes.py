@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_oar.attribution import AttributionConfig, ProbeConfig, SequenceBatch, plan_probes
+from megatron_oar.attribution import AttributionConfig, ProbeConfig, SequenceBatch, locate_probes
 from megatron_oar.attribution.spans import SpanFinder, find_answer_chars
 from megatron_oar.models.tiny import make_tokenizer
 
@@ -76,26 +76,26 @@ PAIRS = [("1 + 2 = ", "1 + 2 is 3. <answer>3</answer>"), ("5 + 5 = ", "5 + 5 is 
 
 def test_answer_mean_plan(tok):
     batch = batch_of(tok, PAIRS)
-    plan = plan_probes(batch, ProbeConfig(kind="answer_mean"), finder=SpanFinder(tok))
-    assert plan.kinds == ["answer_mean", "last_token", "none"]
+    sites = locate_probes(batch, ProbeConfig(kind="answer_mean"), finder=SpanFinder(tok))
+    assert sites.kinds == ["answer_mean", "last_token", "none"]
     p0, resp = int(batch.prompt_lens[0]), batch.response_ids(0)
     t0, k0, k1 = SpanFinder(tok).locate(resp)
     # row 0: the positions that predict the answer tokens, and their targets
-    sel = plan.row == 0
-    assert plan.pos[sel].tolist() == list(range(p0 + k0 - 1, p0 + k1 - 1))
-    assert tok.decode(plan.target[sel].tolist()) == "3"
+    sel = sites.row == 0
+    assert sites.pos[sel].tolist() == list(range(p0 + k0 - 1, p0 + k1 - 1))
+    assert tok.decode(sites.target[sel].tolist()) == "3"
     # scored: the reasoning before the opening tag; the tag, the span and after keep weight 1
-    assert plan.score_mask[0].nonzero().flatten().tolist() == list(range(p0, p0 + t0))
-    assert tok.decode(batch.tokens[0][plan.score_mask[0]].tolist()) == "1 + 2 is 3."
+    assert sites.score_mask[0].nonzero().flatten().tolist() == list(range(p0, p0 + t0))
+    assert tok.decode(batch.tokens[0][sites.score_mask[0]].tolist()) == "1 + 2 is 3."
     # row 1: no answer (and no EOS) -> last_token at the final position; it scores the tokens
     # before it, not the probe position itself
     end = int(batch.lengths[1])
-    assert plan.pos[plan.row == 1].tolist() == [end - 1]
-    assert plan.score_mask[1].nonzero().flatten().tolist() == list(range(int(batch.prompt_lens[1]), end - 1))
+    assert sites.pos[sites.row == 1].tolist() == [end - 1]
+    assert sites.score_mask[1].nonzero().flatten().tolist() == list(range(int(batch.prompt_lens[1]), end - 1))
     # row 2: only the "<answer>" tag comes before the span: nothing to score
-    assert not plan.score_mask[2].any() and not (plan.row == 2).any()
+    assert not sites.score_mask[2].any() and not (sites.row == 2).any()
     # an answer that opens the response leaves nothing to score
-    opening = plan_probes(batch, ProbeConfig(answer_pattern=r"^(\d+)"), finder=SpanFinder(tok, r"^(\d+)"))
+    opening = locate_probes(batch, ProbeConfig(answer_pattern=r"^(\d+)"), finder=SpanFinder(tok, r"^(\d+)"))
     assert opening.kinds[0] == "none" and not opening.score_mask[0].any()
     assert opening.kinds == ["none", "none", "last_token"]  # rows 0, 1 start with a number
     assert opening.scored_rows().tolist() == [False, False, True]
@@ -104,19 +104,19 @@ def test_answer_mean_plan(tok):
 def test_uniform_mode_warmup_and_last_token(tok):
     batch = batch_of(tok, PAIRS)
     finder = SpanFinder(tok)
-    uniform = plan_probes(batch, ProbeConfig(kind="answer_joint", no_answer="uniform"), finder=finder)
+    uniform = locate_probes(batch, ProbeConfig(kind="answer_joint", no_answer="uniform"), finder=finder)
     assert uniform.kinds == ["answer_joint", "none", "none"]
     assert not uniform.score_mask[1].any()
-    warm = plan_probes(batch, ProbeConfig(kind="answer_mean", warmup_steps=5), step=4, finder=finder)
+    warm = locate_probes(batch, ProbeConfig(kind="answer_mean", warmup_steps=5), step=4, finder=finder)
     assert warm.kinds == ["last_token", "last_token", "none"]
-    after = plan_probes(batch, ProbeConfig(kind="answer_mean", warmup_steps=5), step=5, finder=finder)
+    after = locate_probes(batch, ProbeConfig(kind="answer_mean", warmup_steps=5), step=5, finder=finder)
     assert after.kinds[0] == "answer_mean"
-    last = plan_probes(batch, ProbeConfig(kind="last_token"))  # no tokenizer needed
+    last = locate_probes(batch, ProbeConfig(kind="last_token"))  # no tokenizer needed
     assert last.kinds == ["last_token"] * 3  # without a finder: the last token of each row
     assert last.pos.tolist() == (batch.lengths - 1).tolist()
     assert last.score_mask.sum() == int((batch.lengths - batch.prompt_lens - 1).sum())
     with pytest.raises(ValueError, match="needs a tokenizer"):
-        plan_probes(batch, ProbeConfig(kind="answer_mean"))
+        locate_probes(batch, ProbeConfig(kind="answer_mean"))
 
 
 EOS = "<|endoftext|>"
@@ -133,24 +133,24 @@ def test_last_token_reads_where_the_answer_is_predicted(tok, cfg, step):
     """LT-Logits reads the distribution that predicts the answer (the last token of the opening
     tag), else the one at the last content token (it predicts EOS), never the one after EOS."""
     batch = batch_of(tok, LT_PAIRS)
-    plan = plan_probes(batch, cfg, step, finder=SpanFinder(tok))
-    assert plan.kinds == ["last_token"] * 4
-    assert plan.row.tolist() == [0, 1, 2, 3]  # one position per row
+    sites = locate_probes(batch, cfg, step, finder=SpanFinder(tok))
+    assert sites.kinds == ["last_token"] * 4
+    assert sites.row.tolist() == [0, 1, 2, 3]  # one position per row
     # row 1 ends with EOS: read at "." (the distribution that predicts EOS), score before it
     end = int(batch.lengths[1])
-    assert plan.pos[1] == end - 2 and int(plan.target[1]) == tok.eos_token_id
-    assert tok.decode(batch.tokens[1][plan.score_mask[1]].tolist()) == "5 + 5 is 10"
+    assert sites.pos[1] == end - 2 and int(sites.target[1]) == tok.eos_token_id
+    assert tok.decode(batch.tokens[1][sites.score_mask[1]].tolist()) == "5 + 5 is 10"
     for i in (0, 3):  # before the answer span: its target is the answer's first token
-        assert tok.decode([int(plan.target[i])]) == {0: "3", 3: "4"}[i]
+        assert tok.decode([int(sites.target[i])]) == {0: "3", 3: "4"}[i]
         reasoning = {0: "1 + 2 is 3.", 3: "2 + 2 is 4."}[i]
-        assert tok.decode(batch.tokens[i][plan.score_mask[i]].tolist()) == reasoning
+        assert tok.decode(batch.tokens[i][sites.score_mask[i]].tolist()) == reasoning
         start, (_, k0, _) = int(batch.prompt_lens[i]), SpanFinder(tok).locate(batch.response_ids(i))
-        assert plan.pos[i] == start + k0 - 1
+        assert sites.pos[i] == start + k0 - 1
     # row 2 has no EOS (a stop string ended it): its last token is the last content token
-    assert plan.pos[2] == int(batch.lengths[2]) - 1
-    assert tok.decode(batch.tokens[2][plan.score_mask[2]].tolist()) == "7 + 1 is"
+    assert sites.pos[2] == int(batch.lengths[2]) - 1
+    assert tok.decode(batch.tokens[2][sites.score_mask[2]].tolist()) == "7 + 1 is"
     # EOS ids can be given explicitly (no finder: no answer spans, every row falls back)
-    bare = plan_probes(batch, ProbeConfig(kind="last_token"), eos_ids=[tok.eos_token_id])
+    bare = locate_probes(batch, ProbeConfig(kind="last_token"), eos_ids=[tok.eos_token_id])
     assert bare.pos[1] == end - 2 and bare.pos[0] == int(batch.lengths[0]) - 2
 
 
@@ -163,10 +163,10 @@ def test_truncated_rows_are_not_read_at_the_cut(tok):
                           truncated=torch.tensor([False, False, True, True]))
     assert len(rows) == batch.size
     for cfg in (ProbeConfig(kind="last_token"), ProbeConfig(kind="answer_mean")):
-        plan = plan_probes(batch, cfg, finder=SpanFinder(tok))
-        assert plan.kinds[2] == "none" and not plan.score_mask[2].any() and not (plan.row == 2).any()
-        assert plan.kinds[3] == cfg.kind and plan.score_mask[3].any()
-        assert plan.kinds[1] == "last_token"
+        sites = locate_probes(batch, cfg, finder=SpanFinder(tok))
+        assert sites.kinds[2] == "none" and not sites.score_mask[2].any() and not (sites.row == 2).any()
+        assert sites.kinds[3] == cfg.kind and sites.score_mask[3].any()
+        assert sites.kinds[1] == "last_token"
     with pytest.raises(ValueError, match="truncated"):
         SequenceBatch(base.tokens, base.prompt_lens, base.lengths, truncated=torch.tensor([True]))
 
@@ -178,24 +178,24 @@ def test_scored_tokens_are_reasoning_only(tok, kind, pattern):
     pairs = LT_PAIRS + PAIRS + [("3 + 3 = ", "so \\boxed{6} ok"), ("4 + 1 = ", "it is 5")]
     batch = batch_of(tok, pairs)
     finder = SpanFinder(tok, pattern) if pattern else SpanFinder(tok)
-    plan = plan_probes(batch, ProbeConfig(kind=kind, answer_pattern=finder.pattern), finder=finder)
-    assert not plan.score_mask[plan.row, plan.pos].any()  # never a probe position
+    sites = locate_probes(batch, ProbeConfig(kind=kind, answer_pattern=finder.pattern), finder=finder)
+    assert not sites.score_mask[sites.row, sites.pos].any()  # never a probe position
     for i in range(batch.size):
         found = finder.locate(batch.response_ids(i))
-        scored = plan.score_mask[i].nonzero().flatten()
+        scored = sites.score_mask[i].nonzero().flatten()
         if found is not None and len(scored):
             assert int(scored.max()) < int(batch.prompt_lens[i]) + found[0]  # before the tag
-        if plan.kinds[i] != "none":
-            assert int(plan.pos[plan.row == i].min()) >= int(scored.max()) + 1
+        if sites.kinds[i] != "none":
+            assert int(sites.pos[sites.row == i].min()) >= int(scored.max()) + 1
 
 
 def test_take_renumbers_rows(tok):
-    plan = plan_probes(batch_of(tok, PAIRS), ProbeConfig(), finder=SpanFinder(tok))
-    sub = plan.take([1, 0, 0])
+    sites = locate_probes(batch_of(tok, PAIRS), ProbeConfig(), finder=SpanFinder(tok))
+    sub = sites.take([1, 0, 0])
     assert sub.kinds == ["last_token", "answer_mean", "answer_mean"]
-    assert sub.pos[sub.row == 0].tolist() == plan.pos[plan.row == 1].tolist()
-    assert sub.pos[sub.row == 2].tolist() == plan.pos[plan.row == 0].tolist()
-    assert torch.equal(sub.score_mask[2], plan.score_mask[0])
+    assert sub.pos[sub.row == 0].tolist() == sites.pos[sites.row == 1].tolist()
+    assert sub.pos[sub.row == 2].tolist() == sites.pos[sites.row == 0].tolist()
+    assert torch.equal(sub.score_mask[2], sites.score_mask[0])
 
 
 @pytest.mark.parametrize("kwargs", [dict(method="oar_x"), dict(sigma=0.0), dict(micro_batch_size=0),

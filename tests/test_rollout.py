@@ -179,7 +179,7 @@ def _gather_worker(ckpt: str, hf: str, tp: int, pp: int, bucket_bytes: int, out:
     from safetensors.torch import load_file
 
     from megatron_oar.models import ModelOptions, build_gpt_model, hf_mapping, parse_arch, read_hf_config
-    from megatron_oar.models.checkpoint import load_model
+    from megatron_oar.models.model_checkpoint import load_model
     from megatron_oar.rollout import iter_hf_buckets
     from megatron_oar.runtime import ParallelConfig, init_runtime
 
@@ -236,7 +236,7 @@ def _e2e_worker(ckpt: str, tp: int, pp: int, rollout_tp: int, out: str, full: bo
     import torch.distributed as dist
 
     from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
-    from megatron_oar.models.checkpoint import load_model
+    from megatron_oar.models.model_checkpoint import load_model
     from megatron_oar.rollout import RolloutConfig, RolloutEngine
     from megatron_oar.runtime import ParallelConfig, init_runtime
 

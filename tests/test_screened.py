@@ -16,7 +16,7 @@ import torch
 
 from checkpoints_convert.convert import hf_to_megatron
 from megatron_oar.attribution import AttributionConfig, ProbeConfig
-from megatron_oar.attribution.passes import merge_screened, screen_count, screen_positions
+from megatron_oar.attribution.importance_passes import merge_screened, screen_count, screen_positions
 from tests.distributed import launch
 from tests.test_attribution import SEQ_ADV, make_batch, rel_error
 from tests.tiny import make_tiny_qwen2
@@ -40,7 +40,7 @@ def _compute(ckpt: str, tp: int, names) -> dict:
 
     from megatron_oar.attribution import compute_importance
     from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
-    from megatron_oar.models.checkpoint import load_model
+    from megatron_oar.models.model_checkpoint import load_model
     from megatron_oar.runtime import ParallelConfig, init_runtime
 
     init_runtime(ParallelConfig(tp=tp, pp=1))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from checkpoints_convert.convert import hf_to_megatron
-from megatron_oar.attribution import AttributionConfig, ProbeConfig, SequenceBatch, plan_probes
+from megatron_oar.attribution import AttributionConfig, ProbeConfig, SequenceBatch, locate_probes
 from tests.test_attribution import SEQ_ADV, make_batch
 from tests.tiny import make_tiny_qwen2
 
@@ -30,8 +30,8 @@ def scores(tmp_path_factory):
     from megatron_oar.attribution import ProbeOutput, compute_importance
     from megatron_oar.attribution.spans import SpanFinder
     from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
-    from megatron_oar.models.checkpoint import load_model
     from megatron_oar.models.forward import forward_logits
+    from megatron_oar.models.model_checkpoint import load_model
     from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
 
     root = tmp_path_factory.mktemp("teacher")
@@ -55,18 +55,18 @@ def scores(tmp_path_factory):
             out["own", sigma] = run(AttributionConfig(method="oar_g", sigma=sigma))
         # the trainer's path: P0 from an old-logprob forward's logits; rounded to bf16 it stands
         # in for a teacher of another precision than the student's (FP8 against bf16 on GPU)
-        plan = plan_probes(batch, ProbeConfig(), 3, SpanFinder(tok))
+        sites = locate_probes(batch, ProbeConfig(), 3, SpanFinder(tok))
         logits = forward_logits(model, batch.tokens, vocab_size=meta.vocab_size)
         local = torch.nn.functional.pad(logits, (0, meta.padded_vocab_size - meta.vocab_size))
-        other = ProbeOutput.from_position_logits(local[plan.row, plan.pos].bfloat16().float(), plan,
+        other = ProbeOutput.from_position_logits(local[sites.row, sites.pos].bfloat16().float(), sites,
                                                  meta.vocab_size)
         for sigma in (1e-2, 1e-12):
             for flag in (False, True):  # False: declared the student's precision, so it is used
                 out["other", flag, sigma] = run(AttributionConfig(method="oar_g", sigma=sigma),
-                                                plan=plan, teacher=other, teacher_fp8=flag)
+                                                sites=sites, teacher=other, teacher_fp8=flag)
         oar_p = AttributionConfig(method="oar_p", pad_id=tok.pad_token_id)
         out["oar_p_own"] = run(oar_p)
-        out["oar_p_other"] = run(oar_p, plan=plan, teacher=other, teacher_fp8=True)
+        out["oar_p_other"] = run(oar_p, sites=sites, teacher=other, teacher_fp8=True)
     finally:
         destroy_runtime()
     return out
@@ -128,15 +128,15 @@ def test_fp8_rule(monkeypatch, model_fp8, method, allow_fp8, given, teacher_fp8,
 
     seen = {}
 
-    def fake_teacher(model, batch, plan, rows, vocab_size, micro_batch_size, allow_fp8=False):
+    def fake_teacher(model, batch, sites, rows, vocab_size, micro_batch_size, allow_fp8=False):
         seen.setdefault("passes", []).append(allow_fp8)
         return f"own fp8={allow_fp8}"
 
-    def fake_g(model, batch, plan, teacher, rows, vocab_size, **kw):
+    def fake_g(model, batch, sites, teacher, rows, vocab_size, **kw):
         seen["g"] = teacher
         return torch.zeros(batch.tokens.shape)
 
-    def fake_p(model, batch, plan, teacher, rows, vocab_size, **kw):
+    def fake_p(model, batch, sites, teacher, rows, vocab_size, **kw):
         seen["p"] = teacher
         return torch.zeros(batch.tokens.shape), 0
 

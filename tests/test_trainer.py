@@ -190,9 +190,9 @@ def _guard_worker(ckpt: str, root: str, out: str) -> None:
     import torch.distributed as dist
 
     from megatron_oar.trainer import NonFiniteError, Trainer
-    from megatron_oar.training import passes
+    from megatron_oar.training import policy_passes
 
-    real = passes.ppo_clip_loss
+    real = policy_passes.ppo_clip_loss
     bad_steps: set[int] = set()
     current = {"step": 0}
 
@@ -200,7 +200,7 @@ def _guard_worker(ckpt: str, root: str, out: str) -> None:
         loss, stats = real(*args, **kwargs)
         return (loss * float("nan") if current["step"] in bad_steps else loss), stats
 
-    passes.ppo_clip_loss = flaky
+    policy_passes.ppo_clip_loss = flaky
     cfg = _config(ckpt, str(Path(root) / "skip"), "credit=grpo", "train.steps=3",
                   "train.max_nonfinite_steps=2")
     engine = _engine(cfg)
@@ -229,7 +229,7 @@ def _guard_worker(ckpt: str, root: str, out: str) -> None:
     except NonFiniteError as e:
         error = str(e)
     engine.shutdown()
-    passes.ppo_clip_loss = real
+    policy_passes.ppo_clip_loss = real
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({"unchanged": unchanged, "error": error}))
 

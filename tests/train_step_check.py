@@ -42,20 +42,20 @@ def hf_logprobs(hf_dir: Path, tokens: torch.Tensor, device: str) -> torch.Tensor
 def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3, adv_scale: float = 1.0) -> dict:
     """Builds, scores and updates on this process's device; returns tensors on the CPU."""
     from checkpoints_convert.convert import hf_to_megatron
-    from megatron_oar.algorithms import CreditConfig, PolicyLossConfig, assign_credit
+    from megatron_oar.algorithms import PolicyLossConfig, ShapingConfig, assign_credit
     from megatron_oar.attribution import (
         AttributionConfig,
         ProbeConfig,
         SequenceBatch,
         compute_importance,
-        plan_probes,
+        locate_probes,
     )
     from megatron_oar.config import ModelConfig, OptimConfig
     from megatron_oar.models.qwen2 import read_hf_config
     from megatron_oar.models.tiny import make_tiny_qwen2
     from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
-    from megatron_oar.training.passes import TrainBatch, old_logprob_pass, update_step
     from megatron_oar.training.policy import build_policy
+    from megatron_oar.training.policy_passes import TrainBatch, old_logprob_pass, update_step
 
     hf = make_tiny_qwen2(root / "hf", seed=7, vocab_size=256)
     hf_to_megatron(hf, root / "ckpt", progress=False)
@@ -75,12 +75,12 @@ def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3, adv_scale: float =
                            torch.zeros(tokens.shape, device=dev), SEQ_ADV.to(dev))
         seqs = SequenceBatch(batch.tokens, batch.prompt_lens, batch.lengths, batch.sample_ids)
         attr_cfg = AttributionConfig(method="oar_g", sigma=1e-2, probe=ProbeConfig(kind="last_token"))
-        plan = plan_probes(seqs, attr_cfg.probe, 0, None)
+        sites = locate_probes(seqs, attr_cfg.probe, 0, None)
         batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(policy.model, batch, vocab, 2,
-                                                                      plan=plan)
+                                                                      sites=sites)
         attr = compute_importance(policy.model, seqs, attr_cfg, vocab_size=vocab, seq_adv=batch.seq_adv,
-                                  step=0, plan=plan, teacher=teacher, external_teacher=True)
-        credit = assign_credit(CreditConfig(scheme="oar"), batch.seq_adv, batch.loss_mask,
+                                  step=0, sites=sites, teacher=teacher, external_teacher=True)
+        credit = assign_credit(ShapingConfig(scheme="oar"), batch.seq_adv, batch.loss_mask,
                                importance=attr.importance, score_mask=attr.score_mask)
         batch.advantages = credit.advantages * adv_scale  # huge: an fp16 loss-scale overflow
         before = {k: v.detach().float().clone() for k, v in policy.gpt.state_dict().items()

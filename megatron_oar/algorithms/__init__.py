@@ -8,13 +8,13 @@
 """
 
 from megatron_oar.algorithms.advantages import constant_groups, group_advantages
-from megatron_oar.algorithms.credit import Credit, CreditConfig, assign_credit
+from megatron_oar.algorithms.credit import Credit, ShapingConfig, assign_credit
 from megatron_oar.algorithms.loss import PolicyLossConfig, aggregate, ppo_clip_loss
 from megatron_oar.algorithms.metrics import credit_metrics, ess_ratio, top_mass
 from megatron_oar.algorithms.oar import bilevel_weights, normalize_importance, reshape_advantages
 
 __all__ = [
-    "Credit", "CreditConfig", "PolicyLossConfig", "aggregate", "assign_credit", "bilevel_weights",
+    "Credit", "ShapingConfig", "PolicyLossConfig", "aggregate", "assign_credit", "bilevel_weights",
     "constant_groups", "credit_metrics", "ess_ratio", "group_advantages", "normalize_importance",
     "ppo_clip_loss", "reshape_advantages", "top_mass",
 ]

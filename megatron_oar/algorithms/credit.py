@@ -26,7 +26,7 @@ SCHEMES = ("grpo", "random", "entropy", "oar")
 
 
 @dataclass
-class CreditConfig:
+class ShapingConfig:
     """Options of every scheme; each scheme reads only its own."""
 
     scheme: str = "oar"
@@ -81,7 +81,7 @@ def entropy_advantages(seq_adv: torch.Tensor, entropy: torch.Tensor, mask: torch
     return torch.where(mask, shaped, torch.zeros_like(shaped))
 
 
-def assign_credit(cfg: CreditConfig, seq_adv: torch.Tensor, mask: torch.Tensor, *,
+def assign_credit(cfg: ShapingConfig, seq_adv: torch.Tensor, mask: torch.Tensor, *,
                   importance: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
                   score_mask: torch.Tensor | None = None,
                   generator: torch.Generator | None = None) -> Credit:

@@ -20,7 +20,7 @@ Threshold (``tau_mode``):
 - ``"value"``: ``tau`` itself on the ``[0, 1]`` scale of ``I_hat``. ``tau = 1`` suppresses every
   token (``I_hat < 1`` always); ``tau = 0`` boosts every token.
 
-Suppression floor (``floor``, ``CreditConfig.floor``): suppressed tokens get
+Suppression floor (``floor``, ``ShapingConfig.floor``): suppressed tokens get
 ``omega = max(I_hat / (tau + eps), floor)``, before the renormalisation, so the weights still sum
 to T (a floored token ends at ``floor * T_s / sum(omega)``). The default, 0, is what Eqs. 14-17
 give: Eq. 14 maps each row's least important scored token to ``I_hat = 0`` and Eq. 16 maps

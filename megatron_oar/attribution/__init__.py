@@ -4,7 +4,7 @@
 
     attr = compute_importance(model, batch, AttributionConfig(method="oar_g"), vocab_size=V,
                               seq_adv=seq_adv, step=step, tokenizer=tok)
-    credit = assign_credit(CreditConfig(scheme="oar"), seq_adv, batch.response_mask(),
+    credit = assign_credit(ShapingConfig(scheme="oar"), seq_adv, batch.response_mask(),
                            importance=attr.importance, score_mask=attr.score_mask)
 
 - :mod:`.probes`    outcome probes (last_token, answer_mean, answer_joint), warm-up, fallback
@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_oar.attribution.batch import SequenceBatch
-from megatron_oar.attribution.passes import oar_g, oar_p, oar_p_screened, probe_teacher, screen_count
-from megatron_oar.attribution.probes import NONE, ProbeConfig, ProbeOutput, ProbePlan, plan_probes
+from megatron_oar.attribution.importance_passes import oar_g, oar_p, oar_p_screened, probe_teacher, screen_count
+from megatron_oar.attribution.probes import NONE, ProbeConfig, ProbeOutput, ProbeSites, locate_probes
 from megatron_oar.attribution.schedule import unwrap
 from megatron_oar.attribution.spans import SpanFinder
+from megatron_oar.methods import ATTRIBUTION_METHODS
 
-METHODS = ("oar_g", "oar_p", "oar_p_screened")
+METHODS = ATTRIBUTION_METHODS
 
 
 @dataclass
@@ -80,12 +81,12 @@ def resolve_pad_id(cfg: AttributionConfig, tokenizer) -> int:
 
 def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, vocab_size: int,
                        seq_adv: torch.Tensor | None = None, step: int = 0, tokenizer=None,
-                       plan: ProbePlan | None = None, teacher: ProbeOutput | None = None,
+                       sites: ProbeSites | None = None, teacher: ProbeOutput | None = None,
                        external_teacher: bool = False, teacher_fp8: bool | None = None) -> Attribution:
     """Importance ``[B, L]`` of every scored response token of ``batch`` (any TP/PP layout).
 
-    ``plan`` and ``teacher`` may come from the trainer's old-logprob pass (no extra forward);
-    otherwise the plan is built here (``tokenizer`` is needed for answer probes) and the teacher
+    ``sites`` and ``teacher`` may come from the trainer's old-logprob pass (no extra forward);
+    otherwise the sites are located here (``tokenizer`` is needed for answer probes) and the teacher
     is computed by one clean forward-only pass. ``external_teacher=True`` says the caller's
     ``teacher`` is the one to use even where it is None (pipeline stages other than the last,
     which never read it), so no rank runs the teacher pass.
@@ -100,14 +101,14 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
     (``stats["teacher_passes"]`` counts them).
     """
     start = time.perf_counter()
-    if plan is None:
+    if sites is None:
         finder = SpanFinder(tokenizer, cfg.probe.answer_pattern) if tokenizer is not None else None
-        plan = plan_probes(batch, cfg.probe, step, finder)
-    selected = plan.scored_rows()
+        sites = locate_probes(batch, cfg.probe, step, finder)
+    selected = sites.scored_rows()
     if seq_adv is not None:
         selected &= (seq_adv != 0).cpu()
     rows = selected.nonzero().flatten().tolist()
-    score_mask = plan.score_mask & selected.to(plan.score_mask.device).unsqueeze(-1)
+    score_mask = sites.score_mask & selected.to(sites.score_mask.device).unsqueeze(-1)
     importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
     copies = 0
     own_teachers: dict[bool, ProbeOutput | None] = {}
@@ -121,12 +122,12 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
             if external and from_caller == fp8:
                 return teacher
             if fp8 not in own_teachers:
-                own_teachers[fp8] = probe_teacher(model, batch, plan, rows, vocab_size,
+                own_teachers[fp8] = probe_teacher(model, batch, sites, rows, vocab_size,
                                                   cfg.micro_batch_size, allow_fp8=fp8)
             return own_teachers[fp8]
 
         if cfg.method in ("oar_g", "oar_p_screened"):
-            importance = oar_g(model, batch, plan, teacher_in(cfg.allow_fp8 and model_fp8), rows,
+            importance = oar_g(model, batch, sites, teacher_in(cfg.allow_fp8 and model_fp8), rows,
                                vocab_size, sigma=cfg.sigma, seed=cfg.seed, step=step,
                                micro_batch_size=cfg.micro_batch_size, allow_fp8=cfg.allow_fp8)
         if cfg.method in ("oar_p", "oar_p_screened"):
@@ -134,18 +135,18 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
                          length_bucket=cfg.length_bucket, serial=cfg.serial,
                          joint_importance=cfg.probe.joint_importance)
             if cfg.method == "oar_p":
-                importance, copies = oar_p(model, batch, plan, teacher_in(False), rows, vocab_size,
+                importance, copies = oar_p(model, batch, sites, teacher_in(False), rows, vocab_size,
                                            **exact)
             else:  # the OAR-G importance above is the screen
-                importance, copies = oar_p_screened(model, batch, plan, teacher_in(False), rows,
+                importance, copies = oar_p_screened(model, batch, sites, teacher_in(False), rows,
                                                     vocab_size, screen=importance,
                                                     fraction=cfg.screen_fraction, **exact)
-    kinds = plan.kinds
+    kinds = sites.kinds
     lengths = batch.lengths.cpu()
     if cfg.method == "oar_p_screened":
-        row_copies = {i: screen_count(int(plan.score_mask[i].sum()), cfg.screen_fraction) for i in rows}
+        row_copies = {i: screen_count(int(sites.score_mask[i].sum()), cfg.screen_fraction) for i in rows}
     else:
-        row_copies = {i: int(plan.score_mask[i].sum()) for i in rows} if cfg.method == "oar_p" else {}
+        row_copies = {i: int(sites.score_mask[i].sum()) for i in rows} if cfg.method == "oar_p" else {}
     stats = {
         "scored_sequences": float(len(rows)),
         "scored_tokens": float(score_mask.sum()),
@@ -164,5 +165,5 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
     return Attribution(importance * score_mask, score_mask, kinds, stats)
 
 
-__all__ = ["Attribution", "AttributionConfig", "ProbeConfig", "ProbeOutput", "ProbePlan", "SequenceBatch",
-           "SpanFinder", "compute_importance", "plan_probes", "probe_teacher"]
+__all__ = ["Attribution", "AttributionConfig", "ProbeConfig", "ProbeOutput", "ProbeSites", "SequenceBatch",
+           "SpanFinder", "compute_importance", "locate_probes", "probe_teacher"]

@@ -19,7 +19,7 @@ class SequenceBatch:
     lengths: torch.Tensor  # [B]: prompt + response, <= L
     sample_ids: torch.Tensor | None = None  # [B] stable ids (noise seeds); default 0..B-1
     # [B] bool: generation stopped at the length limit (vLLM finish_reason "length", no EOS);
-    # the probe plan reads no outcome at a truncation point. Default: none truncated
+    # the probe sites read no outcome at a truncation point. Default: none truncated
     truncated: torch.Tensor | None = None
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ probe           output                                                          
 ``answer_joint`` mean log-likelihood of the answer span's tokens (AS-Joint)       score drop
 =============== ================================================================= =============
 
-A :class:`ProbePlan` lists, for a batch, the positions whose logits each sequence's probe reads
+A :class:`ProbeSites` lists, for a batch, the positions whose logits each sequence's probe reads
 (``row``, ``pos``) and the tokens they predict (``target``), plus ``score_mask``: the tokens to
 score. Those are the reasoning tokens only: the response before the answer's opening tag
 (``<answer>``, ``\\boxed{``; :meth:`SpanFinder.locate`), and never a probe position (a probe
@@ -67,7 +67,10 @@ class ProbeConfig:
 
 
 @dataclass
-class ProbePlan:
+class ProbeSites:
+    """Where each row's outcome probe reads (positions and target tokens) and which of its tokens
+    are scored (``locate_probes``)."""
+
     kinds: list[str]  # per row: last_token | answer_mean | answer_joint | none
     row: torch.Tensor  # [N] batch row of each probe position
     pos: torch.Tensor  # [N] position whose next-token logits are read
@@ -84,15 +87,15 @@ class ProbePlan:
     def scored_rows(self) -> torch.Tensor:
         return torch.tensor([k != NONE for k in self.kinds]) & self.score_mask.any(dim=-1).cpu()
 
-    def take(self, rows: list[int]) -> ProbePlan:
-        """The plan of the sub-batch ``rows`` (repeats allowed), rows renumbered 0..len-1."""
+    def take(self, rows: list[int]) -> ProbeSites:
+        """The sites of the sub-batch ``rows`` (repeats allowed), rows renumbered 0..len-1."""
         parts_row, parts_pos, parts_target = [], [], []
         for new, old in enumerate(rows):
             sel = self.row == old
             parts_row.append(torch.full((int(sel.sum()),), new, dtype=torch.long))
             parts_pos.append(self.pos[sel])
             parts_target.append(self.target[sel])
-        return ProbePlan([self.kinds[r] for r in rows], torch.cat(parts_row), torch.cat(parts_pos),
+        return ProbeSites([self.kinds[r] for r in rows], torch.cat(parts_row), torch.cat(parts_pos),
                          torch.cat(parts_target), self.score_mask[rows])
 
 
@@ -105,8 +108,8 @@ def _eos_set(eos_ids, finder: SpanFinder | None) -> set[int]:
     return {int(e) for e in eos_ids}
 
 
-def plan_probes(batch: SequenceBatch, cfg: ProbeConfig, step: int = 0,
-                finder: SpanFinder | None = None, eos_ids: int | Iterable[int] | None = None) -> ProbePlan:
+def locate_probes(batch: SequenceBatch, cfg: ProbeConfig, step: int = 0,
+                finder: SpanFinder | None = None, eos_ids: int | Iterable[int] | None = None) -> ProbeSites:
     """Probe positions and scored tokens for every row of ``batch``.
 
     ``finder`` (a :class:`SpanFinder` over the tokenizer) is needed for the answer probes; with
@@ -150,7 +153,7 @@ def plan_probes(batch: SequenceBatch, cfg: ProbeConfig, step: int = 0,
     pos = torch.cat(positions)
     row = torch.cat(rows)
     targets = batch.tokens.cpu()[row, (pos + 1).clamp(max=batch.tokens.shape[1] - 1)]
-    return ProbePlan(kinds, row, pos, targets, score.to(batch.tokens.device))
+    return ProbeSites(kinds, row, pos, targets, score.to(batch.tokens.device))
 
 
 @dataclass
@@ -161,15 +164,15 @@ class ProbeOutput:
     score: torch.Tensor  # [B] mean answer log-likelihood (answer_joint rows)
 
     @classmethod
-    def from_position_logits(cls, logits: torch.Tensor, plan: ProbePlan, vocab_size: int) -> ProbeOutput:
-        """From vocab-parallel logits ``[N, V/TP]`` at ``plan``'s positions (in plan order)."""
-        b, dev, f64 = plan.size, logits.device, torch.float64  # [B, V/TP]: float64 costs nothing
-        row = plan.row.to(dev)
+    def from_position_logits(cls, logits: torch.Tensor, sites: ProbeSites, vocab_size: int) -> ProbeOutput:
+        """From vocab-parallel logits ``[N, V/TP]`` at ``sites``'s positions (in sites order)."""
+        b, dev, f64 = sites.size, logits.device, torch.float64  # [B, V/TP]: float64 costs nothing
+        row = sites.row.to(dev)
         count = torch.zeros(b, dtype=f64, device=dev).index_add_(0, row, torch.ones_like(row, dtype=f64))
         count = count.clamp_min(1)
         mean_logits = torch.zeros(b, logits.shape[-1], dtype=f64, device=dev).index_add(0, row, logits.to(f64))
         logp = vp.log_softmax(mean_logits / count.unsqueeze(-1), vocab_size, f64)
-        token_lp = vp.target_logprobs(logits, plan.target.to(dev), vocab_size, f64)
+        token_lp = vp.target_logprobs(logits, sites.target.to(dev), vocab_size, f64)
         score = torch.zeros(b, dtype=f64, device=dev).index_add(0, row, token_lp) / count
         return cls(logp, score)
 
@@ -177,7 +180,7 @@ class ProbeOutput:
         return ProbeOutput(self.logp[rows], self.score[rows])
 
 
-def divergence(teacher: ProbeOutput, student: ProbeOutput, plan: ProbePlan,
+def divergence(teacher: ProbeOutput, student: ProbeOutput, sites: ProbeSites,
                joint_importance: str = "drop", clamp: bool = True) -> torch.Tensor:
     """Per row: KL(P0 || P) for distribution probes, the score drop for ``answer_joint``.
 
@@ -187,7 +190,7 @@ def divergence(teacher: ProbeOutput, student: ProbeOutput, plan: ProbePlan,
     drop = teacher.score - student.score
     if clamp:
         drop = drop.abs() if joint_importance == "abs" else drop.clamp_min(0.0)
-    joint = plan.joint().to(kl.device)
+    joint = sites.joint().to(kl.device)
     out = torch.where(joint, drop, kl)
-    scored = torch.tensor([k != NONE for k in plan.kinds], device=kl.device)
+    scored = torch.tensor([k != NONE for k in sites.kinds], device=kl.device)
     return torch.where(scored, out, torch.zeros_like(out))

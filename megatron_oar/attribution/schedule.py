@@ -3,7 +3,7 @@
 :func:`run_probe_schedule` runs micro-batches through ``get_forward_backward_func()``. On the
 first pipeline stage a callback may supply the decoder input (noisy embeddings for OAR-G); on
 the last stage the model returns final-norm hidden states and the output layer is applied at
-the probe positions only (``plan.pos``), so the ``[s, b, V/TP]`` logits of the whole sequence
+the probe positions only (``sites.pos``), so the ``[s, b, V/TP]`` logits of the whole sequence
 are never formed. A last-stage callback turns the probe output into a scalar objective (OAR-G
 differentiates it) and records per-row results. Tokens (and a first-stage decoder input) are
 right-padded to the model's sequence multiple (``models.padding``); probe positions lie before
@@ -31,7 +31,7 @@ from megatron.core.tensor_parallel import (
     scatter_to_sequence_parallel_region,
 )
 
-from megatron_oar.attribution.probes import ProbeOutput, ProbePlan
+from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 
 # Model-config hooks that belong to training steps; attribution must not fire them.
@@ -93,11 +93,11 @@ def to_decoder_input(gpt, full: torch.Tensor) -> torch.Tensor:
     return scatter_to_sequence_parallel_region(full) if gpt.config.sequence_parallel else full
 
 
-def probe_logits(gpt, hidden: torch.Tensor, plan: ProbePlan) -> torch.Tensor:
-    """Vocab-parallel logits ``[N, V/TP]`` at ``plan``'s positions from last-stage hidden states."""
+def probe_logits(gpt, hidden: torch.Tensor, sites: ProbeSites) -> torch.Tensor:
+    """Vocab-parallel logits ``[N, V/TP]`` at ``sites``'s positions from last-stage hidden states."""
     if gpt.config.sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden)  # backward: reduce-scatter sums TP parts
-    picked = hidden.transpose(0, 1)[plan.row.to(hidden.device), plan.pos.to(hidden.device)]
+    picked = hidden.transpose(0, 1)[sites.row.to(hidden.device), sites.pos.to(hidden.device)]
     if not gpt.config.sequence_parallel:
         picked = copy_to_tensor_model_parallel_region(picked)  # backward: all-reduce sums TP parts
     return F.linear(picked, output_weight(gpt))
@@ -115,11 +115,11 @@ def output_weight(gpt) -> torch.Tensor:
 
 @dataclass
 class Micro:
-    """One micro-batch: ``tokens [m, s]``, its probe plan, and the batch rows it stands for
+    """One micro-batch: ``tokens [m, s]``, its probe sites, and the batch rows it stands for
     (``-1`` for filler rows that only pad the micro-batch to the schedule's fixed size)."""
 
     tokens: torch.Tensor
-    plan: ProbePlan
+    sites: ProbeSites
     rows: list[int]
     extra: object = None  # per-method payload (noise, masked positions)
 
@@ -154,7 +154,7 @@ def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_o
         hidden = chunk(tokens, positions, attention_mask=None, decoder_input=decoder_input)
 
         def loss(out):
-            probe = ProbeOutput.from_position_logits(probe_logits(gpt, out, micro.plan), micro.plan,
+            probe = ProbeOutput.from_position_logits(probe_logits(gpt, out, micro.sites), micro.sites,
                                                      vocab_size)
             objective = last_stage(micro, probe)
             # the schedule divides by the number of micro-batches: undo it so every

@@ -61,7 +61,7 @@ class Trajectory:
 def sample_correct(engine, scorer, tokenizer, examples, *, template: str, wanted: int,
                    per_prompt: int, temperature: float, seed: int, group) -> list[Trajectory]:
     """Collective: correct completions of ``examples`` in order, until ``wanted`` are found."""
-    from megatron_oar.training.rollouts import generate_samples, score_samples
+    from megatron_oar.training.collect import generate_samples, score_samples
 
     found: list[Trajectory] = []
     chunk = max(8, math.ceil(wanted / per_prompt))
@@ -98,7 +98,7 @@ def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, t
         AttributionConfig,
         SequenceBatch,
         compute_importance,
-        plan_probes,
+        locate_probes,
         probe_teacher,
     )
     from megatron_oar.attribution.spans import SpanFinder
@@ -126,19 +126,19 @@ def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, t
 
     dense = forward_map(model, tokens, top2_entropy, mbs)  # [B, L, 3]; position p predicts p + 1
     step = cfg.attribution.probe.warmup_steps  # past the warm-up: the configured probe
-    plan = plan_probes(batch, cfg.attribution.probe, step,
+    sites = locate_probes(batch, cfg.attribution.probe, step,
                        SpanFinder(tokenizer, cfg.attribution.probe.answer_pattern))
     importance, teacher = {}, None
     wanted = [m for m in ("oar_p", "oar_g") if m in methods]
     # the clean probe P0 once, for both methods (compute_importance would run it each time); it
     # runs outside FP8 like OAR-P (teacher_fp8=False; an FP8 OAR-G gets its own teacher)
     if wanted:
-        scored = plan.scored_rows().nonzero().flatten().tolist()
-        teacher = probe_teacher(model, batch, plan, scored, vocab_size, cfg.attribution.micro_batch_size)
+        scored = sites.scored_rows().nonzero().flatten().tolist()
+        teacher = probe_teacher(model, batch, sites, scored, vocab_size, cfg.attribution.micro_batch_size)
     for m in wanted:
         acfg = AttributionConfig(**{**vars(cfg.attribution), "method": m})
         importance[m] = compute_importance(model, batch, acfg, vocab_size=vocab_size, step=step,
-                                           tokenizer=tokenizer, plan=plan, teacher=teacher,
+                                           tokenizer=tokenizer, sites=sites, teacher=teacher,
                                            external_teacher=True, teacher_fp8=False).importance
     if not ps.is_pipeline_last_stage():
         return None
@@ -157,7 +157,7 @@ def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, t
         for m, imp in importance.items():
             scores[m] = imp[i, p:n].float().cpu().tolist()
         out.append({"alt": torch.where(top1 == actual, top2, top1).tolist(), "scores": scores,
-                    "scored": plan.score_mask[i, p:n].cpu().tolist()})
+                    "scored": sites.score_mask[i, p:n].cpu().tolist()})
     return out
 
 
@@ -167,7 +167,7 @@ def oracle_labels(engine, scorer, tokenizer, trajs: list[Trajectory], scored: li
                   max_new_tokens: int, group) -> tuple[list[list[int]], list[bool]]:
     """Collective: per trajectory, 1 where the substitution flips correctness (scored tokens
     only), and whether the trajectory itself verifies as correct through the same decoding."""
-    from megatron_oar.training.rollouts import Sample, group_share, score_samples
+    from megatron_oar.training.collect import Sample, group_share, score_samples
 
     stop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None}
     requests = []  # (trajectory, position, prefix ids, budget)

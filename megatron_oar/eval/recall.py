@@ -14,11 +14,12 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_oar.eval.records import TokenRecord
+from megatron_oar.eval.records import METHODS, TokenRecord
 from megatron_oar.fileio import atomic_write_text
+from megatron_oar.methods import LABELS as METHOD_LABELS
 
 K_PERCENTS = (5, 10, 15, 20, 25, 30, 35, 40, 45, 50)
-LABELS = {"oar_p": "OAR-P", "oar_g": "OAR-G", "entropy": "Entropy", "random": "Random"}
+LABELS = {m: METHOD_LABELS[m] for m in METHODS}  # in the order of the tables
 
 
 def top_mask(scores: Sequence[float], scored: Sequence[bool], percent: float) -> list[bool]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from megatron_oar.fileio import atomic_write
 
-METHODS = ("oar_p", "oar_g", "entropy", "random")
+METHODS = ("oar_p", "oar_g", "entropy", "random")  # the oracle's token scorers (megatron_oar.methods)
 
 
 class RecordError(ValueError):

@@ -170,8 +170,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 def resolve_model(path: Path) -> tuple[Path, bool]:
     """(resolved path, is a megatron-oar checkpoint)."""
-    from megatron_oar.models.checkpoint import META_FILE
-    from megatron_oar.training.checkpoint import find_latest
+    from megatron_oar.models.model_checkpoint import META_FILE
+    from megatron_oar.training.step_checkpoint import find_latest
 
     path = path.expanduser().resolve()
     if not path.is_dir():
@@ -191,7 +191,7 @@ def resolve_model(path: Path) -> tuple[Path, bool]:
 def export_checkpoint(ckpt: Path, out: Path, overwrite: bool) -> Path:
     """``OUT/hf_model``: the checkpoint exported once with the converter (reused afterwards)."""
     from checkpoints_convert.convert import ConversionError, megatron_to_hf
-    from megatron_oar.models.checkpoint import CheckpointError
+    from megatron_oar.models.model_checkpoint import CheckpointError
 
     dst = out / HF_EXPORT
     marker = dst / EXPORT_MARKER
@@ -255,7 +255,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     """Rank 0: find and read the benchmarks, check OUT for earlier results, export if needed."""
     from transformers import AutoTokenizer
 
-    from megatron_oar.models.checkpoint import HF_DIR
+    from megatron_oar.models.model_checkpoint import HF_DIR
     from megatron_oar.models.qwen2 import read_hf_config
 
     model, is_ckpt = resolve_model(args.model)
@@ -349,7 +349,7 @@ def run_benchmark(task: Task, engine, scorer, tokenizer, args: argparse.Namespac
     import torch.distributed as dist
 
     from megatron_oar.seeds import BENCHMARK, derive_seed
-    from megatron_oar.training.rollouts import generate_samples, score_samples
+    from megatron_oar.training.collect import generate_samples, score_samples
 
     name, n, examples = task.bench.name, args.n, task.examples
     seeds = [derive_seed(BENCHMARK, args.seed, name, ex.index) for ex in examples]

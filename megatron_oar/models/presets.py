@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from megatron_oar.models.checkpoint import HF_DIR
+from megatron_oar.models.model_checkpoint import HF_DIR
 from megatron_oar.models.qwen2 import ModelConfigError, read_hf_config
 
 log = logging.getLogger(__name__)

@@ -29,10 +29,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_oar.fileio import atomic_write_text
+from megatron_oar.methods import CREDIT_METHODS
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "tiny_chain_cpu.yaml"
-METHODS = ("grpo", "random", "entropy", "oar_g", "oar_p", "oar_p_screened")
+METHODS = CREDIT_METHODS
 
 
 @dataclass

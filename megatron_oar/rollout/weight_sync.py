@@ -3,7 +3,7 @@
 Every rank ends up with every full HF tensor (each rank feeds its own vLLM engine, whose
 ``weight_loader`` keeps the slice its rollout-TP rank needs), one bucket at a time:
 
-1. The *plan*: each pipeline stage lists its parameters (megatron name with the global layer
+1. The *manifest*: each pipeline stage lists its parameters (megatron name with the global layer
    number, full shape, dtype); one ``all_gather_object`` over the PP group gives every rank the
    same ordered list (stage 0 first).
 2. Per parameter, the owning stage all-gathers the TP shards over the TP group along the
@@ -35,7 +35,7 @@ _ATTN_NORM, _MLP_NORM = _TE[0], _TE[4]
 
 
 @dataclass(frozen=True)
-class PlanEntry:
+class SyncEntry:
     """One megatron parameter as every rank sees it."""
 
     stage: int  # pipeline rank that owns it
@@ -137,7 +137,7 @@ def _full_shape(p: torch.Tensor, tp: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def build_plan(chunks, arch: QwenArch) -> tuple[list[PlanEntry], dict[str, torch.nn.Parameter]]:
+def build_manifest(chunks, arch: QwenArch) -> tuple[list[SyncEntry], dict[str, torch.nn.Parameter]]:
     """Collective over the PP group: the ordered list of every megatron tensor to send."""
     from megatron.core import parallel_state as ps
 
@@ -145,7 +145,7 @@ def build_plan(chunks, arch: QwenArch) -> tuple[list[PlanEntry], dict[str, torch
     pp = ps.get_pipeline_model_parallel_world_size()
     stage = ps.get_pipeline_model_parallel_rank()
     local = _local_params(chunks, arch)
-    mine = [PlanEntry(stage, k, _full_shape(p, tp), p.dtype) for k, p in local.items()]
+    mine = [SyncEntry(stage, k, _full_shape(p, tp), p.dtype) for k, p in local.items()]
     if pp == 1:
         return mine, local
     per_stage: list = [None] * pp
@@ -177,7 +177,7 @@ def iter_hf_buckets(model, arch: QwenArch, bucket_bytes: int) -> Iterator[Weight
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
     chunks = unwrap_chunks(model)
-    plan, local = build_plan(chunks, arch)
+    manifest, local = build_manifest(chunks, arch)
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     stage = ps.get_pipeline_model_parallel_rank()
@@ -188,7 +188,7 @@ def iter_hf_buckets(model, arch: QwenArch, bucket_bytes: int) -> Iterator[Weight
 
     tensors: list[tuple[str, torch.Tensor]] = []
     size = sources = 0
-    for e in plan:
+    for e in manifest:
         if tensors and size + e.nbytes > bucket_bytes:
             yield WeightBucket(tensors, size, sources)
             tensors, size, sources = [], 0, 0

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from megatron_oar.data import Example
 from megatron_oar.seeds import EVAL, derive_seed
-from megatron_oar.training.rollouts import generate_samples, score_samples
+from megatron_oar.training.collect import generate_samples, score_samples
 
 
 def load_eval_examples(cfg, tokenizer, train_examples: list[Example]) -> list[Example]:

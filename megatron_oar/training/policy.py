@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_oar.models.checkpoint import META_FILE, load_model
+from megatron_oar.models.model_checkpoint import META_FILE, load_model
 from megatron_oar.models.qwen2 import DTYPES, build_gpt_model
 
 log = logging.getLogger(__name__)

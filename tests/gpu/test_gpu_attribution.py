@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoints_convert.convert import hf_to_megatron
-from megatron_oar.attribution import plan_probes
+from megatron_oar.attribution import locate_probes
 from megatron_oar.attribution.spans import SpanFinder
 from megatron_oar.models.tiny import make_tiny_qwen2
 from tests import attribution_reference as ref
@@ -28,7 +28,7 @@ def results(tmp_path_factory):
 
     from megatron_oar.attribution import compute_importance
     from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
-    from megatron_oar.models.checkpoint import load_model
+    from megatron_oar.models.model_checkpoint import load_model
     from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
 
     root = tmp_path_factory.mktemp("gpu_attr")
@@ -51,10 +51,10 @@ def results(tmp_path_factory):
     hf_model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
     want = {}
     for name, cfg in CASES.items():
-        plan = plan_probes(batch, cfg.probe, 3, SpanFinder(tok, cfg.probe.answer_pattern))
-        rows = [i for i in range(batch.size) if plan.kinds[i] != "none" and SEQ_ADV[i] != 0]
-        want[name] = (ref.oar_g(hf_model, batch, plan, rows, cfg.sigma, cfg.seed, 3) if cfg.method == "oar_g"
-                      else ref.oar_p(hf_model, batch, plan, rows, tok.pad_token_id, cfg.probe.joint_importance))
+        sites = locate_probes(batch, cfg.probe, 3, SpanFinder(tok, cfg.probe.answer_pattern))
+        rows = [i for i in range(batch.size) if sites.kinds[i] != "none" and SEQ_ADV[i] != 0]
+        want[name] = (ref.oar_g(hf_model, batch, sites, rows, cfg.sigma, cfg.seed, 3) if cfg.method == "oar_g"
+                      else ref.oar_p(hf_model, batch, sites, rows, tok.pad_token_id, cfg.probe.joint_importance))
     return got, want
 
 

@@ -27,8 +27,8 @@ def _run(ckpt: Path, hf: Path, spec: str, dtype: str, tokens: torch.Tensor):
     from transformers import AutoModelForCausalLM
 
     from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
-    from megatron_oar.models.checkpoint import load_model
     from megatron_oar.models.forward import forward_logits
+    from megatron_oar.models.model_checkpoint import load_model
     from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
 
     init_runtime(ParallelConfig())

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_oar.attribution.batch import SequenceBatch
-from megatron_oar.attribution.probes import ProbeOutput, ProbePlan, divergence
+from megatron_oar.attribution.probes import ProbeOutput, ProbeSites, divergence
 from megatron_oar.attribution.schedule import (
     Micro,
     attribution_mode,
@@ -47,21 +47,21 @@ def _real(rows: list[int]) -> list[int]:
     return [r if r >= 0 else rows[0] for r in rows]
 
 
-def _sequence_micros(batch: SequenceBatch, plan: ProbePlan, rows: list[int], size: int) -> list[Micro]:
+def _sequence_micros(batch: SequenceBatch, sites: ProbeSites, rows: list[int], size: int) -> list[Micro]:
     length = int(batch.lengths[rows].max())
     micros = []
     for chunk in _chunks(rows, size):
         real = _real(chunk)
-        micros.append(Micro(batch.tokens[real, :length], plan.take(real), chunk))
+        micros.append(Micro(batch.tokens[real, :length], sites.take(real), chunk))
     return micros
 
 
-def probe_teacher(model, batch: SequenceBatch, plan: ProbePlan, rows: list[int], vocab_size: int,
+def probe_teacher(model, batch: SequenceBatch, sites: ProbeSites, rows: list[int], vocab_size: int,
                   micro_batch_size: int, allow_fp8: bool = False) -> ProbeOutput | None:
     """The clean probe output P0 (and S0) of ``rows``; on the last stage, else None.
 
     The trainer can skip this pass by building the teacher from its old-logprob forward with
-    ``ProbeOutput.from_position_logits`` at the same plan positions, when that forward ran in
+    ``ProbeOutput.from_position_logits`` at the same sites positions, when that forward ran in
     the students' precision (``compute_importance`` checks). ``allow_fp8``: as the student's.
     """
     outputs: dict[int, ProbeOutput] = {}
@@ -73,7 +73,7 @@ def probe_teacher(model, batch: SequenceBatch, plan: ProbePlan, rows: list[int],
         return probe.score.sum() * 0
 
     with attribution_mode(model, allow_fp8), torch.no_grad():
-        run_probe_schedule(model, _sequence_micros(batch, plan, rows, micro_batch_size), vocab_size,
+        run_probe_schedule(model, _sequence_micros(batch, sites, rows, micro_batch_size), vocab_size,
                            forward_only=True, last_stage=last_stage)
     if not parallel_state.is_pipeline_last_stage():
         return None
@@ -85,14 +85,14 @@ def probe_teacher(model, batch: SequenceBatch, plan: ProbePlan, rows: list[int],
     return ProbeOutput(logp, score)
 
 
-def oar_g(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeOutput | None, rows: list[int],
+def oar_g(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput | None, rows: list[int],
           vocab_size: int, *, sigma: float, seed: int, step: int, micro_batch_size: int,
           allow_fp8: bool = False) -> torch.Tensor:
     """OAR-G importance ``I_t = |<dJ/de_t, e_t>|`` with ``J = KL(P0 || P_noisy)`` (or the score
     drop for answer_joint), noise ``N(0, sigma^2)`` on the scored tokens' embeddings, one backward
     through the schedule with parameter gradients off. Returns ``[B, L]`` on every stage."""
     importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
-    micros = _sequence_micros(batch, plan, rows, micro_batch_size)
+    micros = _sequence_micros(batch, sites, rows, micro_batch_size)
 
     def first_stage(gpt, micro: Micro) -> torch.Tensor:
         emb = clean_embeddings(gpt, micro.tokens)  # [s, m, h]
@@ -101,13 +101,13 @@ def oar_g(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeOutput | N
         for j, r in enumerate(_real(micro.rows)):
             n = int(batch.lengths[r])
             noise[:n, j] = sample_noise(derive_seed(OAR_G_NOISE, seed, step, int(batch.sample_ids[r])), n, h, sigma)
-        noise *= micro.plan.score_mask[:, :s].T.unsqueeze(-1).cpu()
+        noise *= micro.sites.score_mask[:, :s].T.unsqueeze(-1).cpu()
         x = (emb + noise.to(emb.device, emb.dtype)).requires_grad_(True)
         micro.extra = (x, emb)
         return x
 
     def last_stage(micro: Micro, probe: ProbeOutput) -> torch.Tensor:
-        j = divergence(teacher.take(_real(micro.rows)), probe, micro.plan, clamp=False)
+        j = divergence(teacher.take(_real(micro.rows)), probe, micro.sites, clamp=False)
         keep = torch.tensor([r >= 0 for r in micro.rows], device=j.device)
         return torch.where(keep, j, torch.zeros_like(j)).sum()
 
@@ -122,11 +122,11 @@ def oar_g(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeOutput | N
             for j, r in enumerate(micro.rows):
                 if r >= 0:
                     importance[r, :scores.shape[1]] = scores[j]
-    importance *= plan.score_mask
+    importance *= sites.score_mask
     return broadcast_from_stage(importance, first=True)
 
 
-def _copy_micros(batch: SequenceBatch, plan: ProbePlan, copies: list[tuple[int, int]], size: int,
+def _copy_micros(batch: SequenceBatch, sites: ProbeSites, copies: list[tuple[int, int]], size: int,
                  pad_id: int, bucket: int, multiple: int) -> list[list[Micro]]:
     """Masked copies grouped into schedule calls: one call per padded length (copies sorted by
     length, padded up to a multiple of ``bucket`` but not past the batch width, then up to the
@@ -144,13 +144,13 @@ def _copy_micros(batch: SequenceBatch, plan: ProbePlan, copies: list[tuple[int, 
             real = [m if m is not None else members[0] for m in members]
             tokens = pad_to(batch.tokens[[i for i, _ in real], :length], length).clone()
             tokens[torch.arange(len(real)), torch.tensor([t for _, t in real])] = pad_id
-            micros.append(Micro(tokens, plan.take([i for i, _ in real]), [
+            micros.append(Micro(tokens, sites.take([i for i, _ in real]), [
                 i if m is not None else -1 for m, (i, _) in zip(members, real)], [t for _, t in real]))
         calls.append(micros)
     return calls
 
 
-def oar_p(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeOutput | None, rows: list[int],
+def oar_p(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput | None, rows: list[int],
           vocab_size: int, *, pad_id: int, micro_batch_size: int, length_bucket: int = 64,
           serial: bool = False, joint_importance: str = "drop",
           positions: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
@@ -160,17 +160,17 @@ def oar_p(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeOutput | N
     naive baseline). ``positions`` (``[B, L]`` bool) restricts the copies to those scored tokens;
     the others stay 0. Returns ``[B, L]`` on every stage and the number of copies run."""
     importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
-    mask = plan.score_mask if positions is None else plan.score_mask & positions.to(plan.score_mask.device)
+    mask = sites.score_mask if positions is None else sites.score_mask & positions.to(sites.score_mask.device)
     copies = [(i, int(t)) for i in rows for t in mask[i].nonzero().flatten()]
     multiple = sequence_multiple(model.config)
     if serial:
         calls = [m for i, t in copies
-                 for m in _copy_micros(batch, plan, [(i, t)], 1, pad_id, 1, multiple)]
+                 for m in _copy_micros(batch, sites, [(i, t)], 1, pad_id, 1, multiple)]
     else:
-        calls = _copy_micros(batch, plan, copies, micro_batch_size, pad_id, length_bucket, multiple)
+        calls = _copy_micros(batch, sites, copies, micro_batch_size, pad_id, length_bucket, multiple)
 
     def last_stage(micro: Micro, probe: ProbeOutput) -> torch.Tensor:
-        d = divergence(teacher.take(_real(micro.rows)), probe, micro.plan, joint_importance)
+        d = divergence(teacher.take(_real(micro.rows)), probe, micro.sites, joint_importance)
         for j, (r, t) in enumerate(zip(micro.rows, micro.extra)):
             if r >= 0:
                 importance[r, t] = d[j]
@@ -222,7 +222,7 @@ def merge_screened(exact: torch.Tensor, screen: torch.Tensor, selected: torch.Te
     return out
 
 
-def oar_p_screened(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeOutput | None,
+def oar_p_screened(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput | None,
                    rows: list[int], vocab_size: int, *, screen: torch.Tensor, fraction: float,
                    **oar_p_kwargs) -> tuple[torch.Tensor, int]:
     """Screened OAR-P: exact OAR-P copies only for each row's top ``fraction`` of scored tokens
@@ -232,9 +232,9 @@ def oar_p_screened(model, batch: SequenceBatch, plan: ProbePlan, teacher: ProbeO
         # every TP rank must mask the same tokens: take TP rank 0's screen (rounding-proof)
         dist.broadcast(screen, src=parallel_state.get_tensor_model_parallel_src_rank(),
                        group=parallel_state.get_tensor_model_parallel_group())
-    selected = screen_positions(screen, plan.score_mask, rows, fraction)
-    exact, copies = oar_p(model, batch, plan, teacher, rows, vocab_size, positions=selected,
+    selected = screen_positions(screen, sites.score_mask, rows, fraction)
+    exact, copies = oar_p(model, batch, sites, teacher, rows, vocab_size, positions=selected,
                           **oar_p_kwargs)
     # rows outside ``rows`` have nothing selected, so merge_screened leaves them as they are (0)
     return merge_screened(exact, screen, selected.to(exact.device),
-                          plan.score_mask.to(exact.device)), copies
+                          sites.score_mask.to(exact.device)), copies

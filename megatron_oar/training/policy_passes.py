@@ -1,7 +1,7 @@
 """The trainer's two Megatron passes over this DP rank's sequences.
 
 * :func:`old_logprob_pass`: one forward-only pass under theta_old that yields the log-probs of the
-  sampled tokens, their entropies, and (when a probe plan is given) the outcome-probe teacher P0
+  sampled tokens, their entropies, and (when probe sites are given) the outcome-probe teacher P0
   from the logits at the probe positions, so attribution needs no clean pass of its own.
 * :func:`update_step`: one optimizer step on a mini-batch: PPO-clip forward/backward through
   megatron's schedule, gradient checks (the non-finite guard), clipping and Adam.
@@ -23,7 +23,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_oar.algorithms import PolicyLossConfig, ppo_clip_loss
-from megatron_oar.attribution.probes import ProbeOutput, ProbePlan
+from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
 from megatron_oar.attribution.schedule import broadcast_from_stage
 from megatron_oar.models import vocab_parallel as vp
 from megatron_oar.models.forward import forward_map, position_ids_for
@@ -70,11 +70,11 @@ def _shifted(values: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def old_logprob_pass(model, batch: TrainBatch, vocab_size: int, micro_batch_size: int, *,
-                     plan: ProbePlan | None = None) -> tuple[torch.Tensor, torch.Tensor, ProbeOutput | None]:
+                     sites: ProbeSites | None = None) -> tuple[torch.Tensor, torch.Tensor, ProbeOutput | None]:
     """``(logprobs [B, L], entropy [B, L], teacher)`` under the current weights, forward only.
 
     Log-probs and entropies are returned on every pipeline stage (broadcast from the last);
-    the teacher (vocab-parallel, ``plan`` order) exists on the last stage only, else None.
+    the teacher (vocab-parallel, ``sites`` order) exists on the last stage only, else None.
     """
     positions: list[torch.Tensor] = []
     mbs = micro_batch_size
@@ -83,9 +83,9 @@ def old_logprob_pass(model, batch: TrainBatch, vocab_size: int, micro_batch_size
     def per_micro(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         k = counter[0]
         counter[0] += 1
-        if plan is not None:
-            sel = (plan.row >= k * mbs) & (plan.row < (k + 1) * mbs)
-            rows, pos = (plan.row[sel] - k * mbs).to(logits.device), plan.pos[sel].to(logits.device)
+        if sites is not None:
+            sel = (sites.row >= k * mbs) & (sites.row < (k + 1) * mbs)
+            rows, pos = (sites.row[sel] - k * mbs).to(logits.device), sites.pos[sel].to(logits.device)
             positions.append(logits[rows, pos].float())
         lp = vp.target_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size)
         ent = vp.entropy(logits[:, :-1], vocab_size)
@@ -97,8 +97,8 @@ def old_logprob_pass(model, batch: TrainBatch, vocab_size: int, micro_batch_size
                           device=batch.tokens.device)
     out = broadcast_from_stage(out.contiguous(), first=False)
     teacher = None
-    if plan is not None and ps.is_pipeline_last_stage():
-        teacher = ProbeOutput.from_position_logits(torch.cat(positions), plan, vocab_size)
+    if sites is not None and ps.is_pipeline_last_stage():
+        teacher = ProbeOutput.from_position_logits(torch.cat(positions), sites, vocab_size)
     return out[:, 0], out[:, 1], teacher
 
 

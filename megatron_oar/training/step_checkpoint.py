@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_oar.models.checkpoint import (
+from megatron_oar.models.model_checkpoint import (
     HF_DIR,
     MODEL_DIR,
     CheckpointError,
