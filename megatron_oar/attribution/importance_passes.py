@@ -19,11 +19,11 @@ from megatron_oar.attribution.probes import ProbeOutput, ProbeSites, divergence
 from megatron_oar.attribution.schedule import (
     Micro,
     attribution_mode,
-    broadcast_from_stage,
     clean_embeddings,
     run_probe_schedule,
 )
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple
+from megatron_oar.models.parallel import broadcast_from_stage
 from megatron_oar.seeds import OAR_G_NOISE, derive_seed
 
 

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -33,17 +32,11 @@ from megatron.core.tensor_parallel import (
 
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
+from megatron_oar.models.parallel import unwrap
 
 # Model-config hooks that belong to training steps; attribution must not fire them.
 TRAINING_HOOKS = ("grad_scale_func", "finalize_model_grads_func", "no_sync_func", "grad_sync_func",
                   "param_sync_func")
-
-
-def unwrap(model):
-    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 @contextlib.contextmanager
@@ -167,12 +160,3 @@ def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_o
         forward_step_func=step, data_iterator=iter(micros), model=[model], num_microbatches=n,
         seq_length=length, micro_batch_size=m, forward_only=forward_only)
 
-
-def broadcast_from_stage(tensor: torch.Tensor, first: bool) -> torch.Tensor:
-    """Send ``tensor`` from the first (or last) pipeline stage to every stage."""
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return tensor
-    src = (parallel_state.get_pipeline_model_parallel_first_rank() if first
-           else parallel_state.get_pipeline_model_parallel_last_rank())
-    dist.broadcast(tensor, src=src, group=parallel_state.get_pipeline_model_parallel_group())
-    return tensor

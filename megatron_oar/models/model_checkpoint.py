@@ -19,10 +19,10 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_oar.models.hf_mapping import HF_SIDE_FILES
+from megatron_oar.models.parallel import barrier, rank
 
 META_FILE = "oar_checkpoint.json"
 MODEL_DIR = "model"
@@ -72,35 +72,26 @@ def model_dir(ckpt_dir: str | Path) -> Path:
     return path
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def save_model(model, ckpt_dir: str | Path, meta: CheckpointMeta, hf_files_from: str | Path | None = None) -> None:
     """Collective: every rank saves its shards of ``model`` into ``ckpt_dir`` atomically."""
     from megatron.core import dist_checkpointing
 
     final = Path(ckpt_dir)
     tmp = final.with_name(final.name + ".tmp")
-    if _rank() == 0:
+    if rank() == 0:
         if final.exists():
             raise CheckpointError(f"{final}: already exists; refusing to overwrite")
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / MODEL_DIR).mkdir(parents=True)
-    _barrier()
+    barrier()
     dist_checkpointing.save(model.sharded_state_dict(), str(tmp / MODEL_DIR))
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    if rank() == 0:
         if hf_files_from is not None:
             copy_hf_side_files(hf_files_from, tmp / HF_DIR)
         meta.write(tmp)
         os.replace(tmp, final)
-    _barrier()
+    barrier()
 
 
 def copy_hf_side_files(src: str | Path, dst: Path) -> None:

@@ -16,7 +16,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megatron_oar.models.model_checkpoint import META_FILE, load_model
@@ -37,10 +36,6 @@ class Policy:
     gpt: object         # the GPTModel shard
     optimizer: object   # megatron MegatronOptimizer (ChainedOptimizer)
     scheduler: object   # megatron OptimizerParamScheduler
-
-    def parameters_digest(self) -> torch.Tensor:
-        """A cheap fingerprint of this rank's weights (tests, logging): float64 sum of |w|."""
-        return torch.stack([p.detach().double().abs().sum() for p in self.gpt.parameters()]).sum()
 
 
 def init_checkpoint(model_path: str | Path, run_dir: str | Path, dtype: str) -> Path:

@@ -24,10 +24,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_oar.algorithms import PolicyLossConfig, ppo_clip_loss
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
-from megatron_oar.attribution.schedule import broadcast_from_stage
 from megatron_oar.models import vocab_parallel as vp
 from megatron_oar.models.forward import forward_map, position_ids_for
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
+from megatron_oar.models.parallel import broadcast_from_stage
 
 
 @dataclass

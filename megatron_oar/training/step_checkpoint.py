@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_oar.fileio import atomic_write_text
 from megatron_oar.models.model_checkpoint import (
     HF_DIR,
     MODEL_DIR,
@@ -43,6 +44,7 @@ from megatron_oar.models.model_checkpoint import (
     copy_hf_side_files,
     load_model,
 )
+from megatron_oar.models.parallel import barrier, rank
 
 log = logging.getLogger(__name__)
 
@@ -56,24 +58,6 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:08d}"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
@@ -140,35 +124,35 @@ def save_checkpoint(root: str | Path, step: int, policy, trainer_state: dict, me
     root = Path(root)
     final = step_dir(root, step)
     tmp = root / f".{final.name}.tmp"
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         for sub in (MODEL_DIR, OPTIM_DIR, RNG_DIR):
             (tmp / sub).mkdir(parents=True)
-    _barrier()
+    barrier()
     model_sd = policy.gpt.sharded_state_dict()
     dist_checkpointing.save(model_sd, str(tmp / MODEL_DIR))
     optim_sd = policy.optimizer.sharded_state_dict(
         policy.gpt.sharded_state_dict(), metadata={"distrib_optim_sharding_type": OPTIM_SHARDING})
     dist_checkpointing.save(optim_sd, str(tmp / OPTIM_DIR))
-    torch.save(_rng_state(), tmp / RNG_DIR / f"rank_{_rank():05d}.pt")
-    _barrier()
-    if _rank() == 0:
+    torch.save(_rng_state(), tmp / RNG_DIR / f"rank_{rank():05d}.pt")
+    barrier()
+    if rank() == 0:
         copy_hf_side_files(hf_files_from, tmp / HF_DIR)
         meta.write(tmp)
         state = {**trainer_state, "step": step, "world_size": dist.get_world_size(),
                  "optim_sharding": OPTIM_SHARDING,
                  "scheduler": policy.scheduler.state_dict()}
-        _write_atomic(tmp / STATE_FILE, json.dumps(state, indent=1) + "\n")
+        atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=1) + "\n")
         old = root / f".{final.name}.old"
         if final.exists():  # a run resumed from an earlier step reaches this step again
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-        _write_atomic(root / LATEST_FILE, final.name + "\n")
+        atomic_write_text(root / LATEST_FILE, final.name + "\n")
         if keep_last > 0:
             for _, path in complete_checkpoints(root)[:-keep_last]:
                 shutil.rmtree(path, ignore_errors=True)
-    _barrier()
+    barrier()
     return final
 
 
@@ -229,10 +213,10 @@ def load_checkpoint(path: str | Path, policy) -> dict:
         policy.optimizer.load_state_dict(loaded)
     policy.scheduler.load_state_dict(state["scheduler"])
     _restore_adam_steps(policy.optimizer, policy.scheduler.num_steps)
-    rng = path / RNG_DIR / f"rank_{_rank():05d}.pt"
+    rng = path / RNG_DIR / f"rank_{rank():05d}.pt"
     if state.get("world_size") == dist.get_world_size() and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))
-    elif _rank() == 0:
+    elif rank() == 0:
         log.warning("%s was written by %s ranks, this run has %d: RNG states are not restored",
                     path, state.get("world_size"), dist.get_world_size())
     return state
