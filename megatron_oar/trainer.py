@@ -33,18 +33,19 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_oar.algorithms import assign_credit, credit_metrics, group_advantages
-from megatron_oar.attribution import SequenceBatch, SpanFinder, compute_importance, locate_probes
-from megatron_oar.config import Config, ConfigError, save_config, validate
+from megatron_oar.attribution import SpanFinder, compute_importance, locate_probes
+from megatron_oar.config import Config, save_config, validate
 from megatron_oar.models.model_checkpoint import CheckpointMeta
-from megatron_oar.models.qwen2 import parse_arch, read_hf_config
-from megatron_oar.runtime import init_runtime
+from megatron_oar.models.qwen2 import read_hf_config
 from megatron_oar.seeds import RANDOM_CREDIT, derive_seed
 from megatron_oar.training import step_checkpoint as ckpt
-from megatron_oar.training.collect import StepData, collect
+from megatron_oar.training.collect import collect
 from megatron_oar.training.evaluate import evaluate, load_eval_examples
+from megatron_oar.training.inputs import TrainBatch, build_train_batch, load_examples
 from megatron_oar.training.logger import MetricsLogger
 from megatron_oar.training.policy import build_policy, build_reference, init_checkpoint
-from megatron_oar.training.policy_passes import TrainBatch, old_logprob_pass, reference_logprobs, update_step
+from megatron_oar.training.policy_passes import old_logprob_pass, reference_logprobs, update_step
+from megatron_oar.training.run_context import start_run
 
 log = logging.getLogger(__name__)
 
@@ -53,30 +54,11 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient norm."""
 
 
-def load_examples(cfg: Config, tokenizer):
-    from megatron_oar.data import make_arithmetic, read_examples
-
-    d = cfg.data
-    if d.synthetic is not None:  # the chain task: the training side of its hash split
-        split = "train" if d.synthetic.task == "chain" else None
-        return make_arithmetic(d.synthetic.n, d.synthetic.seed, d.synthetic, split=split)
-    examples, stats = read_examples(d.train_files, d.field_map or d.fields, strict=d.strict,
-                                    tokenizer=tokenizer, max_prompt_tokens=d.max_prompt_tokens,
-                                    template=d.template, limit=d.limit)
-    if len(examples) < cfg.train.prompts_per_step:
-        raise ConfigError(f"data.train_files: {len(examples)} usable examples ({stats.malformed} "
-                          f"malformed, {stats.too_long} too long), fewer than "
-                          f"train.prompts_per_step={cfg.train.prompts_per_step}")
-    return examples
-
-
 class Trainer:
     """Builds everything from a :class:`Config`; :meth:`run` trains. Collective: every torchrun
     rank constructs one. ``engine`` lets a caller share a running :class:`RolloutEngine`."""
 
     def __init__(self, cfg: Config, *, engine=None):
-        from transformers import AutoTokenizer
-
         from megatron_oar.data import PromptSampler
         from megatron_oar.rewards import RewardScorer
         from megatron_oar.rollout import RolloutEngine
@@ -86,14 +68,10 @@ class Trainer:
         hf_config = read_hf_config(hf_dir / "config.json")
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
         validate(cfg, world_size=world, hf_config=hf_config)  # before any work
-        self.rt = init_runtime(cfg.parallel)
-        self.rank = self.rt.rank
-        self.arch = parse_arch(hf_config)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.tokenizer_dir()))
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
-            else self.tokenizer.eos_token_id
+        ctx = start_run(cfg, hf_config)
+        self.rt, self.rank, self.arch = ctx.rt, ctx.rt.rank, ctx.arch
+        self.tokenizer, self.pad_id, self.control = ctx.tokenizer, ctx.pad_id, ctx.control
         self.finder = SpanFinder(self.tokenizer, cfg.attribution.probe.answer_pattern)
-        self.control = dist.new_group(backend="gloo")  # small object messages
         train_examples = load_examples(cfg, self.tokenizer)
         self.sampler = PromptSampler(train_examples, cfg.train.prompts_per_step, seed=cfg.train.seed)
         self.eval_examples = load_eval_examples(cfg, self.tokenizer, train_examples)
@@ -168,18 +146,17 @@ class Trainer:
         rewards = torch.tensor([s.reward for s in data.samples])
         seq_adv = group_advantages(rewards, group_size=cfg.train.group_size,
                                    std_normalize=cfg.advantage.std_normalize, eps=cfg.advantage.eps)
-        batch = self.local_batch(data, seq_adv)
+        dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        batch = build_train_batch(data.samples, list(range(d, len(data.samples), dp)), seq_adv,
+                                  pad_id=self.pad_id, overlong_filter=cfg.train.overlong_filter,
+                                  device=self.rt.device)
         mbs = cfg.train.micro_batch_size
         vocab = self.arch.vocab_size
 
         sites = None
         if cfg.uses_attribution:
-            truncated = torch.tensor([data.samples[i].finish_reason == "length"
-                                      for i in batch.sample_ids.tolist()])
-            seqs = SequenceBatch(batch.tokens, batch.prompt_lens, batch.lengths, batch.sample_ids,
-                                 truncated=truncated)
-            sites = locate_probes(seqs, cfg.attribution.probe, step, self.finder,
-                               eos_ids={self.tokenizer.eos_token_id, *cfg.rollout.stop_token_ids})
+            sites = locate_probes(batch, cfg.attribution.probe, step, self.finder,
+                                  eos_ids={self.tokenizer.eos_token_id, *cfg.rollout.stop_token_ids})
         with lg.phase("logprob"):
             batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(
                 self.policy.model, batch, vocab, mbs, sites=sites)
@@ -190,7 +167,7 @@ class Trainer:
         attr_stats: dict[str, float] = {}
         if cfg.uses_attribution:
             with lg.phase("attribution"):
-                attr = compute_importance(self.policy.model, seqs, cfg.attribution, vocab_size=vocab,
+                attr = compute_importance(self.policy.model, batch, cfg.attribution, vocab_size=vocab,
                                           seq_adv=batch.seq_adv, step=step, tokenizer=self.tokenizer,
                                           sites=sites, teacher=teacher, external_teacher=True,
                                           teacher_fp8=bool(cfg.model.fp8))  # the logprob pass's
@@ -235,30 +212,6 @@ class Trainer:
         with lg.phase("sleep"):
             self.engine.sleep()
         return metrics
-
-    def local_batch(self, data: StepData, seq_adv: torch.Tensor) -> TrainBatch:
-        """This DP rank's rows ``d, d + DP, ...`` as padded tensors."""
-        dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        rows = list(range(d, len(data.samples), dp))
-        samples = [data.samples[i] for i in rows]
-        length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        b = len(samples)
-        tokens = torch.full((b, length), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(b, length, dtype=torch.bool)
-        rollout_lp = torch.zeros(b, length)
-        prompt_lens, lengths = torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long)
-        for i, s in enumerate(samples):
-            p, n = len(s.prompt_ids), len(s.prompt_ids) + len(s.response_ids)
-            tokens[i, :n] = torch.tensor(s.prompt_ids + s.response_ids)
-            rollout_lp[i, p:n] = torch.tensor(s.logprobs)
-            prompt_lens[i], lengths[i] = p, n
-            overlong = self.cfg.train.overlong_filter and s.finish_reason == "length"
-            mask[i, p:n] = not overlong
-        adv = seq_adv[rows] * mask.any(dim=-1)  # overlong-filtered rows: no loss, not scored
-        device = self.rt.device
-        return TrainBatch(tokens.to(device), prompt_lens.to(device), lengths.to(device),
-                          torch.tensor(rows, device=device), mask.to(device), rollout_lp.to(device),
-                          adv.to(device))
 
     def update(self, batch: TrainBatch) -> list:
         """``ppo_epochs`` passes of ``mini_batches`` optimizer steps; the non-finite guard."""

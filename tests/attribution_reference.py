@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_oar.attribution.batch import SequenceBatch
 from megatron_oar.attribution.importance_passes import sample_noise
 from megatron_oar.attribution.probes import ProbeSites
+from megatron_oar.models.sequence_batch import SequenceBatch
 from megatron_oar.seeds import OAR_G_NOISE, derive_seed
 
 

@@ -32,7 +32,7 @@ def _cfg(*overrides: str):
 
 
 def test_synthetic_eval_set_is_held_out():
-    from megatron_oar.trainer import load_examples
+    from megatron_oar.training.inputs import load_examples
 
     cfg = _cfg("data.synthetic.eval_n=300")
     train = load_examples(cfg, tokenizer=None)
@@ -46,7 +46,7 @@ def test_synthetic_eval_set_is_held_out():
 
 
 def test_no_eval_set_and_an_exhausted_task():
-    from megatron_oar.trainer import load_examples
+    from megatron_oar.training.inputs import load_examples
 
     assert load_eval_examples(_cfg("data.synthetic.eval_n=0"), None, []) == []
     # "Compute a + b." with a, b in [0, 1]: 4 problems, all of them in the training set

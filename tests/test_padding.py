@@ -103,8 +103,9 @@ def _passes(ckpt: str, update: bool) -> dict:
     from megatron_oar.attribution.spans import SpanFinder
     from megatron_oar.config import ModelConfig, OptimConfig
     from megatron_oar.models.qwen2 import read_hf_config
+    from megatron_oar.training.inputs import TrainBatch
     from megatron_oar.training.policy import build_policy
-    from megatron_oar.training.policy_passes import TrainBatch, old_logprob_pass, reference_logprobs, update_step
+    from megatron_oar.training.policy_passes import old_logprob_pass, reference_logprobs, update_step
 
     ckpt = Path(ckpt)
     policy = build_policy(read_hf_config(ckpt / "hf"), ModelConfig(path=str(ckpt), spec="local"),
@@ -113,7 +114,8 @@ def _passes(ckpt: str, update: bool) -> dict:
     tok = AutoTokenizer.from_pretrained(str(ckpt / "hf"))
     seqs = make_batch(tok)
     batch = TrainBatch(seqs.tokens, seqs.prompt_lens, seqs.lengths, seqs.sample_ids,
-                       seqs.response_mask(), torch.zeros(seqs.tokens.shape), SEQ_ADV)
+                       loss_mask=seqs.response_mask(), rollout_logprobs=torch.zeros(seqs.tokens.shape),
+                       seq_adv=SEQ_ADV)
     lengths, key = {}, [""]
     _record_lengths(policy.gpt, lengths, key)
     probe = ProbeConfig(kind="answer_mean")

@@ -113,12 +113,13 @@ def test_rollout_batch_grouping_and_tensors():
     assert b.tokens_per_second == 3.0
     assert [(c.prompt_index, c.sample_index) for c in b.completions()] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert b.completion(1, 0).response_ids == [8, 9, 10] and b.completion(0, 1).stop_reason == "</a>"
-    t = b.to_tensors(pad_id=0)
-    assert t.tokens.tolist() == [[1, 2, 3, 5, 6], [1, 2, 3, 7, 0], [4, 8, 9, 10, 0], [4, 0, 0, 0, 0]]
-    assert t.response_mask.tolist() == [[False] * 3 + [True] * 2, [False] * 3 + [True, False],
-                                        [False, True, True, True, False], [False] * 5]
-    assert t.logprobs[2, 1:4].tolist() == pytest.approx([-0.1, -0.2, -0.3])
-    assert t.prompt_index.tolist() == [0, 0, 1, 1] and t.sample_index.tolist() == [0, 1, 0, 1]
+    seqs, logprobs = b.to_sequences(pad_id=0)
+    assert seqs.tokens.tolist() == [[1, 2, 3, 5, 6], [1, 2, 3, 7, 0], [4, 8, 9, 10, 0], [4, 0, 0, 0, 0]]
+    assert seqs.response_mask().tolist() == [[False] * 3 + [True] * 2, [False] * 3 + [True, False],
+                                             [False, True, True, True, False], [False] * 5]
+    assert logprobs[2, 1:4].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert logprobs[3].tolist() == [0.0] * 5 and logprobs[0, :3].tolist() == [0.0] * 3
+    assert seqs.prompt_lens.tolist() == [3, 3, 1, 1] and seqs.truncated.tolist() == [True, False, True, False]
     m = b.metrics()
     assert m["rollout/truncated_fraction"] == 0.5 and m["rollout/response_length_max"] == 3.0
     joined = RolloutBatch.concat([b, b])

@@ -46,7 +46,6 @@ def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3, adv_scale: float =
     from megatron_oar.attribution import (
         AttributionConfig,
         ProbeConfig,
-        SequenceBatch,
         compute_importance,
         locate_probes,
     )
@@ -54,8 +53,9 @@ def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3, adv_scale: float =
     from megatron_oar.models.qwen2 import read_hf_config
     from megatron_oar.models.tiny import make_tiny_qwen2
     from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
+    from megatron_oar.training.inputs import TrainBatch
     from megatron_oar.training.policy import build_policy
-    from megatron_oar.training.policy_passes import TrainBatch, old_logprob_pass, update_step
+    from megatron_oar.training.policy_passes import old_logprob_pass, update_step
 
     hf = make_tiny_qwen2(root / "hf", seed=7, vocab_size=256)
     hf_to_megatron(hf, root / "ckpt", progress=False)
@@ -71,14 +71,13 @@ def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3, adv_scale: float =
         pos = torch.arange(tokens.shape[1])
         mask = (pos >= prompt_lens[:, None]) & (pos < lengths[:, None])
         batch = TrainBatch(tokens.to(dev), prompt_lens.to(dev), lengths.to(dev),
-                           torch.arange(4, device=dev), mask.to(dev),
-                           torch.zeros(tokens.shape, device=dev), SEQ_ADV.to(dev))
-        seqs = SequenceBatch(batch.tokens, batch.prompt_lens, batch.lengths, batch.sample_ids)
+                           torch.arange(4, device=dev), loss_mask=mask.to(dev),
+                           rollout_logprobs=torch.zeros(tokens.shape, device=dev), seq_adv=SEQ_ADV.to(dev))
         attr_cfg = AttributionConfig(method="oar_g", sigma=1e-2, probe=ProbeConfig(kind="last_token"))
-        sites = locate_probes(seqs, attr_cfg.probe, 0, None)
+        sites = locate_probes(batch, attr_cfg.probe, 0, None)
         batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(policy.model, batch, vocab, 2,
                                                                       sites=sites)
-        attr = compute_importance(policy.model, seqs, attr_cfg, vocab_size=vocab, seq_adv=batch.seq_adv,
+        attr = compute_importance(policy.model, batch, attr_cfg, vocab_size=vocab, seq_adv=batch.seq_adv,
                                   step=0, sites=sites, teacher=teacher, external_teacher=True)
         credit = assign_credit(ShapingConfig(scheme="oar"), batch.seq_adv, batch.loss_mask,
                                importance=attr.importance, score_mask=attr.score_mask)

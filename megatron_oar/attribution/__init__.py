@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_oar.attribution.batch import SequenceBatch
 from megatron_oar.attribution.importance_passes import oar_g, oar_p, oar_p_screened, probe_teacher, screen_count
 from megatron_oar.attribution.probes import NONE, ProbeConfig, ProbeOutput, ProbeSites, locate_probes
 from megatron_oar.attribution.spans import SpanFinder
 from megatron_oar.methods import ATTRIBUTION_METHODS
 from megatron_oar.models.parallel import unwrap
+from megatron_oar.models.sequence_batch import SequenceBatch
 
 METHODS = ATTRIBUTION_METHODS
 

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_oar.attribution.batch import SequenceBatch
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites, divergence
 from megatron_oar.attribution.schedule import (
     Micro,
@@ -24,6 +23,7 @@ from megatron_oar.attribution.schedule import (
 )
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple
 from megatron_oar.models.parallel import broadcast_from_stage
+from megatron_oar.models.sequence_batch import SequenceBatch
 from megatron_oar.seeds import OAR_G_NOISE, derive_seed
 
 

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_oar.attribution.batch import SequenceBatch
 from megatron_oar.attribution.spans import DEFAULT_PATTERN, SpanFinder
 from megatron_oar.models import vocab_parallel as vp
+from megatron_oar.models.sequence_batch import SequenceBatch
 
 PROBES = ("last_token", "answer_mean", "answer_joint")
 NO_ANSWER = ("fallback", "uniform")

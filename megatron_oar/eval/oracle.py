@@ -204,8 +204,8 @@ def has_eval_set(cfg) -> bool:
 
 
 def _examples(cfg, tokenizer, split: str):
-    from megatron_oar.trainer import load_examples
     from megatron_oar.training.evaluate import load_eval_examples
+    from megatron_oar.training.inputs import load_examples
 
     if split == "train":
         return load_examples(cfg, tokenizer)
@@ -218,20 +218,15 @@ def run(cfg, *, trajectories: int, per_prompt: int, methods: list[str], k_percen
         split: str, out: Path, seed: int) -> dict | None:
     """Collective: the whole analysis; rank 0 returns the recall table (others None)."""
     from megatron.core import parallel_state as ps
-    from transformers import AutoTokenizer
 
-    from megatron_oar.models.qwen2 import parse_arch, read_hf_config
     from megatron_oar.rewards import RewardScorer
     from megatron_oar.rollout import RolloutEngine
-    from megatron_oar.runtime import init_runtime
     from megatron_oar.training.policy import build_reference, init_checkpoint
+    from megatron_oar.training.run_context import start_run
 
-    hf_config = read_hf_config(cfg.model.hf_dir() / "config.json")
-    rt = init_runtime(cfg.parallel)
-    arch = parse_arch(hf_config)
-    tok = AutoTokenizer.from_pretrained(str(cfg.model.tokenizer_dir()))
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    control = dist.new_group(backend="gloo")
+    ctx = start_run(cfg)
+    rt, hf_config, arch, tok, pad_id, control = (ctx.rt, ctx.hf_config, ctx.arch, ctx.tokenizer,
+                                                  ctx.pad_id, ctx.control)
     examples = _examples(cfg, tok, split)
     model = build_reference(hf_config, cfg.model, init_checkpoint(cfg.model.path, out, cfg.model.dtype))
     engine = RolloutEngine(cfg.model.hf_dir(), cfg.rollout, tokenizer=cfg.model.tokenizer_dir())

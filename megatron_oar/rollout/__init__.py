@@ -3,7 +3,7 @@
 vLLM is imported lazily (by :class:`RolloutEngine`), so importing this package is cheap.
 """
 
-from megatron_oar.rollout.batch import Completion, RolloutBatch, RolloutTensors
+from megatron_oar.rollout.batch import Completion, RolloutBatch
 from megatron_oar.rollout.config import RolloutConfig, RolloutConfigError
 from megatron_oar.rollout.engine import RolloutEngine, SyncStats, gather_rollouts
 from megatron_oar.rollout.sync_check import LogprobAgreement, logprob_agreement, token_logprobs
@@ -11,6 +11,6 @@ from megatron_oar.rollout.weight_sync import WeightBucket, iter_hf_buckets, mcor
 
 __all__ = [
     "Completion", "LogprobAgreement", "RolloutBatch", "RolloutConfig", "RolloutConfigError",
-    "RolloutEngine", "RolloutTensors", "SyncStats", "WeightBucket", "gather_rollouts",
+    "RolloutEngine", "SyncStats", "WeightBucket", "gather_rollouts",
     "iter_hf_buckets", "logprob_agreement", "mcore_tensor_to_hf", "token_logprobs",
 ]

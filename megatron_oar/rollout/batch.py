@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_oar.models.sequence_batch import SequenceBatch
+
 
 @dataclass(frozen=True)
 class Completion:
@@ -20,25 +22,6 @@ class Completion:
     finish_reason: str
     stop_reason: int | str | None
     text: str
-
-
-@dataclass
-class RolloutTensors:
-    """A batch as padded tensors, one row per completion in (prompt, sample) order.
-
-    ``tokens[b]`` is prompt then response, right-padded; ``response_mask`` marks response
-    positions; ``logprobs[b, t]`` is vLLM's logprob of ``tokens[b, t]`` at response positions
-    (0 elsewhere), so a model's log-probabilities of ``tokens[:, 1:]`` line up with
-    ``logprobs[:, 1:]``.
-    """
-
-    tokens: torch.Tensor  # [B, S] long
-    response_mask: torch.Tensor  # [B, S] bool
-    logprobs: torch.Tensor  # [B, S] float32
-    prompt_lengths: torch.Tensor  # [B] long
-    response_lengths: torch.Tensor  # [B] long
-    prompt_index: torch.Tensor  # [B] long
-    sample_index: torch.Tensor  # [B] long
 
 
 @dataclass
@@ -109,12 +92,15 @@ class RolloutBatch:
             for j in range(self.n):
                 yield self.completion(i, j)
 
-    def to_tensors(self, pad_id: int = 0) -> RolloutTensors:
+    def to_sequences(self, pad_id: int = 0) -> tuple[SequenceBatch, torch.Tensor]:
+        """Every completion, prompt-major (row ``i * n + j``), as prompt + response right-padded
+        with ``pad_id``, and ``logprobs [B, S]``: vLLM's log-probability of ``tokens[b, t]`` at
+        response positions, 0 elsewhere (so a model's log-probs of ``tokens[:, 1:]`` line up with
+        ``logprobs[:, 1:]``). Completions that hit the length limit are marked truncated."""
         rows = list(self.completions())
         b = len(rows)
         s = max((len(c.prompt_ids) + len(c.response_ids) for c in rows), default=0)
         tokens = torch.full((b, s), pad_id, dtype=torch.long)
-        mask = torch.zeros((b, s), dtype=torch.bool)
         logprobs = torch.zeros((b, s), dtype=torch.float32)
         for r, c in enumerate(rows):
             p, t = len(c.prompt_ids), len(c.response_ids)
@@ -122,14 +108,11 @@ class RolloutBatch:
             if t:
                 tokens[r, p:p + t] = torch.tensor(c.response_ids, dtype=torch.long)
                 logprobs[r, p:p + t] = torch.tensor(c.logprobs, dtype=torch.float32)
-                mask[r, p:p + t] = True
-        return RolloutTensors(
-            tokens=tokens, response_mask=mask, logprobs=logprobs,
-            prompt_lengths=torch.tensor([len(c.prompt_ids) for c in rows], dtype=torch.long),
-            response_lengths=torch.tensor([len(c.response_ids) for c in rows], dtype=torch.long),
-            prompt_index=torch.tensor([c.prompt_index for c in rows], dtype=torch.long),
-            sample_index=torch.tensor([c.sample_index for c in rows], dtype=torch.long),
-        )
+        seqs = SequenceBatch(
+            tokens, torch.tensor([len(c.prompt_ids) for c in rows], dtype=torch.long),
+            torch.tensor([len(c.prompt_ids) + len(c.response_ids) for c in rows], dtype=torch.long),
+            truncated=torch.tensor([c.finish_reason == "length" for c in rows], dtype=torch.bool))
+        return seqs, logprobs
 
     def metrics(self, prefix: str = "rollout/") -> dict[str, float]:
         lengths = [len(r) for group in self.response_ids for r in group]

@@ -69,22 +69,22 @@ def logprob_agreement(model, batch: RolloutBatch, vocab_size: int, *,
             f"top_p={batch.top_p}, top_k={batch.top_k}: vLLM's logprobs are of the processed "
             "distribution, not Megatron's temperature-1 softmax; use logprobs_mode='raw_logprobs' "
             "or sample the check batch at temperature 1, top_p 1, top_k off")
-    t = batch.to_tensors(pad_id=pad_id)
+    seqs, vllm_logprobs = batch.to_sequences(pad_id=pad_id)
     dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    rows = list(range(d, t.tokens.shape[0], dp))
+    rows = list(range(d, seqs.size, dp))
     stats = torch.zeros(2, dtype=torch.float64, device=_stats_device())  # sum |diff|, count
     peak = torch.zeros(1, dtype=torch.float64, device=_stats_device())
     if rows:
         pad_rows = (-len(rows)) % micro_batch_size
         idx = torch.tensor(rows + [rows[-1]] * pad_rows)
-        length = int((t.prompt_lengths[idx] + t.response_lengths[idx]).max())
-        tokens = t.tokens[idx, :length].to(_stats_device())
+        length = int(seqs.lengths[idx].max())
+        tokens = seqs.tokens[idx, :length].to(_stats_device())
         ours = token_logprobs(model, tokens, vocab_size, micro_batch_size)
         contributes = ours is not None and ps.get_tensor_model_parallel_rank() == 0
         if contributes:
             n = len(rows)
-            mask = t.response_mask[idx[:n], 1:length].to(ours.device)
-            theirs = t.logprobs[idx[:n], 1:length].to(ours.device)
+            mask = seqs.response_mask()[idx[:n], 1:length].to(ours.device)
+            theirs = vllm_logprobs[idx[:n], 1:length].to(ours.device)
             diff = (ours[:n].double() - theirs.double()).abs()[mask]
             if diff.numel():
                 stats[0] += diff.sum()

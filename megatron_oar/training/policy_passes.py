@@ -28,39 +28,7 @@ from megatron_oar.models import vocab_parallel as vp
 from megatron_oar.models.forward import forward_map, position_ids_for
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 from megatron_oar.models.parallel import broadcast_from_stage
-
-
-@dataclass
-class TrainBatch:
-    """This DP rank's sequences of one step (prompt + response, right-padded)."""
-
-    tokens: torch.Tensor           # [B, L] long
-    prompt_lens: torch.Tensor      # [B]
-    lengths: torch.Tensor          # [B] prompt + response
-    sample_ids: torch.Tensor       # [B] index in the step's global batch (noise seeds)
-    loss_mask: torch.Tensor        # [B, L] response tokens that get a loss (overlong filter)
-    rollout_logprobs: torch.Tensor  # [B, L] vLLM's log-probs (the mismatch metric)
-    seq_adv: torch.Tensor          # [B] group advantage
-    old_logprobs: torch.Tensor | None = None  # [B, L] theta_old (old_logprob_pass)
-    entropy: torch.Tensor | None = None       # [B, L]
-    ref_logprobs: torch.Tensor | None = None  # [B, L] reference policy (loss.kl_coef > 0)
-    advantages: torch.Tensor | None = None    # [B, L] token advantages (credit assignment)
-
-    @property
-    def size(self) -> int:
-        return self.tokens.shape[0]
-
-    def select(self, rows: torch.Tensor | list[int]) -> TrainBatch:
-        """The rows ``rows`` of every per-sequence tensor, trimmed to their longest sequence."""
-        rows = torch.as_tensor(rows, dtype=torch.long)
-        length = int(self.lengths[rows].max())
-        out = {}
-        for f in fields(self):
-            t = getattr(self, f.name)
-            if t is not None:
-                t = t[rows]
-                out[f.name] = t[:, :length] if t.dim() == 2 else t
-        return TrainBatch(**out)
+from megatron_oar.training.inputs import TrainBatch
 
 
 def _shifted(values: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The token batch that attribution (and the trainer's Megatron passes) work on.
+"""The token batch every Megatron pass works on: attribution takes a ``SequenceBatch``, the
+trainer's passes a ``TrainBatch`` (``training/inputs.py``), which is one with training tensors.
 
 Each row is ``prompt + response`` starting at position 0 and right-padded to ``L``. Every
 ``[B, L]`` tensor in this package (importance, score masks) uses these full-sequence positions;
