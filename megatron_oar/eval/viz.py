@@ -33,7 +33,7 @@ import re
 import sys
 import unicodedata
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -419,12 +419,10 @@ def png_figure(record: TokenRecord, methods: list[str]):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.collections import PatchCollection
     from matplotlib.figure import Figure
-    from matplotlib.patches import Rectangle
 
     fig = Figure(figsize=(PNG_WIDTH / DPI, 1.0), dpi=DPI)
     canvas = FigureCanvasAgg(fig)
-    mono = {"family": "DejaVu Sans Mono", "size": FONT_PT}
-    probe = fig.text(0, 0, "M" * 100, **mono)
+    probe = fig.text(0, 0, "M" * 100, **_MONO)
     adv = probe.get_window_extent(canvas.get_renderer()).width / 100  # hinted advance, px
     probe.remove()
     cols = int((PNG_WIDTH - 2 * MARGIN) // adv)
@@ -444,81 +442,111 @@ def png_figure(record: TokenRecord, methods: list[str]):
     ax.set_xlim(0, PNG_WIDTH)
     ax.set_ylim(height, 0)
     ax.axis("off")
-    sans = {"family": "DejaVu Sans", "parse_math": False, "va": "center"}
 
-    def rgbf(c: RGB) -> tuple[float, float, float]:
-        return (c[0] / 255, c[1] / 255, c[2] / 255)
+    sheet = _Sheet(ax, canvas, adv)
+    y = _png_header(sheet, record, methods, MARGIN)
+    for m, cells, segs, nlines in panels:
+        y = _png_panel(sheet, m, cells, segs, nlines, keep, y)
+    ax.add_collection(PatchCollection(sheet.rects, facecolors=sheet.colors, edgecolors="none",
+                                      linewidths=0, antialiased=False, zorder=0))
+    for x0, x1, yy in sheet.underlines:
+        ax.plot([x0, x1], [yy, yy], color=_rgbf(PIVOT_RGB), linewidth=1.5, solid_capstyle="butt",
+                zorder=1)
+    return fig, sheet.boxes
 
-    y = MARGIN
+
+_MONO = {"family": "DejaVu Sans Mono", "size": FONT_PT}
+_SANS = {"family": "DejaVu Sans", "parse_math": False, "va": "center"}
+
+
+def _rgbf(c: RGB) -> tuple[float, float, float]:
+    return (c[0] / 255, c[1] / 255, c[2] / 255)
+
+
+@dataclass
+class _Sheet:
+    """The PNG being drawn: its axes, the character advance, and what is collected for the
+    end (background rectangles and their colours, the token boxes, pivot underlines)."""
+
+    ax: object
+    canvas: object
+    adv: float
+    rects: list = field(default_factory=list)
+    colors: list = field(default_factory=list)
+    boxes: list[Box] = field(default_factory=list)
+    underlines: list[tuple[float, float, float]] = field(default_factory=list)
+
+    def rect(self, x: float, y: float, w: float, h: float, rgb: RGB) -> None:
+        from matplotlib.patches import Rectangle
+
+        self.rects.append(Rectangle((x, y), w, h))
+        self.colors.append(_rgbf(rgb))
+
+
+def _png_header(sheet: _Sheet, record: TokenRecord, methods: list[str], y: float) -> float:
+    """The title, prompt, caption and legend lines; returns the y below them."""
+    ax, canvas = sheet.ax, sheet.canvas
     verdict = "correct" if record.correct else "incorrect"
     head = (f"{record.id}  ({verdict}; reference: {record.reference}; "
             f"{len(record.tokens)} response tokens)")
-    _fit(ax.text(MARGIN, y + LINE_PX / 2, head, size=12, weight="bold", **sans), canvas)
+    _fit(ax.text(MARGIN, y + LINE_PX / 2, head, size=12, weight="bold", **_SANS), canvas)
     y += LINE_PX + 4
     prompt = " ".join((record.prompt or "").split())
-    _fit(ax.text(MARGIN, y + LINE_PX / 2, "prompt: " + prompt, size=9, color="#555", **sans),
+    _fit(ax.text(MARGIN, y + LINE_PX / 2, "prompt: " + prompt, size=9, color="#555", **_SANS),
          canvas)
     y += LINE_PX
     _fit(ax.text(MARGIN, y + LINE_PX / 2, caption_text(record, methods), size=9, color="#333",
-                 **sans), canvas)
+                 **_SANS), canvas)
     y += LINE_PX + 4
     # legend: colour bar, pivot and unscored swatches
-    rects, colors = [], []
     x = MARGIN + 118
     for i in range(48):
-        rects.append(Rectangle((x + i * 5, y + 4), 5, LINE_PX - 8))
-        colors.append(rgbf(score_rgb(i / 47)))
-    ax.text(MARGIN, y + LINE_PX / 2, "importance: low", size=9, **sans)
-    ax.text(x + 248, y + LINE_PX / 2, "high (log1p + min-max per sequence)", size=9, **sans)
+        sheet.rect(x + i * 5, y + 4, 5, LINE_PX - 8, score_rgb(i / 47))
+    ax.text(MARGIN, y + LINE_PX / 2, "importance: low", size=9, **_SANS)
+    ax.text(x + 248, y + LINE_PX / 2, "high (log1p + min-max per sequence)", size=9, **_SANS)
     x = MARGIN + 620
     for rgb, label in ((PIVOT_RGB, "oracle causal pivot (underline in method rows)"),
                        (UNSCORED_BG, "not scored")):
-        rects.append(Rectangle((x, y + 4), 22, LINE_PX - 8))
-        colors.append(rgbf(rgb))
-        ax.text(x + 28, y + LINE_PX / 2, label, size=9, **sans)
+        sheet.rect(x, y + 4, 22, LINE_PX - 8, rgb)
+        ax.text(x + 28, y + LINE_PX / 2, label, size=9, **_SANS)
         x += 340
-    y += LINE_PX + 8
+    return y + LINE_PX + 8
 
-    boxes: list[Box] = []
-    lines_under: list[tuple[float, float, float]] = []
-    for m, cells, segs, nlines in panels:
-        ax.text(MARGIN, y + LINE_PX / 2, LABELS.get(m, m), size=11, weight="bold", **sans)
-        y += LINE_PX + 4
-        runs: dict[int, list[tuple[int, str, RGB]]] = {}
-        for i, (cell, tsegs) in enumerate(zip(cells, segs)):
-            for line, col, width, text in tsegs:
-                if line >= keep:
-                    continue
-                x0, y0 = MARGIN + col * adv, y + line * LINE_PX + 1
-                box = Box(m, i, x0, y0, x0 + width * adv, y0 + LINE_PX - 2, cell.bg)
-                boxes.append(box)
-                rects.append(Rectangle((box.x0, box.y0), box.x1 - box.x0, box.y1 - box.y0))
-                colors.append(rgbf(cell.bg))
-                if cell.pivot:
-                    lines_under.append((box.x0, box.x1, box.y1 - 1))
-                runs.setdefault(line, []).append((col, text, cell.fg))
-        for line, items in runs.items():  # one text artist per run of same-coloured text
-            run_col, run_text, run_fg = items[0]
-            for col, text, fg in [*items[1:], (-1, "", None)]:
-                if fg == run_fg and col == run_col + sum(map(_char_cols, run_text)):
-                    run_text += text
-                    continue
-                if run_text.strip():
-                    ax.text(MARGIN + run_col * adv, y + line * LINE_PX + LINE_PX / 2, run_text,
-                            color=rgbf(run_fg), parse_math=False, va="center", **mono)
-                run_col, run_text, run_fg = col, text, fg
-        y += min(nlines, keep) * LINE_PX
-        if nlines > keep:
-            ax.text(MARGIN, y + LINE_PX / 2, f"… {nlines - keep} more lines (see the HTML page)",
-                    size=9, color="#a00", **sans)
-            y += LINE_PX
-        y += 10
-    ax.add_collection(PatchCollection(rects, facecolors=colors, edgecolors="none",
-                                      linewidths=0, antialiased=False, zorder=0))
-    for x0, x1, yy in lines_under:
-        ax.plot([x0, x1], [yy, yy], color=rgbf(PIVOT_RGB), linewidth=1.5, solid_capstyle="butt",
-                zorder=1)
-    return fig, boxes
+
+def _png_panel(sheet: _Sheet, m: str, cells, segs, nlines: int, keep: int, y: float) -> float:
+    """One method's panel: its label, then the tokens on their coloured boxes (at most ``keep``
+    lines); returns the y below it."""
+    ax, adv = sheet.ax, sheet.adv
+    ax.text(MARGIN, y + LINE_PX / 2, LABELS.get(m, m), size=11, weight="bold", **_SANS)
+    y += LINE_PX + 4
+    runs: dict[int, list[tuple[int, str, RGB]]] = {}
+    for i, (cell, tsegs) in enumerate(zip(cells, segs)):
+        for line, col, width, text in tsegs:
+            if line >= keep:
+                continue
+            x0, y0 = MARGIN + col * adv, y + line * LINE_PX + 1
+            box = Box(m, i, x0, y0, x0 + width * adv, y0 + LINE_PX - 2, cell.bg)
+            sheet.boxes.append(box)
+            sheet.rect(box.x0, box.y0, box.x1 - box.x0, box.y1 - box.y0, cell.bg)
+            if cell.pivot:
+                sheet.underlines.append((box.x0, box.x1, box.y1 - 1))
+            runs.setdefault(line, []).append((col, text, cell.fg))
+    for line, items in runs.items():  # one text artist per run of same-coloured text
+        run_col, run_text, run_fg = items[0]
+        for col, text, fg in [*items[1:], (-1, "", None)]:
+            if fg == run_fg and col == run_col + sum(map(_char_cols, run_text)):
+                run_text += text
+                continue
+            if run_text.strip():
+                ax.text(MARGIN + run_col * adv, y + line * LINE_PX + LINE_PX / 2, run_text,
+                        color=_rgbf(run_fg), parse_math=False, va="center", **_MONO)
+            run_col, run_text, run_fg = col, text, fg
+    y += min(nlines, keep) * LINE_PX
+    if nlines > keep:
+        ax.text(MARGIN, y + LINE_PX / 2, f"… {nlines - keep} more lines (see the HTML page)",
+                size=9, color="#a00", **_SANS)
+        y += LINE_PX
+    return y + 10
 
 
 def _fit(text, canvas, width: float = PNG_WIDTH - 2 * MARGIN) -> None:
