@@ -375,6 +375,38 @@ class RolloutEngine:
         if not self._weights_loaded:
             raise RuntimeError("vLLM holds no policy weights yet (load_format='dummy' or after a "
                                "level-2 sleep): call sync_weights(model) first")
+        args = self._group_request(prompt_ids, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                                   max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids,
+                                   seeds=seeds)
+        prompts, n = args["prompts"], args["n"]
+        budgets = _check_request(args)
+        call = self._calls
+        self._calls += 1
+        seeds = [self._seed(call, i) if (args["seeds"] is None or args["seeds"][i] is None)
+                 else int(args["seeds"][i]) for i in range(len(prompts))]
+        if self.is_sleeping:
+            self.wake_up()
+        sampling = {k: args[k] for k in ("n", "temperature", "top_p", "top_k")}
+        if not prompts:
+            return RolloutBatch([], [], [], [], [], [], [], logprobs_mode=self.config.logprobs_mode, **sampling)
+
+        from vllm import SamplingParams
+
+        params = [SamplingParams(n=n, temperature=args["temperature"], top_p=args["top_p"],
+                                 top_k=max(args["top_k"], 0), max_tokens=budget,
+                                 stop=args["stop"] or None, stop_token_ids=args["stop_token_ids"] or None,
+                                 seed=s, logprobs=0) for s, budget in zip(seeds, budgets)]
+        t0 = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        return RolloutBatch(prompt_ids=prompts, seeds=seeds, logprobs_mode=self.config.logprobs_mode,
+                            gen_seconds=seconds, **_completions(prompts, outputs, n), **sampling)
+
+    def _group_request(self, prompt_ids, *, n, temperature, top_p, top_k, max_new_tokens, stop,
+                       stop_token_ids, seeds) -> dict:
+        """The request with the config's defaults for unset (None) arguments, as the rollout
+        group's leader has it (broadcast within the group)."""
         cfg = self.config
         args = dict(
             prompts=[[int(t) for t in p] for p in prompt_ids],
@@ -392,61 +424,7 @@ class RolloutEngine:
             box = [args]
             dist.broadcast_object_list(box, src=self.group_ranks[0], group=self._group)
             args = box[0]
-        prompts = args["prompts"]
-        check_sampling(args["temperature"], args["top_p"], args["top_k"])
-        budgets = args["max_new_tokens"]
-        budgets = [int(budgets)] * len(prompts) if isinstance(budgets, int) else [int(b) for b in budgets]
-        if len(budgets) != len(prompts):
-            raise ValueError(f"{len(budgets)} max_new_tokens for {len(prompts)} prompts")
-        if args["n"] < 1 or min(budgets, default=1) < 1:
-            raise ValueError(f"n={args['n']} and max_new_tokens={args['max_new_tokens']} must be >= 1")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty")
-        if args["seeds"] is not None and len(args["seeds"]) != len(prompts):
-            raise ValueError(f"{len(args['seeds'])} seeds for {len(prompts)} prompts")
-        call = self._calls
-        self._calls += 1
-        seeds = [self._seed(call, i) if (args["seeds"] is None or args["seeds"][i] is None)
-                 else int(args["seeds"][i]) for i in range(len(prompts))]
-        if self.is_sleeping:
-            self.wake_up()
-        n = args["n"]
-        if not prompts:
-            return RolloutBatch([], [], [], [], [], [], [], n=n, temperature=args["temperature"],
-                                top_p=args["top_p"], top_k=args["top_k"],
-                                logprobs_mode=cfg.logprobs_mode)
-
-        from vllm import SamplingParams
-
-        params = [SamplingParams(n=n, temperature=args["temperature"], top_p=args["top_p"],
-                                 top_k=max(args["top_k"], 0), max_tokens=budget,
-                                 stop=args["stop"] or None, stop_token_ids=args["stop_token_ids"] or None,
-                                 seed=s, logprobs=0) for s, budget in zip(seeds, budgets)]
-        t0 = time.perf_counter()
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                    use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        if len(outputs) != len(prompts):
-            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-        response_ids, logprobs, finish, stop_reasons, texts = [], [], [], [], []
-        for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-            if list(out.prompt_token_ids) != prompt:
-                raise RuntimeError(f"vLLM output {i} belongs to another prompt")
-            comps = sorted(out.outputs, key=lambda c: c.index)
-            if len(comps) != n:
-                raise RuntimeError(f"prompt {i}: {len(comps)} completions, expected n={n}")
-            response_ids.append([list(c.token_ids) for c in comps])
-            logprobs.append([[_logprob_of(pos, tok) for pos, tok in zip(c.logprobs, c.token_ids)]
-                             for c in comps])
-            finish.append([str(c.finish_reason) for c in comps])
-            stop_reasons.append([c.stop_reason for c in comps])
-            texts.append([c.text for c in comps])
-        return RolloutBatch(prompt_ids=prompts, response_ids=response_ids, logprobs=logprobs,
-                            finish_reasons=finish, stop_reasons=stop_reasons, texts=texts,
-                            seeds=seeds, n=n, temperature=args["temperature"], top_p=args["top_p"],
-                            top_k=args["top_k"], logprobs_mode=cfg.logprobs_mode,
-                            gen_seconds=seconds)
+        return args
 
     # -- helpers across ranks ---------------------------------------------------------------
 
@@ -484,3 +462,43 @@ def gather_rollouts(batch: RolloutBatch, engine: RolloutEngine) -> RolloutBatch:
     dist.all_gather_object(parts, batch if engine.is_group_leader else None,
                            group=engine._world_gloo)
     return RolloutBatch.concat([p for p in parts if p is not None])
+
+
+def _check_request(args: dict) -> list[int]:
+    """Checks a request (:meth:`RolloutEngine._group_request`); returns its per-prompt budgets."""
+    prompts = args["prompts"]
+    check_sampling(args["temperature"], args["top_p"], args["top_k"])
+    budgets = args["max_new_tokens"]
+    budgets = [int(budgets)] * len(prompts) if isinstance(budgets, int) else [int(b) for b in budgets]
+    if len(budgets) != len(prompts):
+        raise ValueError(f"{len(budgets)} max_new_tokens for {len(prompts)} prompts")
+    if args["n"] < 1 or min(budgets, default=1) < 1:
+        raise ValueError(f"n={args['n']} and max_new_tokens={args['max_new_tokens']} must be >= 1")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+    if args["seeds"] is not None and len(args["seeds"]) != len(prompts):
+        raise ValueError(f"{len(args['seeds'])} seeds for {len(prompts)} prompts")
+    return budgets
+
+
+def _completions(prompts: list[list[int]], outputs, n: int) -> dict[str, list]:
+    """vLLM's ``RequestOutput``s -> the per-prompt lists of a :class:`RolloutBatch`, checked to
+    match the prompts and ``n``."""
+    if len(outputs) != len(prompts):
+        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+    out: dict[str, list] = {k: [] for k in ("response_ids", "logprobs", "finish_reasons",
+                                            "stop_reasons", "texts")}
+    for i, (prompt, result) in enumerate(zip(prompts, outputs)):
+        if list(result.prompt_token_ids) != prompt:
+            raise RuntimeError(f"vLLM output {i} belongs to another prompt")
+        comps = sorted(result.outputs, key=lambda c: c.index)
+        if len(comps) != n:
+            raise RuntimeError(f"prompt {i}: {len(comps)} completions, expected n={n}")
+        out["response_ids"].append([list(c.token_ids) for c in comps])
+        out["logprobs"].append([[_logprob_of(pos, tok) for pos, tok in zip(c.logprobs, c.token_ids)]
+                                for c in comps])
+        out["finish_reasons"].append([str(c.finish_reason) for c in comps])
+        out["stop_reasons"].append([c.stop_reason for c in comps])
+        out["texts"].append([c.text for c in comps])
+    return out
