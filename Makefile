@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): requirements/cpu-lock.txt setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --no-deps -r requirements/cpu-lock.txt
-	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -14,6 +14,11 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_oar*", "checkpoints_convert*", "benchmarks*"]),
+    # Files the code reads at run time (megatron_oar/resources/__init__.py): the demo's, oar repro's
+    # and oar bench's CPU configs and the launch environment (env.sh). Shipped in wheels and sdists;
+    # examples/tiny_*.yaml and launch_scripts/env.sh are symlinks to them. tests/test_install.py
+    # installs a non-editable copy and runs it from another directory.
+    package_data={"megatron_oar.resources": ["*.yaml", "env.sh"]},
     install_requires=[
         "torch>=2.6",
         # Upper bound: training/policy_passes.py splits megatron's optimizer.step() into its internals

@@ -3,7 +3,7 @@
     oar bench attribution [--methods grpo,entropy,oar_g,oar_p,oar_p_serial,oar_p_screened]
                           [--steps 6] [--warmup 1] [--repeats 1]
                           [--model HF_DIR | --hidden H --layers L [--ffn F] [--sft-steps N]]
-                          [--config examples/tiny_cpu.yaml] [--nproc-per-node N]
+                          [--config CONFIG.yaml] [--nproc-per-node N]
                           [--out runs/bench/attribution] [--update-benchmarks] [key=value ...]
 
 Each method is a short training run of the real trainer (``megatron_oar.trainer.Trainer``, under
@@ -33,6 +33,10 @@ sync, allocator warm-up):
   G = ``attribution/oar_g_tokens``, C = ``attribution/masked_copy_tokens``, A = action tokens.
   Its ratio to GRPO's is the floor of the measured ratios if compute were all that cost.
 
+The default config is ``tiny_cpu.yaml``, shipped in the package (``megatron_oar/resources/``;
+``examples/tiny_cpu.yaml`` links to it), so the suite runs from any directory and after any install;
+the runs start in the current directory, where a relative ``--config`` is read.
+
 Writes ``OUT/attribution.json`` (every measured step, the summaries, the machine) and
 ``OUT/attribution.md`` (the BENCHMARKS.md section); ``--update-benchmarks`` rewrites that section
 of BENCHMARKS.md in place. A method whose ``credit`` the config does not accept (e.g.
@@ -51,12 +55,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import common
+from megatron_oar import resources
 
 SUITE = "attribution"
 PROG = "oar bench attribution"
 TABLE_HEADER = "| method | sweep ratio | end-to-end ratio | forward-equivalents per action token |"
 TABLE_RULE = "|---|---|---|---|"
 SWEEP_KEYS = ("time/logprob", "time/attribution", "time/update")
+# The default --config as reports name it; main() reads the package's copy (resources.path).
 DEFAULT_CONFIG = "examples/tiny_cpu.yaml"
 
 
@@ -348,7 +354,7 @@ def run_method(name: str, method: Method, *, config: str, hf: Path, run_dir: Pat
         f.write(" ".join(cmd) + "\n")
         f.flush()
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=common.REPO_ROOT,
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
                                 env=common.subprocess_env(threads), timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = None
@@ -404,7 +410,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated, from {', '.join(METHODS)} (grpo is always run: the "
                         "baseline)")
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="training config (default: %(default)s)")
+    p.add_argument("--config", default=None, help=f"training config (default: {DEFAULT_CONFIG}, "
+                   "the copy shipped in the package)")
     p.add_argument("--steps", type=int, default=6, help="training steps per run (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=1,
                    help="first steps of each run not measured (default: %(default)s)")
@@ -459,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = common.machine_info()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    config = str(Path(args.config))
+    config = str(Path(args.config)) if args.config else str(resources.path("tiny_cpu.yaml"))
+    label = args.config or DEFAULT_CONFIG  # how the report names it
     hf, model = prepare_model(args, out)
     base_cfg = load_config(config, [f"model.path={hf}", *args.overrides])
     nproc = args.nproc_per_node or base_cfg.parallel.tp * base_cfg.parallel.pp
@@ -512,10 +520,10 @@ def main(argv: list[str] | None = None) -> int:
 
     all_steps = [s for v in steps_of.values() for s in v]
     meta = {"suite": SUITE, "command": common.command_line(PROG, argv), "machine": machine,
-            "model": model, "config": config, "overrides": args.overrides, "nproc": nproc,
+            "model": model, "config": label, "overrides": args.overrides, "nproc": nproc,
             "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "note": args.note,
             "model_line": _model_line(model, base_cfg, nproc, all_steps, args.steps, args.warmup,
-                                      args.repeats, config, args.overrides)}
+                                      args.repeats, label, args.overrides)}
     report = {"meta": meta, "methods": methods}
     published = common.publish(out, SUITE, report, render_markdown(report),
                                update=args.update_benchmarks, benchmarks_file=args.benchmarks_file,

@@ -25,8 +25,12 @@ from pathlib import Path
 
 from megatron_oar.fileio import atomic_write_text
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS_MD = REPO_ROOT / "BENCHMARKS.md"
+# The directory holding the benchmarks (and megatron_oar) packages: a checkout's root, or the
+# site-packages (--target directory) of an install. Workers get it on PYTHONPATH.
+IMPORT_ROOT = Path(__file__).resolve().parent.parent
+# The repository's BENCHMARKS.md, which --update-benchmarks rewrites: next to the packages in a
+# checkout (editable install); an installed copy has none (see update_benchmarks).
+BENCHMARKS_MD = IMPORT_ROOT / "BENCHMARKS.md"
 
 
 # --------------------------------------------------------------------------- machine
@@ -158,8 +162,16 @@ def replace_section(text: str, name: str, body: str) -> str:
     return text[:i] + block + text[j + len(end):]
 
 
+_NO_BENCHMARKS_MD = (f"{BENCHMARKS_MD} does not exist: this is an installed copy of the benchmarks "
+                     "package; --update-benchmarks rewrites the repository's BENCHMARKS.md, so run it "
+                     "from a source checkout (pip install -e .)")
+
+
 def update_benchmarks(name: str, body: str, path: Path | None = None) -> Path:
-    """Rewrites suite ``name``'s section of BENCHMARKS.md (default: the repository's)."""
+    """Rewrites suite ``name``'s section of BENCHMARKS.md (default: the repository's, which only a
+    source checkout has: an installed copy raises instead of writing into site-packages)."""
+    if path is None and not BENCHMARKS_MD.is_file():
+        raise FileNotFoundError(_NO_BENCHMARKS_MD)
     path = Path(path or BENCHMARKS_MD)
     text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
     atomic_write_text(path, replace_section(text, name, body))
@@ -177,12 +189,13 @@ def write_outputs(out: Path, name: str, raw: dict, markdown: str) -> tuple[Path,
 
 
 def subprocess_env(threads: int | None = None, default_threads: int | None = 1) -> dict[str, str]:
-    """The environment for a suite's worker processes: the repository importable (so
-    ``python -m benchmarks.<suite>`` works from anywhere) and ``OMP_NUM_THREADS``: ``threads`` if
+    """The environment for a suite's worker processes: the packages importable (:data:`IMPORT_ROOT`
+    first on PYTHONPATH, so ``python -m benchmarks.<suite>`` and ``-m megatron_oar.train`` work from
+    any directory, checkout or install) and ``OMP_NUM_THREADS``: ``threads`` if
     given, else as already set, else ``default_threads`` (1: one thread per process, like
     ``oar demo``'s two processes on two cores; None: torch's default)."""
     env = dict(os.environ)
-    paths = [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    paths = [str(IMPORT_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -200,6 +213,8 @@ def publish(out: Path, name: str, report: dict, markdown: str, *, update: bool,
     print(f"[bench] wrote {js} and {md}")
     if not update:
         return True
+    if benchmarks_file is None and not BENCHMARKS_MD.is_file():
+        blocked = blocked or _NO_BENCHMARKS_MD
     if blocked:
         print(f"[bench] not updating BENCHMARKS.md: {blocked}", file=sys.stderr)
         return False

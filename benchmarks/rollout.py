@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     rc = subprocess.run([sys.executable, "-m", "benchmarks.rollout", "--worker",
                                          str(work / "spec.json")], stdout=f, stderr=subprocess.STDOUT,
-                                        cwd=common.REPO_ROOT, env=env, timeout=args.timeout).returncode
+                                        env=env, timeout=args.timeout).returncode
                 except subprocess.TimeoutExpired:
                     rc = None
             result = work / "result.json"

@@ -49,14 +49,9 @@ if [[ ${#missing[@]} -gt 0 ]]; then
     exit 2
 fi
 
-overrides=()
-if [[ -n "${OAR_ROLLOUT_GPU_MEMORY_UTILIZATION}" ]]; then
-    overrides+=("rollout.gpu_memory_utilization=${OAR_ROLLOUT_GPU_MEMORY_UTILIZATION}")
-fi
-
 cmd=("${TORCHRUN:-torchrun}" --nnodes "$NNODES" --node-rank "$NODE_RANK"
      --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --nproc-per-node "$GPUS_PER_NODE"
-     -m megatron_oar.train --config "$config" --resume "${RESUME:-auto}" ${overrides[@]+"${overrides[@]}"} "$@")
+     -m megatron_oar.train --config "$config" --resume "${RESUME:-auto}" "$@")
 
 if [[ "${DRYRUN:-0}" == 1 ]]; then
     printf "%q" "${cmd[0]}"; printf " %q" "${cmd[@]:1}"; echo

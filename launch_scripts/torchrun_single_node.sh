@@ -6,6 +6,7 @@
 # Environment: GPUS_PER_NODE (8), RESUME (auto | none | a checkpoint step dir; default auto),
 # TORCHRUN (torchrun), DRYRUN=1 (print the command, run nothing), and everything in env.sh.
 # Relative paths (CONFIG, and model/data/run paths inside it) are relative to where you run it.
+# Every setting, vLLM's GPU share included, is a key=value override: rollout.gpu_memory_utilization=0.4.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -19,13 +20,8 @@ config="$1"; shift
 # shellcheck source=env.sh
 source "$here/env.sh"
 
-overrides=()
-if [[ -n "${OAR_ROLLOUT_GPU_MEMORY_UTILIZATION}" ]]; then
-    overrides+=("rollout.gpu_memory_utilization=${OAR_ROLLOUT_GPU_MEMORY_UTILIZATION}")
-fi
-
 cmd=("${TORCHRUN:-torchrun}" --standalone --nproc-per-node "${GPUS_PER_NODE:-8}"
-     -m megatron_oar.train --config "$config" --resume "${RESUME:-auto}" ${overrides[@]+"${overrides[@]}"} "$@")
+     -m megatron_oar.train --config "$config" --resume "${RESUME:-auto}" "$@")
 
 if [[ "${DRYRUN:-0}" == 1 ]]; then
     printf "%q" "${cmd[0]}"; printf " %q" "${cmd[@]:1}"; echo

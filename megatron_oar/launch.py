@@ -19,8 +19,10 @@ with ``launch.gpus_per_node`` processes on each of ``launch.nodes`` nodes:
   node. The job runs in a ``code`` symlink to the directory ``oar launch`` was started in (a shared
   file system), so the config's relative paths mean what they mean here. Submits and returns.
 
-The job's environment sets ``launch_scripts/env.sh``'s defaults with ``launch.env`` on top; a
-value exported in the calling shell does not override them (the rest of it is inherited).
+The job's environment sets the defaults of ``env.sh`` (``megatron_oar/resources/env.sh``, shipped
+in the package; ``launch_scripts/env.sh`` links to it) with ``launch.env`` on top; a value exported
+in the calling shell does not override them (the rest of it is inherited). vLLM's share of the GPU
+is the config's ``rollout.gpu_memory_utilization`` alone (an override like any other).
 ``--dryrun`` prints what would run (the torchrun command, or the full sbatch script) and writes
 nothing outside a temporary directory.
 """
@@ -36,12 +38,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megatron_oar import resources
 from megatron_oar.config import EXECUTORS, ConfigError, load_config, validate
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-ENV_SH = REPO_ROOT / "launch_scripts" / "env.sh"
+ENV_SH = resources.path("env.sh")  # the package's copy: there after any install
 PYTHON_BIN = str(Path(sys.executable).parent)  # where this environment's torchrun is
-GPU_MEM_OVERRIDE = "OAR_ROLLOUT_GPU_MEMORY_UTILIZATION"  # env.sh: rollout.gpu_memory_utilization
 _EXPORT = re.compile(r'export ([A-Za-z_][A-Za-z0-9_]*)="\$\{\1:-([^"$`\\]*)\}"')
 
 
@@ -176,9 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = _checked_config(args, overrides)
         env = {**parse_env_sh(), **cfg.launch.env}
-        if env.get(GPU_MEM_OVERRIDE):  # as the shell scripts do, ahead of the user's overrides
-            overrides.insert(0, f"rollout.gpu_memory_utilization={env[GPU_MEM_OVERRIDE]}")
-            cfg = _checked_config(args, overrides)
     except ConfigError as e:
         print(f"oar launch: {e}", file=sys.stderr)
         return 2

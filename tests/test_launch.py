@@ -55,12 +55,19 @@ def test_single_node_dryrun(tmp_path):
 
 
 def test_single_node_env_knobs(tmp_path):
-    r = _sh("torchrun_single_node.sh", "my.yaml", "train.steps=1", cwd=tmp_path, GPUS_PER_NODE="4",
-            RESUME="none", OAR_ROLLOUT_GPU_MEMORY_UTILIZATION="0.4")
+    r = _sh("torchrun_single_node.sh", "my.yaml", "rollout.gpu_memory_utilization=0.4",
+            "train.steps=1", cwd=tmp_path, GPUS_PER_NODE="4", RESUME="none")
     assert r.returncode == 0, r.stderr
-    # the env knob goes ahead of the user's overrides, so an explicit key=value still wins
+    # vLLM's GPU share is a config override like any other, passed on as given
     assert r.stdout == ("torchrun --standalone --nproc-per-node 4 -m megatron_oar.train --config "
                         "my.yaml --resume none rollout.gpu_memory_utilization=0.4 train.steps=1\n")
+
+
+def test_no_gpu_memory_variable():
+    """The vLLM GPU share has one source, the config key: no script or env.sh reads a variable."""
+    for path in [*SCRIPTS.iterdir(), launch.ENV_SH, Path(launch.__file__)]:
+        if path.is_file():
+            assert "OAR_ROLLOUT_GPU_MEMORY_UTILIZATION" not in path.read_text(), path
 
 
 @pytest.mark.parametrize("wrapper,config", [("qwen2.5-7b_oar_g.sh", G7), ("qwen2.5-7b_oar_p.sh", P7)])
@@ -135,10 +142,17 @@ def test_env_sh_parse():
     env = launch.parse_env_sh()
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     assert env["TOKENIZERS_PARALLELISM"] == "false"
-    assert env["OAR_ROLLOUT_GPU_MEMORY_UTILIZATION"] == ""
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env and "VLLM_USE_V1" not in env
     text = (SCRIPTS / "env.sh").read_text()
     assert not re.search(r"^\s*export PYTORCH_CUDA_ALLOC_CONF", text, re.M)
+
+
+def test_env_sh_is_one_file():
+    """``oar launch`` reads the package's env.sh (there after a non-editable install); the file the
+    scripts source is a symlink to it, not a copy that could drift."""
+    assert launch.ENV_SH == Path(launch.__file__).parent / "resources" / "env.sh"
+    assert (SCRIPTS / "env.sh").is_symlink()
+    assert (SCRIPTS / "env.sh").resolve() == launch.ENV_SH.resolve()
 
 
 def test_env_sh_matches_bash():
@@ -185,17 +199,15 @@ def test_launch_local_dryrun(capsys, in_repo, tmp_path):
     assert not (tmp_path / "jobs").exists()  # a dry run writes only to a temporary directory
 
 
-def test_launch_gpu_memory_knob(capsys, in_repo):
+def test_launch_gpu_memory_override(capsys, in_repo):
     rc, out, err = _launch(capsys, "--config", G7, "--dryrun", "--gpus-per-node", "4",
-                           "launch.env.OAR_ROLLOUT_GPU_MEMORY_UTILIZATION=0.4", "train.steps=2")
+                           "rollout.gpu_memory_utilization=0.4", "train.steps=2")
     assert rc == 0, err
     assert "--nproc-per-node 4 " in out
     assert ("--config examples/qwen2.5-7b_oar_g.yaml rollout.gpu_memory_utilization=0.4 "
-            "launch.env.OAR_ROLLOUT_GPU_MEMORY_UTILIZATION=0.4 train.steps=2 launch.gpus_per_node=4"
-            ) in out
+            "train.steps=2 launch.gpus_per_node=4") in out
     # and it is validated like any other setting
-    rc, _, err = _launch(capsys, "--config", G7, "--dryrun",
-                         "launch.env.OAR_ROLLOUT_GPU_MEMORY_UTILIZATION=1.5")
+    rc, _, err = _launch(capsys, "--config", G7, "--dryrun", "rollout.gpu_memory_utilization=1.5")
     assert rc == 2 and "rollout.gpu_memory_utilization" in err
 
 
@@ -221,7 +233,6 @@ def test_launch_slurm_dryrun(capsys, in_repo, tmp_path):
                  "export CUDA_DEVICE_MAX_CONNECTIONS=1", "export TORCH_NCCL_AVOID_RECORD_STREAMS=1",
                  "export EXTRA='a b'"):
         assert re.search(f"^{re.escape(line)}$", out, re.M), line
-    assert "OAR_ROLLOUT_GPU_MEMORY_UTILIZATION" not in out  # empty: not exported
     srun = [line for line in out.splitlines() if line.startswith("srun ")]
     assert len(srun) == 1
     assert "torchrun " in srun[0] and "--nnodes 4 --nproc-per-node 8 " in srun[0]

@@ -28,11 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megatron_oar import resources
 from megatron_oar.fileio import atomic_write_text
 from megatron_oar.methods import CREDIT_METHODS
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "examples" / "tiny_chain_cpu.yaml"
+CONFIG = resources.path("tiny_chain_cpu.yaml")  # the testbed config, shipped in the package
 METHODS = CREDIT_METHODS
 
 
@@ -184,7 +184,8 @@ def oracle_run(probe: str, out: Path, sft: Path, config: Path, g: Grid) -> Path:
 
 def _run_one_process(cmd: list[str], log: Path, what: str) -> None:
     """``cmd`` as a one-process torch.distributed world (its own port, one thread, so two run
-    side by side on 2 cores), output appended to ``log``; raises naming ``what`` on failure."""
+    side by side on 2 cores), output appended to ``log``; raises naming ``what`` on failure. It runs
+    in this process's directory, so relative paths (``--out``, ``--config``) mean the same there."""
     import socket
 
     with socket.socket() as sock:
@@ -192,7 +193,7 @@ def _run_one_process(cmd: list[str], log: Path, what: str) -> None:
         port = sock.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     with open(log, "a") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if rc != 0:
         raise RuntimeError(f"{what} failed (exit {rc}); see {log}")
 
