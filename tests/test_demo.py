@@ -1,8 +1,8 @@
 """``oar demo`` end to end, shortened: the tiny model, its warm-up, RL at TP=2, export and plot.
 
-``make demo`` itself (the chain task, ``examples/tiny_chain_cpu.yaml``) is what the README's
-numbers come from; here the same code path runs with 40 warm-up steps and 2 RL steps so a broken
-demo fails the suite.
+``make demo`` itself (the chain task, ``examples/tiny_chain_cpu.yaml``) is what the figures in
+docs/demo.md come from; here the same code path runs with 40 warm-up steps and 2 RL steps so a
+broken demo fails the suite.
 """
 
 from __future__ import annotations
