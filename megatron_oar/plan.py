@@ -191,112 +191,124 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     """The plan for ``cfg`` (a :class:`megatron_oar.config.Config`) on ``nodes`` x
     ``gpus_per_node`` GPUs; lengths default to the config's maxima (the worst case)."""
     a = parse_arch(hf_config, source=source)
-    m, par, t, r, at = cfg.model, cfg.parallel, cfg.train, cfg.rollout, cfg.attribution
+    m, par, t, r = cfg.model, cfg.parallel, cfg.train, cfg.rollout
     world = nodes * gpus_per_node
-    tp, pp = par.tp, par.pp
-    dp = world // (tp * pp)
-    wbytes = 4 if m.dtype == "fp32" else 2
-    flash = m.spec in ("te", "auto")  # auto resolves to TE on a CUDA machine that has it
+    dp = world // (par.tp * par.pp)
     prompt = prompt_tokens if prompt_tokens is not None else cfg.data.max_prompt_tokens
     resp = response_tokens if response_tokens is not None else r.max_new_tokens
     s = prompt + resp
     samples = t.prompts_per_step * t.group_size
-    mbs = t.micro_batch_size
-    microbatches = samples // t.mini_batches // (mbs * dp)
+    microbatches = samples // t.mini_batches // (t.micro_batch_size * dp)
 
-    # --- Megatron's resident state: the heaviest stage
-    stage = [stage_params(a, tp, pp, k, m.vocab_multiple) for k in range(pp)]
-    p_rank = max(stage)
-    linear_rank = (a.num_layers // pp) * linear_weights(a) // tp  # FP8 copies weights, not biases
+    mem = _resident_memory(cfg, a, dp)
+    resident = sum(mem.values())
+    act = _activation_memory(cfg, a, s=s, dp=dp, samples=samples, microbatches=microbatches)
+    mem.update({f"activations: {k}": v for k, v in act.items()})
+    v = _vllm_memory(cfg, a, hw, world=world, samples=samples)
+    # every phase of the trainer's loop (training/phases.py): Megatron's resident state, the
+    # phase's Megatron working set, and what vLLM holds on the GPU then
+    vllm_mem = {ASLEEP: v["asleep"], WEIGHTS: min(v["share"], v["asleep"] + v["weights"]), AWAKE: v["share"]}
+    work = {None: 0.0, "sync": 2.0 * r.bucket_bytes,  # a gathered bucket + its TP shards in flight
+            "forward": act["old-logprob"], "attribution": act["attribution"], "update": act["update"]}
+    phases = {p.name: resident + work[p.megatron] + vllm_mem[p.vllm] + hw.reserve_gib * GIB
+              for p in trainer_phases(cfg)}
+    plan = Plan(
+        model=f"Qwen2, {a.num_layers} layers, hidden {a.hidden_size}",
+        source=source, params_b=total_params(a) / 1e9,
+        layout={"nodes": nodes, "gpus": world, "tp": par.tp, "pp": par.pp, "dp": dp,
+                "sequence_parallel": par.sequence_parallel, "recompute": m.recompute, "fp8": m.fp8,
+                "rollout_tp": r.tp, "engines": v["engines"], "seq_len": s, "sleep_level": r.sleep_level,
+                "micro_batches_per_rank": microbatches},
+        memory_gib={k: x / GIB for k, x in mem.items()},
+        phases_gib={k: x / GIB for k, x in phases.items()},
+        phase_vllm={p.name: p.vllm for p in trainer_phases(cfg)},
+        vllm={"share_gib": v["share"] / GIB, "weights_gib": v["weights"] / GIB,
+              "kv_cache_gib": max(0.0, v["kv_cache"]) / GIB, "kv_tokens": v["kv_tokens"],
+              "sequences_per_engine": v["seqs_per_engine"], "concurrent_sequences": v["concurrent"],
+              "host_offload_gib_per_node": (v["weights"] * gpus_per_node / GIB
+                                            if r.sleep_level == 1 else 0.0)},
+        hardware=asdict(hw))
+    _verdict(plan, cfg, hw, v)
+    if not plan.fits:
+        plan.advice = _advice(plan, cfg, mem, act["update"], act["attribution"])
+    _estimate_time(plan, cfg, a, hw, world=world, samples=samples, prompt=prompt, resp=resp,
+                   engines=v["engines"], concurrent=max(1, v["concurrent"]),
+                   kv_per_token=v["kv_per_token"], vllm_weights=v["weights"])
+    return plan
+
+
+def _resident_memory(cfg, a: QwenArch, dp: int) -> dict[str, float]:
+    """Bytes per GPU of Megatron's resident state on the heaviest pipeline stage."""
+    m, par = cfg.model, cfg.parallel
+    wbytes = 4 if m.dtype == "fp32" else 2
+    p_rank = max(stage_params(a, par.tp, par.pp, k, m.vocab_multiple) for k in range(par.pp))
+    linear_rank = (a.num_layers // par.pp) * linear_weights(a) // par.tp  # FP8 copies weights, not biases
     opt_bytes = (12 if wbytes == 2 else 8) / (dp if cfg.optim.use_distributed_optimizer else 1)
-    mem = {
+    return {
         "weights": p_rank * wbytes,
         "gradients": p_rank * 4,
         "optimizer": p_rank * opt_bytes,
         "fp8 weight copies": linear_rank * 2 if m.fp8 else 0,
         "reference model": p_rank * wbytes if cfg.loss.kl_coef > 0 else 0,
     }
-    resident = sum(mem.values())
 
-    # --- activations of the passes that run while vLLM sleeps
-    sp = par.sequence_parallel
-    act_update = update_activation_bytes(a, s=s, b=mbs, tp=tp, pp=pp, sp=sp, flash=flash,
-                                         recompute=m.recompute, microbatches=microbatches)
-    act_update += logits_bytes(a, s, mbs, tp, m.vocab_multiple)
-    act_forward = (_layer_act_bytes(a, s, mbs, tp, sp, flash)
-                   + logits_bytes(a, s, mbs, tp, m.vocab_multiple))
-    act_attr = 0.0
+
+def _activation_memory(cfg, a: QwenArch, *, s: int, dp: int, samples: int,
+                       microbatches: int) -> dict[str, float]:
+    """Activation bytes per GPU of the passes that run while vLLM sleeps: ``update``,
+    ``old-logprob`` and ``attribution``."""
+    m, par, at = cfg.model, cfg.parallel, cfg.attribution
+    tp, pp, sp, mbs = par.tp, par.pp, par.sequence_parallel, cfg.train.micro_batch_size
+    flash = m.spec in ("te", "auto")  # auto resolves to TE on a CUDA machine that has it
+    update = update_activation_bytes(a, s=s, b=mbs, tp=tp, pp=pp, sp=sp, flash=flash,
+                                     recompute=m.recompute, microbatches=microbatches)
+    update += logits_bytes(a, s, mbs, tp, m.vocab_multiple)
+    forward = _layer_act_bytes(a, s, mbs, tp, sp, flash) + logits_bytes(a, s, mbs, tp, m.vocab_multiple)
+    attr = 0.0
     if cfg.uses_attribution and at.method in ("oar_g", "oar_p_screened"):
-        act_attr = (_layer_act_bytes(a, s, at.micro_batch_size, tp, sp, flash)
-                    * (a.num_layers // pp) * min(pp, max(1, samples // (at.micro_batch_size * dp)))
-                    + 4.0 * s * at.micro_batch_size * a.hidden_size)
+        attr = (_layer_act_bytes(a, s, at.micro_batch_size, tp, sp, flash)
+                * (a.num_layers // pp) * min(pp, max(1, samples // (at.micro_batch_size * dp)))
+                + 4.0 * s * at.micro_batch_size * a.hidden_size)
     if cfg.uses_attribution and at.method in ("oar_p", "oar_p_screened"):  # screened: the larger
-        act_attr = max(act_attr, _layer_act_bytes(a, s, at.perturb_micro_batch_size, tp, sp, flash))
-    mem["activations: update"] = act_update
-    mem["activations: old-logprob"] = act_forward
-    mem["activations: attribution"] = act_attr
+        attr = max(attr, _layer_act_bytes(a, s, at.perturb_micro_batch_size, tp, sp, flash))
+    return {"update": update, "old-logprob": forward, "attribution": attr}
 
-    # --- vLLM
-    rtp = r.tp
-    engines = world // rtp
-    vllm_weights = total_params(a) * 2 / rtp  # vLLM runs bf16 weights, vocab sharded by TP
+
+def _vllm_memory(cfg, a: QwenArch, hw: Hardware, *, world: int, samples: int) -> dict[str, float]:
+    """vLLM's share of a GPU, its weights and KV cache (bytes), what it keeps asleep, and how many
+    sequences each engine runs at once."""
+    r = cfg.rollout
+    engines = world // r.tp
+    weights = total_params(a) * 2 / r.tp  # vLLM runs bf16 weights, vocab sharded by TP
     share = r.gpu_memory_utilization * hw.gpu_mem_gib * GIB
-    kv_heads_rank = max(1, a.num_kv_heads // rtp)
-    kv_per_token = 2 * a.num_layers * kv_heads_rank * a.head_dim * 2
-    kv_cache = share - vllm_weights - VLLM_OVERHEAD_GIB * GIB
+    kv_per_token = 2 * a.num_layers * max(1, a.num_kv_heads // r.tp) * a.head_dim * 2
+    kv_cache = share - weights - VLLM_OVERHEAD_GIB * GIB
     kv_tokens = max(0, int(kv_cache // kv_per_token))
     seqs_per_engine = math.ceil(samples / engines)
-    concurrent = min(seqs_per_engine, r.max_num_seqs, kv_tokens // max(1, r.max_model_len))
-    asleep = VLLM_ASLEEP_GIB * GIB if r.sleep_level >= 1 else share
-    reserve = hw.reserve_gib * GIB
-    # every phase of the trainer's loop (training/phases.py): Megatron's resident state, the
-    # phase's Megatron working set, and what vLLM holds on the GPU then
-    vllm_mem = {ASLEEP: asleep, WEIGHTS: min(share, asleep + vllm_weights), AWAKE: share}
-    work = {None: 0.0, "sync": 2.0 * r.bucket_bytes,  # a gathered bucket + its TP shards in flight
-            "forward": act_forward, "attribution": act_attr, "update": act_update}
-    phases = {p.name: resident + work[p.megatron] + vllm_mem[p.vllm] + reserve
-              for p in trainer_phases(cfg)}
-    plan = Plan(
-        model=f"Qwen2, {a.num_layers} layers, hidden {a.hidden_size}",
-        source=source, params_b=total_params(a) / 1e9,
-        layout={"nodes": nodes, "gpus": world, "tp": tp, "pp": pp, "dp": dp,
-                "sequence_parallel": sp, "recompute": m.recompute, "fp8": m.fp8,
-                "rollout_tp": rtp, "engines": engines, "seq_len": s, "sleep_level": r.sleep_level,
-                "micro_batches_per_rank": microbatches},
-        memory_gib={k: v / GIB for k, v in mem.items()},
-        phases_gib={k: v / GIB for k, v in phases.items()},
-        phase_vllm={p.name: p.vllm for p in trainer_phases(cfg)},
-        vllm={"share_gib": share / GIB, "weights_gib": vllm_weights / GIB,
-              "kv_cache_gib": max(0.0, kv_cache) / GIB, "kv_tokens": kv_tokens,
-              "sequences_per_engine": seqs_per_engine, "concurrent_sequences": concurrent,
-              "host_offload_gib_per_node": (vllm_weights * gpus_per_node / GIB
-                                            if r.sleep_level == 1 else 0.0)},
-        hardware=asdict(hw))
+    return {"engines": engines, "weights": weights, "share": share, "kv_per_token": kv_per_token,
+            "kv_cache": kv_cache, "kv_tokens": kv_tokens, "seqs_per_engine": seqs_per_engine,
+            "concurrent": min(seqs_per_engine, r.max_num_seqs, kv_tokens // max(1, r.max_model_len)),
+            "asleep": VLLM_ASLEEP_GIB * GIB if r.sleep_level >= 1 else share}
 
-    # --- verdict
-    cap = hw.gpu_mem_gib
+
+def _verdict(plan: Plan, cfg, hw: Hardware, v: dict[str, float]) -> None:
+    """Sets ``plan.fits`` and its reasons: a phase over the GPU's memory, or a vLLM share that
+    leaves too little KV cache."""
+    r, cap = cfg.rollout, hw.gpu_mem_gib
     over = {phase: gib for phase, gib in plan.phases_gib.items() if gib > cap}
     if over:
         plan.fits = False
         plan.reasons.append(f"phases {', '.join(over)} need up to {max(over.values()):.1f} GiB "
                             f"per GPU > {cap:g} GiB")
-    if vllm_weights + VLLM_OVERHEAD_GIB * GIB >= share:
+    if v["weights"] + VLLM_OVERHEAD_GIB * GIB >= v["share"]:
         plan.fits = False
         plan.reasons.append(
-            f"vLLM's weights ({vllm_weights / GIB:.1f} GiB at rollout.tp={rtp}) leave no KV cache in "
+            f"vLLM's weights ({v['weights'] / GIB:.1f} GiB at rollout.tp={r.tp}) leave no KV cache in "
             f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of {cap:g} GiB")
-    elif kv_tokens < r.max_model_len:
+    elif v["kv_tokens"] < r.max_model_len:
         plan.fits = False
-        plan.reasons.append(f"vLLM's KV cache holds {kv_tokens} tokens < rollout.max_model_len="
+        plan.reasons.append(f"vLLM's KV cache holds {v['kv_tokens']} tokens < rollout.max_model_len="
                             f"{r.max_model_len}")
-    if not plan.fits:
-        plan.advice = _advice(plan, cfg, mem, act_update, act_attr)
-
-    # --- FLOPs and time
-    _estimate_time(plan, cfg, a, hw, world=world, samples=samples, prompt=prompt, resp=resp,
-                   engines=engines, concurrent=max(1, concurrent), kv_per_token=kv_per_token,
-                   vllm_weights=vllm_weights)
-    return plan
 
 
 def trainer_phases(cfg) -> list[Phase]:
