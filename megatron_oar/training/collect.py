@@ -17,12 +17,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_oar.data import Example, render_prompt
 from megatron_oar.seeds import ROLLOUT, derive_seed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from megatron_oar.data import PromptSampler
+    from megatron_oar.rewards import RewardScorer
+    from megatron_oar.rollout import RolloutEngine
 
 
 @dataclass
@@ -48,14 +56,15 @@ class StepData:
     metrics: dict[str, float]
 
 
-def group_share(engine, n: int) -> range:
+def group_share(engine: RolloutEngine, n: int) -> range:
     """The items ``[0, n)`` this rank's rollout group generates: contiguous, in group order, so
     ``engine.gather`` of the groups' outputs is in item order."""
     per = -(-n // engine.dp_size)
     return range(engine.dp_rank * per, min((engine.dp_rank + 1) * per, n))
 
 
-def generate_samples(engine, tokenizer, prompts: list[Example], template: str, seeds: list[int],
+def generate_samples(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, prompts: list[Example],
+                     template: str, seeds: list[int],
                      **sampling) -> list[Sample]:
     """Collective: every rollout group generates its share of ``prompts`` (``sampling``: the
     engine's ``n``/``temperature``/... overrides); all completions, prompt-major, on every rank."""
@@ -70,7 +79,7 @@ def generate_samples(engine, tokenizer, prompts: list[Example], template: str, s
     return out
 
 
-def score_samples(samples: list[Sample], scorer, group) -> None:
+def score_samples(samples: list[Sample], scorer: RewardScorer, group: dist.ProcessGroup) -> None:
     """Collective: every rank verifies samples ``rank::world``; results are shared with all ranks."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = list(range(rank, len(samples), world))
@@ -87,9 +96,12 @@ def score_samples(samples: list[Sample], scorer, group) -> None:
             samples[i].reward, samples[i].accuracy, samples[i].format, samples[i].status = r, a, f, s
 
 
-def collect(engine, scorer, sampler, tokenizer, *, step: int, group_size: int, template: str,
-            seed: int, dynamic_sampling: bool, max_refill_rounds: int, group) -> StepData:
-    """Collective: the step's ``sampler.batch_size`` groups of ``group_size`` scored completions."""
+def collect(engine: RolloutEngine, scorer: RewardScorer, sampler: PromptSampler,
+            tokenizer: PreTrainedTokenizerBase, *, step: int, group_size: int, template: str,
+            seed: int, dynamic_sampling: bool, max_refill_rounds: int,
+            group: dist.ProcessGroup) -> StepData:
+    """Collective: the step's ``sampler.batch_size`` groups of ``group_size`` scored completions
+    (``group``: a gloo group for the object gathers)."""
     want = sampler.batch_size
     kept: list[list[Sample]] = []
     dropped: list[list[Sample]] = []

@@ -15,11 +15,20 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from megatron_oar.models.model_checkpoint import META_FILE, load_model
 from megatron_oar.models.qwen2 import DTYPES, build_gpt_model
+
+if TYPE_CHECKING:  # megatron-core's optimizer and DDP modules load only when a policy is built
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_oar.config import ModelConfig, OptimConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +41,10 @@ _LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 
 @dataclass
 class Policy:
-    model: object       # megatron DistributedDataParallel around ``gpt``
-    gpt: object         # the GPTModel shard
-    optimizer: object   # megatron MegatronOptimizer (ChainedOptimizer)
-    scheduler: object   # megatron OptimizerParamScheduler
+    model: DistributedDataParallel        # megatron's DDP around ``gpt``
+    gpt: GPTModel                         # this rank's shard
+    optimizer: MegatronOptimizer          # a ChainedOptimizer with the distributed optimizer
+    scheduler: OptimizerParamScheduler
 
 
 def init_checkpoint(model_path: str | Path, run_dir: str | Path, dtype: str) -> Path:
@@ -63,7 +72,7 @@ def init_checkpoint(model_path: str | Path, run_dir: str | Path, dtype: str) -> 
     return out
 
 
-def _optimizer_config(optim, dtype: str):
+def _optimizer_config(optim: OptimConfig, dtype: str):
     from megatron.core.optimizer import OptimizerConfig
 
     return OptimizerConfig(
@@ -75,7 +84,8 @@ def _optimizer_config(optim, dtype: str):
         initial_loss_scale=2.0 ** 16 if dtype == "fp16" else None)
 
 
-def build_scheduler(optimizer, optim, total_optimizer_steps: int):
+def build_scheduler(optimizer: MegatronOptimizer, optim: OptimConfig,
+                    total_optimizer_steps: int) -> OptimizerParamScheduler:
     """Linear warm-up from 0, then constant / cosine / linear decay to ``min_lr`` at the end."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -90,7 +100,7 @@ def build_scheduler(optimizer, optim, total_optimizer_steps: int):
         wd_incr_style="constant")
 
 
-def build_policy(hf_config: dict, model_cfg, optim, *, checkpoint: str | Path,
+def build_policy(hf_config: dict, model_cfg: ModelConfig, optim: OptimConfig, *, checkpoint: str | Path,
                  total_optimizer_steps: int) -> Policy:
     """Collective: the model shard loaded from ``checkpoint``, wrapped for training."""
     from megatron.core.distributed import (
@@ -117,7 +127,7 @@ def build_policy(hf_config: dict, model_cfg, optim, *, checkpoint: str | Path,
     return Policy(model, gpt, optimizer, scheduler)
 
 
-def build_reference(hf_config: dict, model_cfg, checkpoint: str | Path):
+def build_reference(hf_config: dict, model_cfg: ModelConfig, checkpoint: str | Path) -> GPTModel:
     """Collective: a frozen copy of the initial policy for the reference KL (``loss.kl_coef``)."""
     ref = build_gpt_model(hf_config, model_cfg)
     load_model(ref, checkpoint)
