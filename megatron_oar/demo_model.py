@@ -23,7 +23,7 @@ small expression task (``DEMO_TASK``, ``"Compute 7 - 12."``, used by tests as a 
    i.e. worked steps, then the tagged answer that the reward reads. OAR scores the tokens
    before the ``<answer>`` span, so there must be some. On the chain task the warm-up reads
    fresh problems from the task's stream, and ``carry_slip`` makes its teacher drop carries.
-3. ``sampled_accuracy`` / ``greedy_accuracy``: HF ``generate`` on held-out problems, scored by
+3. ``accuracy``: HF ``generate`` on held-out problems (sampled or greedy), scored by
    the project's reward verifier (``answer_tag`` extractor, math-verify), so the number is the
    RL reward's expected value.
 
@@ -310,16 +310,3 @@ def accuracy(hf_dir: Path, *, n_problems: int, samples: int, temperature: float,
     scored = score_batch(responses, refs, RewardConfig(extractors=["answer_tag"], num_workers=1))
     return float(scored.accuracy.mean())
 
-
-def sampled_accuracy(hf_dir: Path, *, n_problems: int, samples: int, temperature: float = 1.0,
-                     max_new_tokens: int = MAX_NEW_TOKENS, seed: int = 0, **kw) -> float:
-    """Expected reward at ``temperature`` on held-out problems (see ``accuracy``)."""
-    return accuracy(hf_dir, n_problems=n_problems, samples=samples, temperature=temperature,
-                    max_new_tokens=max_new_tokens, seed=seed, **kw)
-
-
-def greedy_accuracy(hf_dir: Path, *, n_problems: int, max_new_tokens: int = MAX_NEW_TOKENS,
-                    seed: int = 0, **kw) -> float:
-    """Greedy-decoding accuracy on held-out problems (see ``accuracy``)."""
-    return accuracy(hf_dir, n_problems=n_problems, samples=1, temperature=0.0,
-                    max_new_tokens=max_new_tokens, seed=seed, **kw)
