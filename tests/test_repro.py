@@ -100,6 +100,25 @@ def test_report_from_runs(tmp_path):
     assert "pivot share 12.0%" in text and "| oar_p | 30.0 | 50.0 |" in text
 
 
+def test_publish_names_files_relative_to_docs(tmp_path):
+    out, docs = tmp_path / "out", tmp_path / "docs"
+    out.mkdir()
+    (out / "curves.png").write_bytes(b"png")
+    (out / "repro.md").write_text("## Table 1\n")
+    (out / "report.json").write_text(json.dumps({
+        "runs": 2, "figures": {"curves": str(out / "curves.png")},
+        "settings": {"config": "/somewhere/tiny_chain_cpu.yaml", "wall_seconds": 600.0, "jobs": 2,
+                     "methods": ["grpo"], "seeds": 2, "steps": 3, "ablation_method": "oar_g",
+                     "ablation_seeds": 1}}))
+    runner.publish(out, docs, "oar repro --out out --publish docs")
+    text = (docs / "repro.md").read_text()
+    assert text.startswith("# `oar repro`") and "Made by `oar repro --out out --publish docs` in 10 min" in text
+    assert text.endswith("## Table 1\n") and (docs / "repro" / "curves.png").read_bytes() == b"png"
+    published = json.loads((docs / "repro" / "report.json").read_text())
+    assert published["figures"] == {"curves": "repro/curves.png"}
+    assert published["settings"]["config"] == "tiny_chain_cpu.yaml" and str(tmp_path) not in json.dumps(published)
+
+
 def test_finished_runs_are_not_redone(tmp_path, monkeypatch):
     spec = runner.grid(runner.GRIDS["tiny"])[0]
     _write_run(tmp_path, spec, {0: 0.1, 4: 0.2}, 0.5, 1.0)

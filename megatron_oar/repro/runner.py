@@ -253,12 +253,16 @@ def publish(out: Path, docs: Path, command: str) -> Path:
     import shutil
 
     rep = json.loads((out / "report.json").read_text())
+    # the published copy names files relative to docs/, not where this machine kept them
+    rep["figures"] = {k: f"repro/{Path(v).name}" for k, v in rep.get("figures", {}).items()}
+    rep["settings"]["config"] = Path(rep["settings"]["config"]).name
     assets = docs / "repro"
     assets.mkdir(parents=True, exist_ok=True)
-    for name in ("curves.png", "recall.png", "report.json"):
+    for name in ("curves.png", "recall.png"):
         if (out / name).is_file():
             shutil.copyfile(out / name, assets / f".{name}.tmp")
             (assets / f".{name}.tmp").replace(assets / name)
+    atomic_write_text(assets / "report.json", json.dumps(rep, indent=1))
     s = rep["settings"]
     head = ["# `oar repro`: the paper in miniature on the chain testbed", "",
             f"Made by `{command}` in {s['wall_seconds'] / 60:.0f} min of wall time on a 2-core CPU "
