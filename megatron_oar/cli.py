@@ -5,7 +5,7 @@
                                    validate for the cluster, then start via nemo-run (torchrun/Slurm)
     oar plan --config X.yaml [--nodes N --gpus-per-node G --gpu-mem-gib M] [key=value ...]
                                    memory per GPU, FLOPs and step time; does it fit?
-    oar eval --model M --benchmarks aime24,aime25,amc23,math500,gsm8k --data-dir D [--n 32 --k 1,32]
+    oar eval [--config X.yaml] eval.model=M eval.data_dir=D [eval.n=32 eval.k=[1,32] ...] [--nproc-per-node N]
                                    pass@k per benchmark + average, Markdown (Table 1) and JSON
     oar analyze oracle --config X.yaml --model M [--trajectories 500] [--out DIR]
                                    causal-token oracle + recall of OAR-P/OAR-G/entropy/random

