@@ -111,6 +111,11 @@ class DataConfig:
     limit: int | None = None         # read at most this many training examples
     synthetic: SyntheticConfig | None = None  # {n, seed, operators, ...}: arithmetic, no files
 
+    @property
+    def has_eval_set(self) -> bool:
+        """Evaluation problems exist: ``eval_files``, or the synthetic task's held-out draw."""
+        return bool(self.eval_files) or (self.synthetic is not None and self.synthetic.eval_n > 0)
+
 
 @dataclass
 class AdvantageConfig:
@@ -203,7 +208,7 @@ class LaunchConfig:
     gpus_per_node: int = 8
     gpu_mem_gib: float = 80.0         # per GPU (H100 SXM: 80)
     executor: str = "local"           # local (torchrun on this node) | slurm
-    env: dict[str, str] = field(default_factory=dict)  # on top of launch_scripts/env.sh
+    env: dict[str, str] = field(default_factory=dict)  # on top of env.sh's defaults (megatron_oar/resources)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     @property
@@ -405,9 +410,19 @@ def validate(cfg: Config, world_size: int | None = None, hf_config: dict | None 
     context length. ``model.spec=auto`` is resolved for the machine this runs on.
     """
     cfg.sync()
-    m, p, d, r, t, o = cfg.model, cfg.parallel, cfg.data, cfg.rollout, cfg.train, cfg.optim
+    dp = _check_model_and_layout(cfg, world_size)
+    _check_batches(cfg, dp)
+    _check_data(cfg)
+    if hf_config is not None:
+        _check_model_shape(cfg, hf_config)
+    _check_algorithm(cfg)
+    _check_optimizer_and_run(cfg)
+    _warn_mismatches(cfg)
 
-    # model and layout
+
+def _check_model_and_layout(cfg: Config, world_size: int | None) -> int:
+    """model.*, parallel.*, rollout.*; returns the data-parallel size (1 without a world size)."""
+    m, p, r = cfg.model, cfg.parallel, cfg.rollout
     _need(bool(m.path), "model.path: not set (an HF model dir or an oar-convert checkpoint dir)")
     _one_of("model.spec", m.spec, ("auto", "local", "te"))
     _one_of("model.dtype", m.dtype, tuple(DTYPES))
@@ -432,8 +447,12 @@ def validate(cfg: Config, world_size: int | None = None, hf_config: dict | None 
           "runs over TP x DP at each FP8 autocast exit. Set attribution.allow_fp8=false "
           "(attribution in bf16, the default) or use a layout with DP=1")
     _component(r.validate, world_size)
+    return dp
 
-    # batch arithmetic
+
+def _check_batches(cfg: Config, dp: int) -> None:
+    """train.*: the step's samples divide into mini-batches and micro-batches over DP."""
+    t = cfg.train
     _at_least(cfg, "train.steps train.prompts_per_step train.micro_batch_size train.mini_batches "
                    "train.ppo_epochs train.max_nonfinite_steps")
     _at_least(cfg, "train.group_size", 2)  # a group of one always has zero advantage
@@ -454,7 +473,10 @@ def validate(cfg: Config, world_size: int | None = None, hf_config: dict | None 
           + (f" in {t.mini_batches} mini-batches of {mini}" if t.mini_batches > 1 else "")
           + f" is not divisible by train.micro_batch_size*DP = {t.micro_batch_size}*{dp}")
 
-    # data and lengths
+
+def _check_data(cfg: Config) -> None:
+    """data.*: one source of training problems, an eval set where evaluations run, lengths."""
+    d, r, t = cfg.data, cfg.rollout, cfg.train
     _need(bool(d.train_files) != (d.synthetic is not None),
           "data.train_files and data.synthetic: set exactly one (dataset files or the arithmetic task)")
     _one_of("data.fields", d.fields, ("auto", *PRESETS))
@@ -469,27 +491,31 @@ def validate(cfg: Config, world_size: int | None = None, hf_config: dict | None 
         _need(d.synthetic.n >= t.prompts_per_step, f"data.synthetic.n={d.synthetic.n}: fewer problems "
                                                    f"than train.prompts_per_step={t.prompts_per_step}")
         _need(d.synthetic.eval_n >= 0, f"data.synthetic.eval_n={d.synthetic.eval_n}: must be >= 0")
-    has_eval = bool(d.eval_files) or (d.synthetic is not None and d.synthetic.eval_n > 0)
-    _need(not t.eval_interval or has_eval,
+    _need(not t.eval_interval or d.has_eval_set,
           f"train.eval_interval={t.eval_interval} needs an eval set: data.eval_files, or "
           "data.synthetic.eval_n > 0 for the arithmetic task")
     _need(d.max_prompt_tokens + r.max_new_tokens <= r.max_model_len,
           f"data.max_prompt_tokens + rollout.max_new_tokens = {d.max_prompt_tokens}+{r.max_new_tokens} "
           f"exceeds rollout.max_model_len={r.max_model_len}")
 
-    # the model's shape
-    if hf_config is not None:
-        try:
-            arch = parse_arch(hf_config, source=f"{m.path or 'model'}/config.json")
-            check_layout(arch, p.tp, p.pp, m.vocab_multiple, flag="parallel.tp")
-            check_layout(arch, r.tp, 1, m.vocab_multiple, flag="rollout.tp")
-        except ModelConfigError as e:
-            raise ConfigError(str(e)) from None
-        _need(r.max_model_len <= arch.max_position_embeddings,
-              f"rollout.max_model_len={r.max_model_len} exceeds the model's "
-              f"max_position_embeddings={arch.max_position_embeddings}")
 
-    # algorithm
+def _check_model_shape(cfg: Config, hf_config: dict) -> None:
+    """TP/PP against the model's heads, KV groups and layers; the context against its positions."""
+    m, p, r = cfg.model, cfg.parallel, cfg.rollout
+    try:
+        arch = parse_arch(hf_config, source=f"{m.path or 'model'}/config.json")
+        check_layout(arch, p.tp, p.pp, m.vocab_multiple, flag="parallel.tp")
+        check_layout(arch, r.tp, 1, m.vocab_multiple, flag="rollout.tp")
+    except ModelConfigError as e:
+        raise ConfigError(str(e)) from None
+    _need(r.max_model_len <= arch.max_position_embeddings,
+          f"rollout.max_model_len={r.max_model_len} exceeds the model's "
+          f"max_position_embeddings={arch.max_position_embeddings}")
+
+
+def _check_algorithm(cfg: Config) -> None:
+    """attribution, loss, advantage and rewards settings that need each other."""
+    m = cfg.model
     answer_probe = cfg.uses_attribution and cfg.attribution.probe.kind.startswith("answer")
     _need(not answer_probe or bool(m.tokenizer or m.path),
           f"attribution.probe.kind={cfg.attribution.probe.kind!r} (credit={cfg.credit}) needs a "
@@ -499,7 +525,10 @@ def validate(cfg: Config, world_size: int | None = None, hf_config: dict | None 
     _need(cfg.advantage.eps >= 0, f"advantage.eps={cfg.advantage.eps}: must be >= 0")
     _component(cfg.rewards.validate)
 
-    # optimizer, checkpoints, logs
+
+def _check_optimizer_and_run(cfg: Config) -> None:
+    """optim.*, checkpoint.*, log.*, launch.*."""
+    o = cfg.optim
     _need(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
     _need(0 <= o.min_lr <= o.lr, f"optim.min_lr={o.min_lr}: must be in [0, optim.lr={o.lr}]")
     _one_of("optim.lr_schedule", o.lr_schedule, LR_SCHEDULES)
@@ -515,7 +544,6 @@ def validate(cfg: Config, world_size: int | None = None, hf_config: dict | None 
     _one_of("launch.executor", cfg.launch.executor, EXECUTORS)
     _need(bool(re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}", cfg.launch.slurm.time)),
           f"launch.slurm.time={cfg.launch.slurm.time!r}: expected HH:MM:SS or D-HH:MM:SS")
-    _warn_mismatches(cfg)
 
 
 def _warn_mismatches(cfg: Config) -> None:

@@ -198,11 +198,6 @@ def oracle_labels(engine, scorer, tokenizer, trajs: list[Trajectory], scored: li
 
 # ------------------------------------------------------------------------------ the command
 
-def has_eval_set(cfg) -> bool:
-    d = cfg.data
-    return bool(d.eval_files) or (d.synthetic is not None and d.synthetic.eval_n > 0)
-
-
 def _examples(cfg, tokenizer, split: str):
     from megatron_oar.training.evaluate import load_eval_examples
     from megatron_oar.training.inputs import load_examples
@@ -302,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--trajectories and --samples-per-prompt must be >= 1")
         overrides = [*args.overrides, *([f"model.path={args.model}"] if args.model else [])]
         cfg = load_config(args.config, overrides)
-        if args.split == "eval" and not has_eval_set(cfg):
+        if args.split == "eval" and not cfg.data.has_eval_set:
             raise ConfigError(f"--split eval: {args.config} has no eval set (data.eval_files, or "
                               "data.synthetic.eval_n > 0); add one or use --split train")
         validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)),
