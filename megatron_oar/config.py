@@ -35,6 +35,7 @@ from megatron_oar.eval_config import EvalConfig
 from megatron_oar.fileio import atomic_write_text
 from megatron_oar.log_setup import LEVELS as LOG_LEVELS
 from megatron_oar.methods import ATTRIBUTION_METHODS, CREDIT_METHODS, shaping_scheme
+from megatron_oar.models.micro_batches import BATCHINGS
 from megatron_oar.models.model_checkpoint import HF_DIR, META_FILE
 from megatron_oar.models.qwen2 import (
     DTYPES,
@@ -144,7 +145,10 @@ class TrainConfig:
     steps: int = 100                # policy-update steps (one rollout batch each)
     prompts_per_step: int = 64      # prompts per step; each gets group_size completions
     group_size: int = 8             # G completions per prompt (copied into rollout.n)
-    micro_batch_size: int = 4       # sequences per micro-batch per DP rank (logprob + update passes)
+    micro_batch_size: int = 4       # sequences per micro-batch per DP rank (batching=padded)
+    batching: str = "token_budget"  # token_budget | padded: how the logprob and update passes group rows
+    max_tokens_per_micro_batch: int | None = None  # token_budget's padded tokens per micro-batch;
+    #                                 null: micro_batch_size x (data.max_prompt_tokens + rollout.max_new_tokens)
     mini_batches: int = 1           # optimizer steps per PPO epoch (the step's samples split evenly)
     ppo_epochs: int = 1             # passes over the step's samples
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill them
@@ -254,6 +258,13 @@ class Config:
     @property
     def uses_attribution(self) -> bool:
         return credit_scheme(self.credit)[1] is not None
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """The token budget of a micro-batch (``train.batching=token_budget``)."""
+        t = self.train
+        return t.max_tokens_per_micro_batch or t.micro_batch_size * (
+            self.data.max_prompt_tokens + self.rollout.max_new_tokens)
 
 
 # ----------------------------------------------------------------------------------- loading
@@ -456,6 +467,9 @@ def _check_batches(cfg: Config, dp: int) -> None:
     _at_least(cfg, "train.steps train.prompts_per_step train.micro_batch_size train.mini_batches "
                    "train.ppo_epochs train.max_nonfinite_steps")
     _at_least(cfg, "train.group_size", 2)  # a group of one always has zero advantage
+    _one_of("train.batching", t.batching, BATCHINGS)
+    _need(t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch >= 1,
+          f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch}: must be >= 1 or null")
     _at_least(cfg, "train.max_refill_rounds train.eval_interval", 0)
     _at_least(cfg, "train.eval_n")
     _need(t.eval_temperature >= 0, f"train.eval_temperature={t.eval_temperature}: must be >= 0")

@@ -258,7 +258,10 @@ def _activation_memory(cfg, a: QwenArch, *, s: int, dp: int, samples: int,
     """Activation bytes per GPU of the passes that run while vLLM sleeps: ``update``,
     ``old-logprob`` and ``attribution``."""
     m, par, at = cfg.model, cfg.parallel, cfg.attribution
-    tp, pp, sp, mbs = par.tp, par.pp, par.sequence_parallel, cfg.train.micro_batch_size
+    tp, pp, sp = par.tp, par.pp, par.sequence_parallel
+    # rows of a full-length micro-batch: token budgets hold micro_batch_tokens padded tokens
+    mbs = (cfg.micro_batch_tokens / s if cfg.train.batching == "token_budget"
+           else cfg.train.micro_batch_size)
     flash = m.spec in ("te", "auto")  # auto resolves to TE on a CUDA machine that has it
     update = update_activation_bytes(a, s=s, b=mbs, tp=tp, pp=pp, sp=sp, flash=flash,
                                      recompute=m.recompute, microbatches=microbatches)

@@ -35,7 +35,9 @@ from megatron.core import parallel_state as ps
 from megatron_oar.algorithms import assign_credit, credit_metrics, group_advantages
 from megatron_oar.attribution import SpanFinder, compute_importance, locate_probes
 from megatron_oar.config import Config, save_config, validate
+from megatron_oar.models.micro_batches import micro_batches, token_slots
 from megatron_oar.models.model_checkpoint import CheckpointMeta
+from megatron_oar.models.padding import padded_length, sequence_multiple
 from megatron_oar.models.qwen2 import read_hf_config
 from megatron_oar.seeds import RANDOM_CREDIT, derive_seed
 from megatron_oar.training import step_checkpoint as ckpt
@@ -157,11 +159,12 @@ class Trainer:
         if cfg.uses_attribution:
             sites = locate_probes(batch, cfg.attribution.probe, step, self.finder,
                                   eos_ids={self.tokenizer.eos_token_id, *cfg.rollout.stop_token_ids})
+        grouping = {"batching": cfg.train.batching, "max_tokens": cfg.micro_batch_tokens}
         with lg.phase("logprob"):
             batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(
-                self.policy.model, batch, vocab, mbs, sites=sites)
+                self.policy.model, batch, vocab, mbs, sites=sites, **grouping)
             if self.reference is not None:
-                batch.ref_logprobs = reference_logprobs(self.reference, batch, vocab, mbs)
+                batch.ref_logprobs = reference_logprobs(self.reference, batch, vocab, mbs, **grouping)
 
         importance = score_mask = None
         attr_stats: dict[str, float] = {}
@@ -222,7 +225,8 @@ class Trainer:
             for m in range(t.mini_batches):
                 mini = batch.select(list(range(m * per, (m + 1) * per)))
                 results.append(update_step(self.policy, mini, self.cfg.loss, self.arch.vocab_size,
-                                           t.micro_batch_size))
+                                           t.micro_batch_size, batching=t.batching,
+                                           max_tokens=self.cfg.micro_batch_tokens))
         skipped = sum(not r.applied and not r.overflow for r in results)
         self.loss_scale_overflows += sum(r.overflow for r in results)
         self.nonfinite_total += skipped
@@ -259,6 +263,7 @@ class Trainer:
             "tokens/sequence": batch.lengths.sum().float(),
             "tokens/response": (batch.lengths - batch.prompt_lens).sum().float(),
             "tokens/sequences": torch.tensor(float(batch.lengths.numel())),
+            **self.padding_fractions(batch),
         }
         keys = sorted(local)
         vec = torch.stack([torch.as_tensor(local[k], dtype=torch.float64).to(mask.device) for k in keys])
@@ -276,6 +281,26 @@ class Trainer:
         if self.policy.gpt.config.fp16:
             out["guard/loss_scale_overflows"] = float(self.loss_scale_overflows)
         return out
+
+    def padding_fractions(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+        """``perf/padding_fraction_{logprob,update}``: the share of the token slots the two passes
+        process that are padding, with the step's micro-batch grouping (``train.batching``)."""
+        t, lengths = self.cfg.train, batch.lengths.tolist()
+        multiple = sequence_multiple(self.policy.gpt.config)
+        kw = {"batching": t.batching, "rows_per_micro": t.micro_batch_size,
+              "max_tokens": self.cfg.micro_batch_tokens, "multiple": multiple}
+
+        def slots(rows: range) -> tuple[int, int]:  # (processed, real)
+            sub = [lengths[i] for i in rows]
+            width = padded_length(max(sub), multiple) if t.batching == "padded" else None
+            return token_slots(sub, micro_batches(sub, **kw), multiple, width)
+
+        per = batch.size // t.mini_batches
+        update = [slots(range(m * per, (m + 1) * per)) for m in range(t.mini_batches)]
+        logprob = slots(range(batch.size))
+        return {"perf/padding_fraction_logprob": torch.tensor(1.0 - logprob[1] / logprob[0]),
+                "perf/padding_fraction_update": torch.tensor(
+                    1.0 - sum(r for _, r in update) / sum(p for p, _ in update))}
 
     # ------------------------------------------------------------------ checkpoints, export
 

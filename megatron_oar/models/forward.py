@@ -12,6 +12,7 @@ trimmed back before ``fn`` sees them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -20,10 +21,25 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
+from megatron_oar.models.parallel import unwrap
 
 
 def position_ids_for(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+
+
+@contextlib.contextmanager
+def variable_shapes(model, on: bool):
+    """Micro-batches of different shapes through megatron's schedule: with pipeline parallelism
+    the stages then exchange each activation's shape before it (``variable_seq_lengths``);
+    restored afterwards. Without pipeline parallelism shapes may differ anyway."""
+    config = unwrap(model).config
+    before = config.variable_seq_lengths
+    config.variable_seq_lengths = before or (on and parallel_state.get_pipeline_model_parallel_world_size() > 1)
+    try:
+        yield
+    finally:
+        config.variable_seq_lengths = before
 
 
 @torch.no_grad()
@@ -35,41 +51,69 @@ def forward_map(model, tokens: torch.Tensor, fn: Callable[[torch.Tensor, torch.T
     on tokens padded to the model's sequence multiple, trimmed back to ``S`` for ``fn``). Runs in
     eval mode (the previous mode is restored); the result is on the last pipeline stage, else None.
     """
-    b, s = tokens.shape
+    b = tokens.shape[0]
     mbs = micro_batch_size or b
     if b % mbs:
         raise ValueError(f"batch {b} is not divisible by micro_batch_size {mbs}")
-    length = padded_length(s, sequence_multiple(model.config))
-    micro = list(torch.split(pad_to(tokens, length), mbs))
+    outputs = forward_micros(model, list(torch.split(tokens, mbs)), fn)
+    return None if outputs is None else torch.cat(outputs)
+
+
+@torch.no_grad()
+def forward_rows(model, tokens: torch.Tensor, lengths: list[int], groups: list[list[int]],
+                 fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """Like :func:`forward_map`, with micro-batches of the rows ``groups``
+    (``models.micro_batches``), each cut to its own longest row: ``fn`` returns ``[m, ..., s]``
+    per micro-batch (the sequence last), and the result is ``[B, ..., S]`` in row order, zero
+    past each micro-batch's width. On the last pipeline stage, else None."""
+    micros = [tokens[g, :max(lengths[i] for i in g)] for g in groups]
+    outputs = forward_micros(model, micros, fn)
+    if outputs is None:
+        return None
+    full = outputs[0].new_zeros((tokens.shape[0], *outputs[0].shape[1:-1], tokens.shape[1]))
+    for g, out in zip(groups, outputs):
+        full[torch.tensor(g, device=full.device), ..., :out.shape[-1]] = out
+    return full
+
+
+def forward_micros(model, micros: list[torch.Tensor],
+                   fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor] | None:
+    """``[fn(logits, micro) for micro in micros]`` through megatron's schedule, forward only, in
+    eval mode; each ``micro [m, s]`` runs padded to the sequence multiple, ``fn`` sees the logits
+    trimmed back to ``s``. Micro-batches may differ in shape. The last pipeline stage gets the
+    list, the others None."""
+    multiple = sequence_multiple(model.config)
     outputs: list[torch.Tensor] = []
 
     def step(data_iter, m):
-        batch = next(data_iter)
+        micro = next(data_iter)
+        s = micro.shape[1]
+        batch = pad_to(micro, padded_length(s, multiple))
         logits = m(batch, position_ids_for(batch), attention_mask=None)
 
         def collect(out):
-            outputs.append(fn(trim(out, s), trim(batch, s)))
+            outputs.append(fn(trim(out, s), micro))
             return torch.zeros((), device=out.device), {}
 
         return logits, collect
 
+    shapes = {(m.shape[0], padded_length(m.shape[1], multiple)) for m in micros}
     was_training = model.training
     model.eval()
     try:
-        get_forward_backward_func()(
-            forward_step_func=step,
-            data_iterator=iter(micro),
-            model=[model],
-            num_microbatches=len(micro),
-            seq_length=length,
-            micro_batch_size=mbs,
-            forward_only=True,
-        )
+        with variable_shapes(model, len(shapes) > 1):
+            get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=iter(micros),
+                model=[model],
+                num_microbatches=len(micros),
+                seq_length=max(w for _, w in shapes),
+                micro_batch_size=max(r for r, _ in shapes),
+                forward_only=True,
+            )
     finally:
         model.train(was_training)
-    if not parallel_state.is_pipeline_last_stage():
-        return None
-    return torch.cat(outputs)
+    return outputs if parallel_state.is_pipeline_last_stage() else None
 
 
 def forward_logits(model, tokens: torch.Tensor, micro_batch_size: int | None = None,

@@ -25,7 +25,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_oar.algorithms import PolicyLossConfig, ppo_clip_loss
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
 from megatron_oar.models import vocab_parallel as vp
-from megatron_oar.models.forward import forward_map, position_ids_for
+from megatron_oar.models.forward import forward_map, forward_rows, position_ids_for, variable_shapes
+from megatron_oar.models.micro_batches import micro_batches
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 from megatron_oar.models.parallel import broadcast_from_stage
 from megatron_oar.training.inputs import TrainBatch
@@ -38,46 +39,69 @@ def _shifted(values: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def old_logprob_pass(model, batch: TrainBatch, vocab_size: int, micro_batch_size: int, *,
-                     sites: ProbeSites | None = None) -> tuple[torch.Tensor, torch.Tensor, ProbeOutput | None]:
-    """``(logprobs [B, L], entropy [B, L], teacher)`` under the current weights, forward only.
+                     sites: ProbeSites | None = None, batching: str = "padded",
+                     max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, ProbeOutput | None]:
+    """``(logprobs [B, L], entropy [B, L], teacher)`` under the current weights, forward only,
+    in micro-batches as :func:`update_step` groups them.
 
     Log-probs and entropies are returned on every pipeline stage (broadcast from the last);
     the teacher (vocab-parallel, ``sites`` order) exists on the last stage only, else None.
     """
-    positions: list[torch.Tensor] = []
-    mbs = micro_batch_size
+    groups = _groups(model, batch, micro_batch_size, batching, max_tokens)
+    picked: list[tuple[torch.Tensor, torch.Tensor]] = []  # (site indices, their logits)
     counter = [0]
 
     def per_micro(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        k = counter[0]
+        rows = groups[counter[0]]
         counter[0] += 1
         if sites is not None:
-            sel = (sites.row >= k * mbs) & (sites.row < (k + 1) * mbs)
-            rows, pos = (sites.row[sel] - k * mbs).to(logits.device), sites.pos[sel].to(logits.device)
-            positions.append(logits[rows, pos].float())
+            local = {r: j for j, r in enumerate(rows)}
+            idx = [k for k, r in enumerate(sites.row.tolist()) if r in local]
+            at = torch.tensor([local[int(sites.row[k])] for k in idx], dtype=torch.long, device=logits.device)
+            pos = sites.pos[idx].to(logits.device)
+            picked.append((torch.tensor(idx, dtype=torch.long), logits[at, pos].float()))
         lp = vp.target_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size)
         ent = vp.entropy(logits[:, :-1], vocab_size)
         return torch.stack([_shifted(lp.float()), _shifted(ent.float())], dim=1)
 
-    out = forward_map(model, batch.tokens, per_micro, mbs)
+    out = _run_grouped(model, batch, groups, batching, per_micro)
     if out is None:  # not the last pipeline stage
         out = torch.zeros(batch.size, 2, batch.tokens.shape[1], dtype=torch.float32,
                           device=batch.tokens.device)
     out = broadcast_from_stage(out.contiguous(), first=False)
     teacher = None
     if sites is not None and ps.is_pipeline_last_stage():
-        teacher = ProbeOutput.from_position_logits(torch.cat(positions), sites, vocab_size)
+        order = torch.cat([i for i, _ in picked]).argsort()  # back to the sites' order
+        positions = torch.cat([x for _, x in picked])
+        positions = positions[order.to(positions.device)]
+        teacher = ProbeOutput.from_position_logits(positions, sites, vocab_size)
     return out[:, 0], out[:, 1], teacher
 
 
-def reference_logprobs(ref_model, batch: TrainBatch, vocab_size: int, micro_batch_size: int) -> torch.Tensor:
+def reference_logprobs(ref_model, batch: TrainBatch, vocab_size: int, micro_batch_size: int, *,
+                       batching: str = "padded", max_tokens: int | None = None) -> torch.Tensor:
     """``[B, L]`` log-probs of the sampled tokens under the frozen reference model."""
-    out = forward_map(ref_model, batch.tokens,
-                      lambda logits, tokens: _shifted(vp.target_logprobs(
-                          logits[:, :-1], tokens[:, 1:], vocab_size).float()), micro_batch_size)
+    groups = _groups(ref_model, batch, micro_batch_size, batching, max_tokens)
+    out = _run_grouped(ref_model, batch, groups, batching,
+                       lambda logits, tokens: _shifted(vp.target_logprobs(
+                           logits[:, :-1], tokens[:, 1:], vocab_size).float()))
     if out is None:
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
     return broadcast_from_stage(out.contiguous(), first=False)
+
+
+def _groups(model, batch: TrainBatch, micro_batch_size: int, batching: str,
+            max_tokens: int | None) -> list[list[int]]:
+    return micro_batches(batch.lengths.tolist(), batching=batching, rows_per_micro=micro_batch_size,
+                         max_tokens=max_tokens, multiple=sequence_multiple(model.config))
+
+
+def _run_grouped(model, batch: TrainBatch, groups: list[list[int]], batching: str, fn):
+    """The forward pass over ``groups``: the padded path runs consecutive rows at the batch's
+    full width (``forward_map``), token budgets each group at its own (``forward_rows``)."""
+    if batching == "padded":
+        return forward_map(model, batch.tokens, fn, len(groups[0]))
+    return forward_rows(model, batch.tokens, batch.lengths.tolist(), groups, fn)
 
 
 @dataclass
@@ -96,30 +120,37 @@ def _global_counts(mask: torch.Tensor, group) -> tuple[int, int]:
 
 
 def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_size: int,
-                micro_batch_size: int) -> StepResult:
+                micro_batch_size: int, *, batching: str = "padded",
+                max_tokens: int | None = None) -> StepResult:
     """One optimizer step on ``batch`` (this DP rank's share of one mini-batch).
 
-    The loss is the exact mini-batch loss of Eq. 18 (token / sequence counts are global over DP),
-    so micro-batching and DP change nothing but rounding. Collective over the world.
+    Micro-batches as ``models.micro_batches`` groups them (``batching``: ``padded``, rows of
+    ``micro_batch_size`` padded to the longest; ``token_budget``, at most ``max_tokens`` padded
+    tokens each, padded to their own longest). The loss is the exact mini-batch loss of Eq. 18
+    (token / sequence counts are global over DP), so the grouping and DP change nothing but
+    rounding. Collective over the world.
     """
     model, optimizer = policy.model, policy.optimizer
-    mbs = micro_batch_size
-    n_micro = batch.size // mbs
+    multiple = sequence_multiple(model.config)
+    groups = micro_batches(batch.lengths.tolist(), batching=batching, rows_per_micro=micro_batch_size,
+                           max_tokens=max_tokens, multiple=multiple)
+    micros = [batch.select(g) for g in groups]  # each trimmed to its own longest row
+    if batching == "padded":
+        width = max(m.tokens.shape[1] for m in micros)
+        micros = [_pad_to(m, width) for m in micros]
+    n_micro = len(micros)
     dp_group = ps.get_data_parallel_group()
     num_tokens, num_seqs = _global_counts(batch.loss_mask, dp_group)
     # megatron's schedule divides each micro-batch loss by n_micro and DDP averages over DP; the
     # loss below is already normalised by the global counts, so undo both.
     scale = n_micro * ps.get_data_parallel_world_size()
     want_entropy = loss_cfg.entropy_coef > 0
-    micros = [batch.select(range(i, i + mbs)) for i in range(0, batch.size, mbs)]
-    seq_len = max(m.tokens.shape[1] for m in micros)
-    micros = [_pad_to(m, seq_len) for m in micros]
-    padded = padded_length(seq_len, sequence_multiple(model.config))
     sums = torch.zeros(2, dtype=torch.float64, device=batch.tokens.device)  # loss, finite flag
 
     def step(data_iter, chunk):
         micro = next(data_iter)
-        tokens = pad_to(micro.tokens, padded)
+        seq_len = micro.tokens.shape[1]
+        tokens = pad_to(micro.tokens, padded_length(seq_len, multiple))
         logits = chunk(tokens, position_ids_for(tokens), attention_mask=None)
 
         def loss_func(out):
@@ -138,9 +169,12 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
 
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    records = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter(micros), model=[model],
-        num_microbatches=n_micro, seq_length=padded, micro_batch_size=mbs, forward_only=False)
+    shapes = {(m.size, padded_length(m.tokens.shape[1], multiple)) for m in micros}
+    with variable_shapes(model, len(shapes) > 1):
+        records = get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(micros), model=[model],
+            num_microbatches=n_micro, seq_length=max(w for _, w in shapes),
+            micro_batch_size=max(r for r, _ in shapes), forward_only=False)
 
     # megatron's optimizer.step(), split so the non-finite guard sits between gradient
     # preparation and the update. prepare_grads runs once: with fp16 it unscales the gradients

@@ -1,0 +1,192 @@
+"""Token-budget micro-batches (``models/micro_batches.py``, ``train.batching``).
+
+The grouping itself on plain lengths; then the trainer's Megatron passes (old-logprob with the
+probe teacher, reference log-probs, one ``update_step``) run with ``padded`` and with
+``token_budget`` micro-batches on the same rows at TP1, TP2, PP2 and DP2: log-probs, entropies,
+the teacher, the loss, the gradients and the updated weights agree at fp32 rounding, and the
+token-budget pass ran micro-batches of several shapes, narrower than the padded ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoints_convert.convert import hf_to_megatron
+from megatron_oar.models.micro_batches import micro_batches, padding_fraction, token_slots
+from tests.distributed import launch
+from tests.test_attribution import SEQ_ADV, make_batch
+from tests.test_padding import _probe, _record_lengths
+from tests.tiny import make_tiny_qwen2
+
+BUDGET = 60  # padded tokens per micro-batch: the 5 test rows (widths 13..29) fall into 3 groups
+TOL = 1e-5
+LR = 1e-3  # OptimConfig(lr=...) below
+
+
+# ----------------------------------------------------------------------------- the grouping
+
+def test_token_budget_groups():
+    lengths = [10, 40, 12, 38, 11, 9, 25]
+    groups = micro_batches(lengths, batching="token_budget", rows_per_micro=2, max_tokens=80)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # every row once
+    for g in groups:  # longest first, and within the budget (or alone)
+        width = max(lengths[i] for i in g)
+        assert len(g) == 1 or len(g) * width <= 80
+        assert lengths[g[0]] == width
+    assert groups == [[1, 3], [6, 2, 4], [0, 5]]
+    # the sequence multiple rounds each group's width up: 16 -> 48 per row for the longest
+    assert micro_batches(lengths, batching="token_budget", rows_per_micro=2, max_tokens=80,
+                         multiple=16)[0] == [1]
+    # a row longer than the budget gets a micro-batch of its own
+    assert micro_batches([100, 5, 5], batching="token_budget", rows_per_micro=2, max_tokens=50) == [[0], [1, 2]]
+
+
+def test_padded_groups_and_errors():
+    assert micro_batches([5, 9, 3, 4], batching="padded", rows_per_micro=2) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="not divisible by micro_batch_size 3"):
+        micro_batches([5, 9, 3, 4], batching="padded", rows_per_micro=3)
+    with pytest.raises(ValueError, match="needs max_tokens >= 1"):
+        micro_batches([5], batching="token_budget", rows_per_micro=1)
+    with pytest.raises(ValueError, match="batching must be one of"):
+        micro_batches([5], batching="dynamic", rows_per_micro=1)
+
+
+def test_padding_fraction_drops_with_token_budgets():
+    """Lengths spread 4:1, as reasoning rollouts do: padding to the longest wastes a third or
+    more; token budgets leave a few percent."""
+    g = torch.Generator().manual_seed(0)
+    lengths = (torch.rand(256, generator=g) * 300 + 100).long().tolist()  # 100..400 tokens
+    padded = micro_batches(lengths, batching="padded", rows_per_micro=8)
+    budget = micro_batches(lengths, batching="token_budget", rows_per_micro=8, max_tokens=8 * 400)
+    assert padding_fraction(lengths, padded, width=max(lengths)) > 0.3
+    assert padding_fraction(lengths, budget) < 0.05
+    processed, real = token_slots(lengths, budget)
+    assert real == sum(lengths) and processed >= real
+
+
+# ----------------------------------------------------------------------------- the passes
+
+def _passes(ckpt: str, rows: list[int], batching: str) -> dict:
+    """The trainer's Megatron passes on ``rows`` of the test batch; this rank's outputs."""
+    from transformers import AutoTokenizer
+
+    from megatron_oar.algorithms import PolicyLossConfig
+    from megatron_oar.attribution import ProbeConfig, locate_probes
+    from megatron_oar.attribution.spans import SpanFinder
+    from megatron_oar.config import ModelConfig, OptimConfig
+    from megatron_oar.models.qwen2 import read_hf_config
+    from megatron_oar.training.inputs import TrainBatch
+    from megatron_oar.training.policy import build_policy
+    from megatron_oar.training.policy_passes import old_logprob_pass, reference_logprobs, update_step
+
+    ckpt = Path(ckpt)
+    policy = build_policy(read_hf_config(ckpt / "hf"), ModelConfig(path=str(ckpt), spec="local"),
+                          OptimConfig(lr=LR), checkpoint=ckpt, total_optimizer_steps=4)
+    vocab = read_hf_config(ckpt / "hf")["vocab_size"]
+    tok = AutoTokenizer.from_pretrained(str(ckpt / "hf"))
+    seqs = make_batch(tok)
+    full = TrainBatch(seqs.tokens, seqs.prompt_lens, seqs.lengths, seqs.sample_ids,
+                      loss_mask=seqs.response_mask(), rollout_logprobs=torch.zeros(seqs.tokens.shape),
+                      seq_adv=SEQ_ADV)
+    batch = full.select(rows)
+    grouping = {"batching": batching, "max_tokens": BUDGET}
+    shapes, key = {}, [""]
+    hook = _record_lengths(policy.gpt, shapes, key)
+    probe = ProbeConfig(kind="answer_mean")
+    sites = locate_probes(batch, probe, 3, SpanFinder(tok, probe.answer_pattern))
+    out = {}
+    key[0] = "old_logprob"
+    batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(policy.model, batch, vocab, 1,
+                                                                  sites=sites, **grouping)
+    out.update(logprobs=batch.old_logprobs, entropy=batch.entropy, teacher=_probe(teacher))
+    key[0] = "reference"
+    batch.ref_logprobs = reference_logprobs(policy.model, batch, vocab, 1, **grouping)
+    out["ref_logprobs"] = batch.ref_logprobs
+    batch.advantages = batch.seq_adv[:, None] * batch.loss_mask
+    key[0] = "update"
+    result = update_step(policy, batch, PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01), vocab, 1,
+                         **grouping)
+    hook.remove()
+    out.update(loss=result.stats["loss"], grad_norm=result.grad_norm, applied=result.applied,
+               grads=[p.main_grad.clone() for p in policy.gpt.parameters()],
+               weights=[p.detach().clone() for p in policy.gpt.parameters()], widths=shapes,
+               valid=batch.positions() < batch.lengths[:, None])
+    return out
+
+
+def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+
+    init_runtime(ParallelConfig(tp=tp, pp=pp))
+    dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = list(range(d, 5, dp))  # the trainer's split of the step's rows over DP
+    results = {b: _passes(ckpt, rows, b) for b in ("padded", "token_budget")}
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, results)
+    if torch.distributed.get_rank() == 0:
+        torch.save(gathered, out)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("micro_batches")
+    hf = make_tiny_qwen2(root / "hf", seed=5, initializer_range=0.3)
+    hf_to_megatron(hf, root / "ckpt", progress=False)
+    return root / "ckpt"
+
+
+@pytest.fixture(scope="module", params=[(1, 1, 1), (2, 1, 2), (1, 2, 2), (1, 1, 2)],
+                ids=["tp1", "tp2", "pp2", "dp2"])
+def runs(request, checkpoint):
+    tp, pp, world = request.param
+    out = checkpoint.parent / f"tp{tp}pp{pp}w{world}.pt"
+    launch(_worker, world, str(checkpoint), tp, pp, str(out))
+    return torch.load(out, weights_only=False)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.slow
+def test_token_budget_equals_padded(runs):
+    for rank, res in enumerate(runs):
+        padded, budget = res["padded"], res["token_budget"]
+        valid = padded["valid"]  # past a row's end the padded path scores pad tokens; never read
+        for name in ("logprobs", "entropy", "ref_logprobs"):
+            assert budget[name].shape == padded[name].shape
+            assert _close(budget[name][valid], padded[name][valid]), f"rank {rank}: {name}"
+        for got, want in zip(budget["teacher"], padded["teacher"]):
+            assert _close(got, want), f"rank {rank}: teacher"
+        assert padded["applied"] and budget["applied"]
+        assert budget["loss"] == pytest.approx(padded["loss"], rel=TOL)
+        assert budget["grad_norm"] == pytest.approx(padded["grad_norm"], rel=TOL)
+        for got, want in zip(budget["grads"], padded["grads"]):
+            assert (got - want).abs().max() <= TOL * want.abs().max(), f"rank {rank}: grads"
+        # Adam's first step is lr * g / (|g| + eps): where a gradient is at rounding level its
+        # sign, and so the step, is rounding; elsewhere the updated weights agree
+        for got, want, grad in zip(budget["weights"], padded["weights"], padded["grads"]):
+            firm = grad.abs() > 1e-4 * grad.abs().max()
+            assert _close(got[firm], want[firm]), f"rank {rank}: updated weights"
+            assert (got - want).abs().max() <= 2 * LR + TOL, f"rank {rank}: updated weights"
+
+
+@pytest.mark.slow
+def test_token_budget_runs_narrower_micro_batches(runs):
+    narrower = set()
+    for res in runs:
+        padded, budget = res["padded"]["widths"], res["token_budget"]["widths"]
+        for name in ("old_logprob", "reference", "update"):
+            if not budget.get(name):  # a pipeline stage that only receives activations
+                continue
+            assert len(padded[name]) == 1, (name, padded[name])  # one width: the longest row's
+            assert max(budget[name]) <= max(padded[name]), (name, budget[name], padded[name])
+            if min(budget[name]) < max(padded[name]):
+                narrower.add(name)
+    # rows of widths 13..29 in budgets of 60 tokens: some micro-batch runs narrower on some rank
+    assert narrower == {"old_logprob", "reference", "update"}
