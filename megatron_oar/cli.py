@@ -22,6 +22,7 @@
     oar bench screening RECORDS    screened OAR-P against exact OAR-P (quality and cost vs q)
     oar bench rollout ...          generation tokens/s and weight-sync time vs model size
     oar bench convert ...          converter peak memory vs model and layer size
+    oar bench batching ...         padding and sweep time, padded vs token-budget micro-batches
 
 """
 
@@ -33,7 +34,7 @@ from pathlib import Path
 
 # `oar bench SUITE`: the module in benchmarks/ (results in BENCHMARKS.md)
 BENCH_SUITES = {"attribution": "attribution", "rollout": "rollout", "screening": "screening",
-                "convert": "convert_memory"}
+                "convert": "convert_memory", "batching": "batching"}
 
 
 def _demo(args: argparse.Namespace) -> int:

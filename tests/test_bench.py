@@ -281,3 +281,19 @@ def test_screening_quality_and_cost(tmp_path, capsys):
     assert screening.main([str(path), "--fractions", "0.5"]) == 0
     assert screening.HEADER.splitlines()[0] in capsys.readouterr().out
     assert screening.main([str(path), "--fractions", "0"]) == 2
+
+
+@pytest.mark.slow
+def test_batching_suite_end_to_end(tmp_path):
+    """`oar bench batching` on a tiny model: both modes measured, token budgets pad less."""
+    from benchmarks import batching
+
+    out = tmp_path / "bench"
+    assert batching.main(["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
+                          "--vocab", "512", "--rows", "8", "--min-response", "16", "--max-response", "64",
+                          "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads((out / "batching.json").read_text())["result"]
+    padded, budget = res["modes"]["padded"], res["modes"]["token_budget"]
+    assert budget["padding_fraction"] < padded["padding_fraction"]
+    assert all(m["seconds"]["update"] > 0 and m["seconds"]["logprob"] > 0 for m in (padded, budget))
+    assert "| token_budget |" in (out / "batching.md").read_text()

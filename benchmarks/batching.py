@@ -1,0 +1,159 @@
+"""``oar bench batching``: padding and sweep time of the trainer's Megatron passes, padded vs
+token-budget micro-batches (``train.batching``), on responses whose lengths spread.
+
+    oar bench batching [--hidden 512 --layers 8 ...] [--rows 32] [--min-response 128
+                       --max-response 512] [--repeats 2] [--out bench_out] [--update-benchmarks]
+
+One process (a gloo world of one): a random Qwen2 of the given shape is converted and wrapped by
+``build_policy``; ``--rows`` sequences of a ``--prompt``-token prompt and a response whose length
+is drawn uniformly from ``[--min-response, --max-response]`` (4:1 by default, as reasoning
+rollouts spread) go through the old-logprob pass and one ``update_step`` (the update sweep), once
+with ``padded`` micro-batches of ``--micro-batch-size`` rows and once with token budgets of
+``--micro-batch-size x (prompt + max response)`` tokens, ``--repeats`` times each (the first
+repeat warms up and is not counted when there are more). Reports the padding fraction of each
+pass and the median seconds, and the speed-up of token budgets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SUITE = "batching"
+
+
+def _batch(rows: int, prompt: int, lo: int, hi: int, vocab: int, seed: int = 0):
+    import torch
+
+    from megatron_oar.training.inputs import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    responses = torch.randint(lo, hi + 1, (rows,), generator=g)
+    lengths = prompt + responses
+    tokens = torch.zeros(rows, int(lengths.max()), dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        tokens[i, :n] = torch.randint(3, vocab, (n,), generator=g)
+    pos = torch.arange(tokens.shape[1])
+    mask = (pos >= prompt) & (pos < lengths[:, None])
+    adv = torch.randn(rows, generator=g)
+    return TrainBatch(tokens, torch.full((rows,), prompt), lengths, torch.arange(rows), loss_mask=mask,
+                      rollout_logprobs=torch.zeros(tokens.shape), seq_adv=adv)
+
+
+def measure(args) -> dict:
+
+    from checkpoints_convert.convert import hf_to_megatron
+    from megatron_oar.algorithms import PolicyLossConfig
+    from megatron_oar.config import ModelConfig, OptimConfig
+    from megatron_oar.models.micro_batches import micro_batches, padding_fraction
+    from megatron_oar.models.qwen2 import read_hf_config
+    from megatron_oar.models.tiny import make_tiny_qwen2
+    from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
+    from megatron_oar.training.policy import build_policy
+    from megatron_oar.training.policy_passes import old_logprob_pass, update_step
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT", "29531"))
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = make_tiny_qwen2(Path(tmp) / "hf", vocab_size=args.vocab, hidden_size=args.hidden,
+                             intermediate_size=args.ffn, num_hidden_layers=args.layers,
+                             num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                             max_position_embeddings=args.prompt + args.max_response + 64)
+        hf_to_megatron(hf, Path(tmp) / "ckpt", progress=False)
+        init_runtime(ParallelConfig())
+        try:
+            ckpt = Path(tmp) / "ckpt"
+            hf_config = read_hf_config(ckpt / "hf")
+            policy = build_policy(hf_config, ModelConfig(path=str(ckpt), spec="local"),
+                                  OptimConfig(lr=1e-6), checkpoint=ckpt,
+                                  total_optimizer_steps=4 * args.repeats)
+            params = sum(p.numel() for p in policy.gpt.parameters())
+            batch = _batch(args.rows, args.prompt, args.min_response, args.max_response, args.vocab)
+            lengths = batch.lengths.tolist()
+            budget = args.micro_batch_size * (args.prompt + args.max_response)
+            mbs = args.micro_batch_size
+            out = {"params": params, "tokens": sum(lengths), "budget": budget, "modes": {}}
+            for mode in ("padded", "token_budget"):
+                groups = micro_batches(lengths, batching=mode, rows_per_micro=mbs, max_tokens=budget)
+                width = max(lengths) if mode == "padded" else None
+                kw = {"batching": mode, "max_tokens": budget}
+                times = {"logprob": [], "update": []}
+                for _ in range(args.repeats):
+                    t = time.perf_counter()
+                    batch.old_logprobs, batch.entropy, _ = old_logprob_pass(
+                        policy.model, batch, args.vocab, mbs, **kw)
+                    times["logprob"].append(time.perf_counter() - t)
+                    batch.advantages = batch.seq_adv[:, None] * batch.loss_mask
+                    t = time.perf_counter()
+                    update_step(policy, batch, PolicyLossConfig(), args.vocab, mbs, **kw)
+                    times["update"].append(time.perf_counter() - t)
+                counted = {k: v[1:] if len(v) > 1 else v for k, v in times.items()}
+                out["modes"][mode] = {
+                    "micro_batches": len(groups),
+                    "padding_fraction": padding_fraction(lengths, groups, width=width),
+                    "seconds": {k: statistics.median(v) for k, v in counted.items()},
+                    "all_seconds": times}
+            return out
+        finally:
+            destroy_runtime()
+
+
+def render(res: dict, args) -> str:
+    p, b = res["modes"]["padded"], res["modes"]["token_budget"]
+    lines = [f"Model: random Qwen2, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} "
+             f"heads, ffn {args.ffn}, vocab {args.vocab} ({res['params'] / 1e6:.1f}M parameters), fp32, "
+             f"one process. Batch: {args.rows} sequences of a {args.prompt}-token prompt and a response "
+             f"of {args.min_response}-{args.max_response} tokens (uniform), {res['tokens']} tokens; padded: "
+             f"{args.micro_batch_size} rows per micro-batch; token budget: {res['budget']} tokens. Median of "
+             f"{max(1, args.repeats - 1)} timed repeat(s) after a warm-up.", "",
+             "| batching | micro-batches | padding (% of processed tokens) | old-logprob pass s | update sweep s |",
+             "|---|---:|---:|---:|---:|"]
+    for name, m in (("padded", p), ("token_budget", b)):
+        lines.append(f"| {name} | {m['micro_batches']} | {100 * m['padding_fraction']:.1f} | "
+                     f"{m['seconds']['logprob']:.2f} | {m['seconds']['update']:.2f} |")
+    speed = {k: p["seconds"][k] / b["seconds"][k] for k in ("logprob", "update")}
+    lines += ["", f"Token budgets vs padded: old-logprob pass {speed['logprob']:.2f}x, "
+              f"update sweep {speed['update']:.2f}x faster."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="oar bench batching", description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--ffn", type=int, default=1536)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--min-response", type=int, default=128)
+    p.add_argument("--max-response", type=int, default=512)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("bench_out"))
+    p.add_argument("--update-benchmarks", action="store_true", help="rewrite BENCHMARKS.md's section")
+    args = p.parse_args(argv)
+    if not 1 <= args.min_response <= args.max_response or args.rows % args.micro_batch_size:
+        p.error("need 1 <= --min-response <= --max-response and --rows divisible by --micro-batch-size")
+    from benchmarks import common
+
+    t0 = time.perf_counter()
+    res = measure(args)
+    wall = time.perf_counter() - t0
+    argv = argv if argv is not None else sys.argv[1:]
+    body = (f"## Padding and sweep time: padded vs token-budget micro-batches (`oar bench batching`)\n\n"
+            f"Command: `{common.command_line('oar bench batching', argv)}` ({wall / 60:.1f} min)\n"
+            f"{common.machine_line(common.machine_info())}\n\n{render(res, args)}\n")
+    ok = common.publish(args.out, SUITE, {"args": vars(args) | {"out": str(args.out)}, "result": res,
+                                          "wall_seconds": wall}, body, update=args.update_benchmarks)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
