@@ -196,7 +196,10 @@ def _gather_worker(ckpt: str, hf: str, tp: int, pp: int, bucket_bytes: int, out:
         for name, t in bucket.tensors:
             assert name not in seen, f"{name} sent twice"
             seen[name] = torch.equal(t, ref[name])
-    assert set(seen) == set(hf_mapping.hf_names(arch)) == set(ref)
+    names = set(hf_mapping.hf_names(arch))
+    assert set(seen) == names == set(ref), (  # say which names, should this ever fail again
+        f"rank {dist.get_rank()}: not sent {sorted(names - set(seen))}, unexpected "
+        f"{sorted(set(seen) - names)}, mapping vs checkpoint {sorted(names ^ set(ref))}")
     bad = [k for k, ok in seen.items() if not ok]
     assert not bad, f"rank {dist.get_rank()}: tensors differ from the HF checkpoint: {bad}"
     if dist.get_rank() == 0:
