@@ -17,99 +17,60 @@ pass and the median seconds, and the speed-up of token budgets.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.random_model import add_model_args, describe, random_batch, random_policy
 
 SUITE = "batching"
 
 
-def _batch(rows: int, prompt: int, lo: int, hi: int, vocab: int, seed: int = 0):
+def measure(args) -> dict:
     import torch
 
-    from megatron_oar.training.inputs import TrainBatch
-
-    g = torch.Generator().manual_seed(seed)
-    responses = torch.randint(lo, hi + 1, (rows,), generator=g)
-    lengths = prompt + responses
-    tokens = torch.zeros(rows, int(lengths.max()), dtype=torch.long)
-    for i, n in enumerate(lengths.tolist()):
-        tokens[i, :n] = torch.randint(3, vocab, (n,), generator=g)
-    pos = torch.arange(tokens.shape[1])
-    mask = (pos >= prompt) & (pos < lengths[:, None])
-    adv = torch.randn(rows, generator=g)
-    return TrainBatch(tokens, torch.full((rows,), prompt), lengths, torch.arange(rows), loss_mask=mask,
-                      rollout_logprobs=torch.zeros(tokens.shape), seq_adv=adv)
-
-
-def measure(args) -> dict:
-
-    from checkpoints_convert.convert import hf_to_megatron
     from megatron_oar.algorithms import PolicyLossConfig
-    from megatron_oar.config import ModelConfig, OptimConfig
     from megatron_oar.models.micro_batches import micro_batches, padding_fraction
-    from megatron_oar.models.qwen2 import read_hf_config
-    from megatron_oar.models.tiny import make_tiny_qwen2
-    from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
-    from megatron_oar.training.policy import build_policy
     from megatron_oar.training.policy_passes import old_logprob_pass, update_step
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", "29531"))
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = make_tiny_qwen2(Path(tmp) / "hf", vocab_size=args.vocab, hidden_size=args.hidden,
-                             intermediate_size=args.ffn, num_hidden_layers=args.layers,
-                             num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                             max_position_embeddings=args.prompt + args.max_response + 64)
-        hf_to_megatron(hf, Path(tmp) / "ckpt", progress=False)
-        init_runtime(ParallelConfig())
-        try:
-            ckpt = Path(tmp) / "ckpt"
-            hf_config = read_hf_config(ckpt / "hf")
-            policy = build_policy(hf_config, ModelConfig(path=str(ckpt), spec="local"),
-                                  OptimConfig(lr=1e-6), checkpoint=ckpt,
-                                  total_optimizer_steps=4 * args.repeats)
-            params = sum(p.numel() for p in policy.gpt.parameters())
-            batch = _batch(args.rows, args.prompt, args.min_response, args.max_response, args.vocab)
-            lengths = batch.lengths.tolist()
-            budget = args.micro_batch_size * (args.prompt + args.max_response)
-            mbs = args.micro_batch_size
-            out = {"params": params, "tokens": sum(lengths), "budget": budget, "modes": {}}
-            for mode in ("padded", "token_budget"):
-                groups = micro_batches(lengths, batching=mode, rows_per_micro=mbs, max_tokens=budget)
-                width = max(lengths) if mode == "padded" else None
-                kw = {"batching": mode, "max_tokens": budget}
-                times = {"logprob": [], "update": []}
-                for _ in range(args.repeats):
-                    t = time.perf_counter()
-                    batch.old_logprobs, batch.entropy, _ = old_logprob_pass(
-                        policy.model, batch, args.vocab, mbs, **kw)
-                    times["logprob"].append(time.perf_counter() - t)
-                    batch.advantages = batch.seq_adv[:, None] * batch.loss_mask
-                    t = time.perf_counter()
-                    update_step(policy, batch, PolicyLossConfig(), args.vocab, mbs, **kw)
-                    times["update"].append(time.perf_counter() - t)
-                counted = {k: v[1:] if len(v) > 1 else v for k, v in times.items()}
-                out["modes"][mode] = {
-                    "micro_batches": len(groups),
-                    "padding_fraction": padding_fraction(lengths, groups, width=width),
-                    "seconds": {k: statistics.median(v) for k, v in counted.items()},
-                    "all_seconds": times}
-            return out
-        finally:
-            destroy_runtime()
+    g = torch.Generator().manual_seed(0)
+    responses = torch.randint(args.min_response, args.max_response + 1, (args.rows,), generator=g).tolist()
+    with random_policy(args, args.prompt + args.max_response + 64, 4 * args.repeats) as policy:
+        params = sum(p.numel() for p in policy.gpt.parameters())
+        batch = random_batch(args.prompt, responses, args.vocab, seed=1)
+        lengths = batch.lengths.tolist()
+        budget = args.micro_batch_size * (args.prompt + args.max_response)
+        mbs = args.micro_batch_size
+        out = {"params": params, "tokens": sum(lengths), "budget": budget, "modes": {}}
+        for mode in ("padded", "token_budget"):
+            groups = micro_batches(lengths, batching=mode, rows_per_micro=mbs, max_tokens=budget)
+            width = max(lengths) if mode == "padded" else None
+            kw = {"batching": mode, "max_tokens": budget}
+            times = {"logprob": [], "update": []}
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                batch.old_logprobs, batch.entropy, _ = old_logprob_pass(policy.model, batch, args.vocab, mbs, **kw)
+                times["logprob"].append(time.perf_counter() - t)
+                batch.advantages = batch.seq_adv[:, None] * batch.loss_mask
+                t = time.perf_counter()
+                update_step(policy, batch, PolicyLossConfig(), args.vocab, mbs, **kw)
+                times["update"].append(time.perf_counter() - t)
+            counted = {k: v[1:] if len(v) > 1 else v for k, v in times.items()}
+            out["modes"][mode] = {
+                "micro_batches": len(groups),
+                "padding_fraction": padding_fraction(lengths, groups, width=width),
+                "seconds": {k: statistics.median(v) for k, v in counted.items()},
+                "all_seconds": times}
+        return out
 
 
 def render(res: dict, args) -> str:
     p, b = res["modes"]["padded"], res["modes"]["token_budget"]
-    lines = [f"Model: random Qwen2, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} "
-             f"heads, ffn {args.ffn}, vocab {args.vocab} ({res['params'] / 1e6:.1f}M parameters), fp32, "
-             f"one process. Batch: {args.rows} sequences of a {args.prompt}-token prompt and a response "
-             f"of {args.min_response}-{args.max_response} tokens (uniform), {res['tokens']} tokens; padded: "
-             f"{args.micro_batch_size} rows per micro-batch; token budget: {res['budget']} tokens. Median of "
+    lines = [f"Model: {describe(args, res['params'])}. Batch: {args.rows} sequences of a {args.prompt}-token "
+             f"prompt and a response of {args.min_response}-{args.max_response} tokens (uniform), "
+             f"{res['tokens']} tokens; padded: {args.micro_batch_size} rows per micro-batch; token budget: "
+             f"{res['budget']} tokens. Median of "
              f"{max(1, args.repeats - 1)} timed repeat(s) after a warm-up.", "",
              "| batching | micro-batches | padding (% of processed tokens) | old-logprob pass s | update sweep s |",
              "|---|---:|---:|---:|---:|"]
@@ -124,12 +85,7 @@ def render(res: dict, args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="oar bench batching", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--ffn", type=int, default=1536)
-    p.add_argument("--vocab", type=int, default=32768)
+    add_model_args(p)
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--min-response", type=int, default=128)

@@ -23,6 +23,8 @@
     oar bench rollout ...          generation tokens/s and weight-sync time vs model size
     oar bench convert ...          converter peak memory vs model and layer size
     oar bench batching ...         padding and sweep time, padded vs token-budget micro-batches
+    oar bench attribution-flops ...  attribution cost vs GRPO on a 57.7M model, 128-512-token
+                                   responses, against the forward-equivalent floor
 
 """
 
@@ -34,7 +36,7 @@ from pathlib import Path
 
 # `oar bench SUITE`: the module in benchmarks/ (results in BENCHMARKS.md)
 BENCH_SUITES = {"attribution": "attribution", "rollout": "rollout", "screening": "screening",
-                "convert": "convert_memory", "batching": "batching"}
+                "convert": "convert_memory", "batching": "batching", "attribution-flops": "attribution_flops"}
 
 
 def _demo(args: argparse.Namespace) -> int:

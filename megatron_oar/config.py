@@ -150,6 +150,8 @@ class TrainConfig:
     max_tokens_per_micro_batch: int | None = None  # token_budget's padded tokens per micro-batch;
     #                                 null: micro_batch_size x (data.max_prompt_tokens + rollout.max_new_tokens)
     mini_batches: int = 1           # optimizer steps per PPO epoch (the step's samples split evenly)
+    balance_dp_tokens: bool = True  # give DP ranks equal tokens per mini-batch (else samples d, d+DP, ...)
+    peak_tflops: float | None = None  # per GPU, for perf/mfu; null: by the GPU's name (models/flops.py)
     ppo_epochs: int = 1             # passes over the step's samples
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, refill them
     max_refill_rounds: int = 3      # extra rollout rounds per step for refilling
@@ -468,8 +470,14 @@ def _check_batches(cfg: Config, dp: int) -> None:
                    "train.ppo_epochs train.max_nonfinite_steps")
     _at_least(cfg, "train.group_size", 2)  # a group of one always has zero advantage
     _one_of("train.batching", t.batching, BATCHINGS)
+    if t.batching == "packed":  # THD sequences run through TE's attention; the local spec's refuses them
+        spec = resolve_spec(cfg.model) if cfg.model.spec == "auto" else cfg.model.spec
+        _need(spec == "te", f"train.batching=packed needs model.spec=te (Transformer Engine's THD attention), "
+              f"got model.spec={cfg.model.spec!r}" + (f", which resolves to {spec!r} on this machine"
+                                                     if cfg.model.spec == "auto" else ""))
     _need(t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch >= 1,
           f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch}: must be >= 1 or null")
+    _need(t.peak_tflops is None or t.peak_tflops > 0, f"train.peak_tflops={t.peak_tflops}: must be > 0 or null")
     _at_least(cfg, "train.max_refill_rounds train.eval_interval", 0)
     _at_least(cfg, "train.eval_n")
     _need(t.eval_temperature >= 0, f"train.eval_temperature={t.eval_temperature}: must be >= 0")

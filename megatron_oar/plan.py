@@ -58,6 +58,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megatron_oar.models.flops import forward_flops, linear_weights, matmul_params
 from megatron_oar.models.qwen2 import QwenArch, parse_arch
 from megatron_oar.training.phases import ASLEEP, AWAKE, CHECKPOINT, EVAL, STEP, WEIGHTS, Phase
 
@@ -79,14 +80,6 @@ class Hardware:
 
 
 # ------------------------------------------------------------------------------ parameters
-
-def linear_weights(a: QwenArch) -> int:
-    """Weights of one decoder layer's linears, whole (QKV, proj, gated FC1, FC2): the
-    parameters its matmuls use, and what FP8 keeps extra copies of."""
-    qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-    return (a.hidden_size * qkv + a.num_heads * a.head_dim * a.hidden_size
-            + 3 * a.hidden_size * a.intermediate_size)
-
 
 def layer_params(a: QwenArch, tp: int = 1) -> int:
     """Parameters of one decoder layer on one TP rank: the linears and the QKV bias split by TP,
@@ -115,11 +108,6 @@ def total_params(a: QwenArch) -> int:
     vocab = a.vocab_size * a.hidden_size
     return (a.num_layers * layer_params(a) + a.hidden_size
             + vocab * (1 if a.tie_word_embeddings else 2))
-
-
-def matmul_params(a: QwenArch) -> int:
-    """Parameters taking part in a token's matmuls (layers' linears and the output layer)."""
-    return a.num_layers * linear_weights(a) + a.vocab_size * a.hidden_size
 
 
 # ------------------------------------------------------------------------------ activations
@@ -350,7 +338,7 @@ def _estimate_time(plan: Plan, cfg, a: QwenArch, hw: Hardware, *, world, samples
     n_mm = matmul_params(a)
     attn_per_token = 2 * a.num_layers * a.num_heads * a.head_dim * s  # causal: mean context s/2
     fwd_token = 2 * n_mm + attn_per_token
-    fwd_seq = fwd_token * s
+    fwd_seq = forward_flops(a, [s])  # = fwd_token * s
     t, at = cfg.train, cfg.attribution
     fe = {"logprob": 1.0 + (1.0 if cfg.loss.kl_coef > 0 else 0.0),  # old-logprob (+ reference)
           "update": t.ppo_epochs * (3.0 + (1.0 if cfg.model.recompute == "full" else 0.0))}

@@ -35,6 +35,7 @@ from megatron.core import parallel_state as ps
 from megatron_oar.algorithms import assign_credit, credit_metrics, group_advantages
 from megatron_oar.attribution import SpanFinder, compute_importance, locate_probes
 from megatron_oar.config import Config, save_config, validate
+from megatron_oar.models.flops import forward_flops, peak_tflops
 from megatron_oar.models.micro_batches import micro_batches, token_slots
 from megatron_oar.models.model_checkpoint import CheckpointMeta
 from megatron_oar.models.padding import padded_length, sequence_multiple
@@ -42,6 +43,7 @@ from megatron_oar.models.qwen2 import read_hf_config
 from megatron_oar.seeds import RANDOM_CREDIT, derive_seed
 from megatron_oar.training import step_checkpoint as ckpt
 from megatron_oar.training.collect import collect
+from megatron_oar.training.dp_split import dp_assignment, token_imbalance
 from megatron_oar.training.evaluate import evaluate, load_eval_examples
 from megatron_oar.training.inputs import TrainBatch, build_train_batch, load_examples
 from megatron_oar.training.logger import MetricsLogger
@@ -148,8 +150,10 @@ class Trainer:
         rewards = torch.tensor([s.reward for s in data.samples])
         seq_adv = group_advantages(rewards, group_size=cfg.train.group_size,
                                    std_normalize=cfg.advantage.std_normalize, eps=cfg.advantage.eps)
-        dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        batch = build_train_batch(data.samples, list(range(d, len(data.samples), dp)), seq_adv,
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in data.samples]
+        split = dp_assignment(lengths, ps.get_data_parallel_world_size(), cfg.train.mini_batches,
+                              balance=cfg.train.balance_dp_tokens)
+        batch = build_train_batch(data.samples, split[ps.get_data_parallel_rank()], seq_adv,
                                   pad_id=self.pad_id, overlong_filter=cfg.train.overlong_filter,
                                   device=self.rt.device)
         mbs = cfg.train.micro_batch_size
@@ -168,13 +172,14 @@ class Trainer:
 
         importance = score_mask = None
         attr_stats: dict[str, float] = {}
+        attr_work: list[tuple[int, float]] = []
         if cfg.uses_attribution:
             with lg.phase("attribution"):
                 attr = compute_importance(self.policy.model, batch, cfg.attribution, vocab_size=vocab,
                                           seq_adv=batch.seq_adv, step=step, tokenizer=self.tokenizer,
                                           sites=sites, teacher=teacher, external_teacher=True,
                                           teacher_fp8=bool(cfg.model.fp8))  # the logprob pass's
-            importance, score_mask, attr_stats = attr.importance, attr.score_mask, attr.stats
+            importance, score_mask, attr_stats, attr_work = attr.importance, attr.score_mask, attr.stats, attr.work
         credit = assign_credit(cfg.shaping, batch.seq_adv, batch.loss_mask, importance=importance,
                                entropy=batch.entropy, score_mask=score_mask,
                                generator=self._generator())
@@ -184,8 +189,10 @@ class Trainer:
             updates = self.update(batch)
 
         metrics = dict(data.metrics)
-        metrics.update(self.batch_metrics(batch, credit, updates, attr_stats))
+        metrics.update(self.batch_metrics(batch, credit, updates, attr_stats, attr_work))
+        metrics.update(self.throughput(metrics["perf/model_tflop"]))
         metrics["rollout/sync_seconds"] = sync.seconds
+        metrics["perf/dp_token_imbalance"] = token_imbalance(lengths, split)
         metrics["perf/tokens_per_s"] = data.metrics["rollout/gen_tokens"] / (time.perf_counter() - t0)
         return metrics
 
@@ -249,8 +256,9 @@ class Trainer:
 
     # ---------------------------------------------------------------------------- metrics
 
-    def batch_metrics(self, batch: TrainBatch, credit, updates: list, attr_stats: dict) -> dict:
-        """Credit, entropy, mismatch and loss metrics, averaged over DP ranks."""
+    def batch_metrics(self, batch: TrainBatch, credit, updates: list, attr_stats: dict,
+                      attr_work: list[tuple[int, float]]) -> dict:
+        """Credit, entropy, mismatch and loss metrics, averaged over DP ranks (counts summed)."""
         mask = batch.loss_mask
         tokens = mask.sum().clamp_min(1)
         cm = credit_metrics(credit.weights, credit.advantages, mask, batch.seq_adv)
@@ -264,12 +272,14 @@ class Trainer:
             "tokens/response": (batch.lengths - batch.prompt_lens).sum().float(),
             "tokens/sequences": torch.tensor(float(batch.lengths.numel())),
             **self.padding_fractions(batch),
+            "perf/model_tflop": torch.tensor(self.model_flops(batch, attr_work) / 1e12),
         }
         keys = sorted(local)
         vec = torch.stack([torch.as_tensor(local[k], dtype=torch.float64).to(mask.device) for k in keys])
         dist.all_reduce(vec, group=ps.get_data_parallel_group())
         out = {k: float(v) / ps.get_data_parallel_world_size() for k, v in zip(keys, vec)}
-        for k in [k for k in out if k.startswith(("attribution/", "tokens/")) and k != "attribution/seconds"]:
+        summed = ("attribution/", "tokens/", "perf/model_tflop")
+        for k in [k for k in out if k.startswith(summed) and k != "attribution/seconds"]:
             out[k] *= ps.get_data_parallel_world_size()  # counts: summed over DP, not averaged
         applied = [r for r in updates if r.applied]
         for key in (applied[0].stats if applied else {}):
@@ -280,6 +290,29 @@ class Trainer:
         out["guard/nonfinite_total"] = float(self.nonfinite_total)
         if self.policy.gpt.config.fp16:
             out["guard/loss_scale_overflows"] = float(self.loss_scale_overflows)
+        return out
+
+    def model_flops(self, batch: TrainBatch, attr_work: list[tuple[int, float]]) -> float:
+        """Model FLOPs of this DP rank's Megatron passes in the step (``models/flops.py``): the
+        old-logprob forward (and the reference's), ``ppo_epochs`` forward + backward, and the
+        attribution passes as ``compute_importance`` counted them."""
+        forwards = 1 + (self.reference is not None) + 3 * self.cfg.train.ppo_epochs
+        return (forwards * forward_flops(self.arch, batch.lengths.tolist())
+                + sum(fe * forward_flops(self.arch, [n]) for n, fe in attr_work))
+
+    def throughput(self, model_tflop: float) -> dict[str, float]:
+        """``perf/tflops_per_gpu`` of the step's Megatron passes (logprob, attribution and
+        update phases; model FLOPs over every GPU of the world) and ``perf/mfu`` against
+        ``train.peak_tflops`` (default: the GPU's dense bf16 peak; none on CPU)."""
+        seconds = self.logger.seconds("logprob", "attribution", "update")
+        if seconds <= 0:
+            return {}
+        achieved = model_tflop / seconds / dist.get_world_size()
+        out = {"perf/tflops_per_gpu": achieved}
+        peak = self.cfg.train.peak_tflops or (
+            peak_tflops(torch.cuda.get_device_name()) if self.rt.device.type == "cuda" else None)
+        if peak:
+            out["perf/mfu"] = achieved / peak
         return out
 
     def padding_fractions(self, batch: TrainBatch) -> dict[str, torch.Tensor]:

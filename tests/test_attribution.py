@@ -2,8 +2,8 @@
 
 OAR-G and OAR-P importance at TP1, TP2, PP2 and TP2xPP2 against single-process autograd /
 brute force (tests/attribution_reference.py) on tiny random Qwen2 models, tied and untied;
-batched OAR-P equals serial; micro-batch sizes do not change scores; parameter gradients and
-model outputs are untouched by attribution.
+batched OAR-P equals serial; micro-batch sizes, token budgets and the padded path do not change
+scores; parameter gradients and model outputs are untouched by attribution.
 """
 
 from __future__ import annotations
@@ -59,6 +59,13 @@ CASES = {
                                                                               joint_importance="abs")),
     "oar_p_serial": AttributionConfig(method="oar_p", serial=True),
     "oar_p_mbs3": AttributionConfig(method="oar_p", perturb_micro_batch_size=3, length_bucket=64),
+    # the default batching is token_budget; the padded path, and budgets small enough that the
+    # micro-batches differ in rows and length (scored rows of 26-29 tokens; PP exchanges shapes)
+    "oar_g_padded": AttributionConfig(method="oar_g", sigma=SIGMA, micro_batch_size=2, batching="padded"),
+    "oar_g_budget90": AttributionConfig(method="oar_g", sigma=SIGMA, max_tokens_per_micro_batch=90),
+    "oar_p_padded": AttributionConfig(method="oar_p", perturb_micro_batch_size=8, length_bucket=8,
+                                      batching="padded"),
+    "oar_p_budget100": AttributionConfig(method="oar_p", max_tokens_per_copy_micro_batch=100),
 }
 
 

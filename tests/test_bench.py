@@ -297,3 +297,32 @@ def test_batching_suite_end_to_end(tmp_path):
     assert budget["padding_fraction"] < padded["padding_fraction"]
     assert all(m["seconds"]["update"] > 0 and m["seconds"]["logprob"] > 0 for m in (padded, budget))
     assert "| token_budget |" in (out / "batching.md").read_text()
+
+
+def test_attribution_flops_suite_end_to_end(tmp_path):
+    """`oar bench attribution-flops` on a tiny model: every method timed, the floors counted from
+    the batch (OAR-G scores every row here, so its floor is exactly 1.5), exact OAR-P on 2 of 4
+    rows scaled to the batch by copy tokens."""
+    import torch
+
+    from benchmarks import attribution_flops as af
+
+    out = tmp_path / "bench"
+    assert af.main(["--hidden", "64", "--layers", "2", "--heads", "2", "--kv-heads", "2", "--ffn", "128",
+                    "--vocab", "512", "--rows", "4", "--median-response", "24", "--min-response", "8",
+                    "--max-response", "48", "--oar-p-rows", "2", "--out", str(out)]) == 0
+    res = json.loads((out / "attribution_flops.json").read_text())["result"]
+    m = res["methods"]
+    assert list(m) == ["grpo", "oar_g", "oar_p_screened", "oar_p"]
+    assert m["grpo"]["floor"] == 1.0 and m["grpo"]["ratio"] == 1.0
+    assert m["oar_g"]["oar_g_tokens"] == res["tokens"] and m["oar_g"]["floor"] == 1.5
+    lengths = [32 + r for r in res["responses"]]
+    scored = [r - 1 for r in res["responses"]]  # last_token: every response token but the last
+    assert res["scored_tokens"] == sum(scored)
+    assert m["oar_p"]["copies"] == pytest.approx(sum(scored))
+    assert m["oar_p"]["copy_tokens"] == pytest.approx(sum(n * s for n, s in zip(lengths, scored)))
+    assert m["oar_p"]["attribution_scale"] > 1
+    assert m["oar_p"]["floor"] == pytest.approx(af.floor_ratio(res["tokens"], 0, m["oar_p"]["copy_tokens"]))
+    assert all(x["sweep"] > 0 and x["seconds"]["update"] > 0 for x in m.values())
+    assert torch.tensor(res["responses"]).min() >= 8
+    assert "| oar_p | " in (out / "attribution_flops.md").read_text()

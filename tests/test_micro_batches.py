@@ -4,7 +4,8 @@ The grouping itself on plain lengths; then the trainer's Megatron passes (old-lo
 probe teacher, reference log-probs, one ``update_step``) run with ``padded`` and with
 ``token_budget`` micro-batches on the same rows at TP1, TP2, PP2 and DP2: log-probs, entropies,
 the teacher, the loss, the gradients and the updated weights agree at fp32 rounding, and the
-token-budget pass ran micro-batches of several shapes, narrower than the padded ones.
+token-budget pass ran micro-batches of several shapes, narrower than the padded ones. At DP2,
+token-balanced rows (training/dp_split.py) give the update of the strided split.
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def test_padding_fraction_drops_with_token_budgets():
 
 # ----------------------------------------------------------------------------- the passes
 
-def _passes(ckpt: str, rows: list[int], batching: str) -> dict:
-    """The trainer's Megatron passes on ``rows`` of the test batch; this rank's outputs."""
+def _passes(ckpt: str, rows: list[int], batching: str, sharded_optimizer: bool = True) -> dict:
+    """The trainer's Megatron passes on ``rows`` of the test batch; this rank's outputs
+    (``sharded_optimizer=False``: DDP all-reduces whole gradients, so ``grads`` are global)."""
     from transformers import AutoTokenizer
 
     from megatron_oar.algorithms import PolicyLossConfig
@@ -84,7 +86,8 @@ def _passes(ckpt: str, rows: list[int], batching: str) -> dict:
 
     ckpt = Path(ckpt)
     policy = build_policy(read_hf_config(ckpt / "hf"), ModelConfig(path=str(ckpt), spec="local"),
-                          OptimConfig(lr=LR), checkpoint=ckpt, total_optimizer_steps=4)
+                          OptimConfig(lr=LR, use_distributed_optimizer=sharded_optimizer), checkpoint=ckpt,
+                          total_optimizer_steps=4)
     vocab = read_hf_config(ckpt / "hf")["vocab_size"]
     tok = AutoTokenizer.from_pretrained(str(ckpt / "hf"))
     seqs = make_batch(tok)
@@ -119,6 +122,7 @@ def _passes(ckpt: str, rows: list[int], batching: str) -> dict:
 
 def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
     from megatron.core import parallel_state as ps
+    from transformers import AutoTokenizer
 
     from megatron_oar.runtime import ParallelConfig, init_runtime
 
@@ -126,6 +130,13 @@ def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
     dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = list(range(d, 5, dp))  # the trainer's split of the step's rows over DP
     results = {b: _passes(ckpt, rows, b) for b in ("padded", "token_budget")}
+    if dp > 1:  # 4 of the rows, strided over DP and token-balanced (training/dp_split.py)
+        from megatron_oar.training.dp_split import dp_assignment
+
+        lengths = make_batch(AutoTokenizer.from_pretrained(str(Path(ckpt) / "hf"))).lengths[:4].tolist()
+        for name, balance in (("strided", False), ("balanced", True)):
+            split = dp_assignment(lengths, dp, balance=balance)
+            results[name] = {"rows": split, **_passes(ckpt, split[d], "token_budget", sharded_optimizer=False)}
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, results)
     if torch.distributed.get_rank() == 0:
@@ -190,3 +201,20 @@ def test_token_budget_runs_narrower_micro_batches(runs):
                 narrower.add(name)
     # rows of widths 13..29 in budgets of 60 tokens: some micro-batch runs narrower on some rank
     assert narrower == {"old_logprob", "reference", "update"}
+
+
+@pytest.mark.slow
+def test_dp_token_balancing_changes_only_rounding(runs):
+    if "balanced" not in runs[0]:
+        pytest.skip("a DP1 layout")
+    for rank, res in enumerate(runs):
+        strided, balanced = res["strided"], res["balanced"]
+        assert strided["rows"] != balanced["rows"], "the test needs an assignment that differs"
+        assert balanced["loss"] == pytest.approx(strided["loss"], rel=TOL)
+        assert balanced["grad_norm"] == pytest.approx(strided["grad_norm"], rel=TOL)
+        for got, want in zip(balanced["grads"], strided["grads"]):  # global: all-reduced over DP
+            assert (got - want).abs().max() <= TOL * want.abs().max(), f"rank {rank}: grads"
+        for got, want, grad in zip(balanced["weights"], strided["weights"], strided["grads"]):
+            firm = grad.abs() > 1e-4 * grad.abs().max()  # as in test_token_budget_equals_padded
+            assert _close(got[firm], want[firm]), f"rank {rank}: updated weights"
+            assert (got - want).abs().max() <= 2 * LR + TOL, f"rank {rank}: updated weights"

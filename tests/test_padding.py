@@ -155,22 +155,6 @@ def _passes(ckpt: str, update: bool) -> dict:
     return out
 
 
-def _copy_widths(ckpt: str) -> list[list[int]]:
-    """Token widths of OAR-P's schedule calls (length_bucket 8) with the forced multiple."""
-    from transformers import AutoTokenizer
-
-    from megatron_oar.attribution import ProbeConfig, locate_probes
-    from megatron_oar.attribution.importance_passes import _copy_micros
-    from megatron_oar.attribution.spans import SpanFinder
-
-    tok = AutoTokenizer.from_pretrained(str(Path(ckpt) / "hf"))
-    seqs = make_batch(tok)
-    sites = locate_probes(seqs, ProbeConfig(), 3, SpanFinder(tok, ProbeConfig().answer_pattern))
-    copies = [(i, int(t)) for i in range(seqs.size) for t in sites.score_mask[i].nonzero().flatten()]
-    calls = _copy_micros(seqs, sites, copies, 4, tok.pad_token_id, 8, FORCED)
-    return [[m.tokens.shape[1] for m in micros] for micros in calls]
-
-
 def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
     from megatron_oar.runtime import ParallelConfig, init_runtime
 
@@ -179,7 +163,6 @@ def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
     for multiple in (1, FORCED):
         with force_multiple(multiple):  # 1: no padding on this CPU model (no SP, no FP8)
             results[multiple] = _passes(ckpt, update=True)
-    results["copy_widths"] = _copy_widths(ckpt)
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, results)
     if torch.distributed.get_rank() == 0:
@@ -196,7 +179,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def runs(request, checkpoint):
-    """Per rank: ``{1: unpadded run, 16: forced run, "copy_widths": ...}``."""
+    """Per rank: ``{1: unpadded run, 16: forced run}``."""
     tp, pp = request.param
     out = checkpoint.parent / f"tp{tp}pp{pp}.pt"
     launch(_worker, tp * pp, str(checkpoint), tp, pp, str(out))
@@ -214,10 +197,6 @@ def test_every_pass_runs_padded_lengths(runs):
         for name in plain:
             assert any(n % FORCED for n in plain[name]), f"{name}: the test needs unpadded lengths"
             assert all(n % FORCED == 0 for n in padded[name]), (name, padded[name])
-        # OAR-P buckets (multiples of 8, at most the width 29) are rounded up to the multiple
-        widths = ranks["copy_widths"]
-        assert all(w % FORCED == 0 for call in widths for w in call), widths
-        assert sorted({call[0] for call in widths}) == [16, 32]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> bool:

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_oar.models.flops import matmul_params
+from megatron_oar.models.qwen2 import parse_arch
 from tests.distributed import launch
 from tests.tiny import make_tiny_qwen2
 
@@ -110,10 +112,17 @@ def test_every_credit_mode_trains(model, tmp_path):
     out = tmp_path / "modes.json"
     launch(_modes_worker, 2, str(model), str(tmp_path), str(out))
     results = json.loads(out.read_text())
+    n_mm = matmul_params(parse_arch(json.loads((model / "hf" / "config.json").read_text())))
     for credit, res in results.items():
         records = res["records"]
         assert [r["step"] for r in records] == [1, 2], credit
         for r in records:
+            # model FLOPs: old-logprob forward + update forward/backward (no reference model),
+            # plus OAR-G's forward and input-gradient backward; matmuls only as a lower bound
+            floor = 2 * n_mm * (4 * r["tokens/sequence"] + 2 * r.get("attribution/oar_g_tokens", 0))
+            assert floor <= r["perf/model_tflop"] * 1e12 <= 1.5 * floor, (credit, r["perf/model_tflop"])
+            assert r["perf/tflops_per_gpu"] > 0 and "perf/mfu" not in r  # no peak on a CPU
+            assert r["perf/dp_token_imbalance"] == 1.0  # DP 1
             assert math.isfinite(r["loss/loss"]) and math.isfinite(r["optim/grad_norm"]), (credit, r)
             assert r["guard/skipped_updates"] == 0
             assert r["rollout/logprob_mismatch"] < 1e-3, (credit, r["rollout/logprob_mismatch"])

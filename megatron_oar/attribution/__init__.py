@@ -8,9 +8,10 @@
                            importance=attr.importance, score_mask=attr.score_mask)
 
 - :mod:`.probes`    outcome probes (last_token, answer_mean, answer_joint), warm-up, fallback
-- :mod:`.passes`    the clean teacher pass, OAR-G (noisy forward + input-gradient backward),
-                    OAR-P (batched [PAD]-masked forwards; a serial mode for cost comparisons),
-                    screened OAR-P (exact OAR-P on OAR-G's top ``screen_fraction`` tokens)
+- :mod:`.importance_passes`  the clean teacher pass, OAR-G (noisy forward + input-gradient
+                    backward), OAR-P (batched [PAD]-masked forwards; a serial mode for cost
+                    comparisons), screened OAR-P (exact OAR-P on OAR-G's top ``screen_fraction``
+                    tokens); micro-batches by token budget (``batching``) or padded
 - :mod:`.schedule`  running probe passes through ``get_forward_backward_func()`` on any TP/PP
 
 Only sequences with a non-zero advantage are scored; the others keep weight 1 (their token
@@ -32,6 +33,7 @@ from megatron_oar.models.parallel import unwrap
 from megatron_oar.models.sequence_batch import SequenceBatch
 
 METHODS = ATTRIBUTION_METHODS
+BATCHINGS = ("token_budget", "padded")  # models.micro_batches' groupings that attribution runs
 
 
 @dataclass
@@ -40,9 +42,12 @@ class AttributionConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     sigma: float = 1e-3  # OAR-G noise std on the scored tokens' embeddings
     seed: int = 0  # OAR-G noise: seeded per (seed, step, sample id)
-    micro_batch_size: int = 4  # sequences per micro-batch (OAR-G and the teacher pass)
-    perturb_micro_batch_size: int = 16  # masked copies per micro-batch (OAR-P)
-    length_bucket: int = 64  # OAR-P copies are padded up to a multiple of this
+    micro_batch_size: int = 4  # sequences per micro-batch of OAR-G and the teacher pass (padded)
+    perturb_micro_batch_size: int = 16  # masked copies per micro-batch of OAR-P (padded)
+    batching: str = "token_budget"  # token_budget | padded (models.micro_batches), as train.batching
+    max_tokens_per_micro_batch: int | None = None  # OAR-G/teacher budget; null: micro_batch_size x longest
+    max_tokens_per_copy_micro_batch: int | None = None  # OAR-P; null: perturb_micro_batch_size x longest
+    length_bucket: int = 64  # padded: OAR-P copies are padded up to a multiple of this
     serial: bool = False  # OAR-P one copy at a time (only for the paper's cost comparison)
     pad_id: int | None = None  # OAR-P mask token; None: the tokenizer's pad token
     allow_fp8: bool = False  # run OAR-G's backward under FP8 autocast (default: bf16)
@@ -57,8 +62,11 @@ class AttributionConfig:
             raise ValueError(f"attribution.screen_fraction must be in (0, 1], got {self.screen_fraction}")
         if self.sigma <= 0:
             raise ValueError(f"attribution.sigma must be > 0, got {self.sigma}")
-        for name in ("micro_batch_size", "perturb_micro_batch_size", "length_bucket"):
-            if getattr(self, name) < 1:
+        if self.batching not in BATCHINGS:
+            raise ValueError(f"attribution.batching must be one of {BATCHINGS}, got {self.batching!r}")
+        for name in ("micro_batch_size", "perturb_micro_batch_size", "length_bucket",
+                     "max_tokens_per_micro_batch", "max_tokens_per_copy_micro_batch"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"attribution.{name} must be >= 1, got {getattr(self, name)}")
 
 
@@ -68,6 +76,9 @@ class Attribution:
     score_mask: torch.Tensor  # [B, L] the tokens that were scored
     kinds: list[str]  # probe used per row (none: not scored)
     stats: dict[str, float]
+    # the sequences the passes ran over: (length, forward-equivalents), forward = 1,
+    # input-gradient-only backward = 1 (the trainer's model-FLOPs count, models/flops.py)
+    work: list[tuple[int, float]] = field(default_factory=list)
 
 
 def resolve_pad_id(cfg: AttributionConfig, tokenizer) -> int:
@@ -115,6 +126,7 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
     if rows:
         model_fp8 = bool(getattr(unwrap(model).config, "fp8", None))
         external = teacher is not None or external_teacher
+        sequences = {"batching": cfg.batching, "max_tokens": cfg.max_tokens_per_micro_batch}
         from_caller = model_fp8 if teacher_fp8 is None else bool(teacher_fp8)
 
         def teacher_in(fp8: bool) -> ProbeOutput | None:
@@ -123,17 +135,18 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
                 return teacher
             if fp8 not in own_teachers:
                 own_teachers[fp8] = probe_teacher(model, batch, sites, rows, vocab_size,
-                                                  cfg.micro_batch_size, allow_fp8=fp8)
+                                                  cfg.micro_batch_size, allow_fp8=fp8, **sequences)
             return own_teachers[fp8]
 
         if cfg.method in ("oar_g", "oar_p_screened"):
             importance = oar_g(model, batch, sites, teacher_in(cfg.allow_fp8 and model_fp8), rows,
                                vocab_size, sigma=cfg.sigma, seed=cfg.seed, step=step,
-                               micro_batch_size=cfg.micro_batch_size, allow_fp8=cfg.allow_fp8)
+                               micro_batch_size=cfg.micro_batch_size, allow_fp8=cfg.allow_fp8, **sequences)
         if cfg.method in ("oar_p", "oar_p_screened"):
             exact = dict(pad_id=resolve_pad_id(cfg, tokenizer), micro_batch_size=cfg.perturb_micro_batch_size,
                          length_bucket=cfg.length_bucket, serial=cfg.serial,
-                         joint_importance=cfg.probe.joint_importance)
+                         joint_importance=cfg.probe.joint_importance, batching=cfg.batching,
+                         max_tokens=cfg.max_tokens_per_copy_micro_batch)
             if cfg.method == "oar_p":
                 importance, copies = oar_p(model, batch, sites, teacher_in(False), rows, vocab_size,
                                            **exact)
@@ -162,7 +175,10 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
            if cfg.method == "oar_p_screened" else {}),
         "seconds": time.perf_counter() - start,
     }
-    return Attribution(importance * score_mask, score_mask, kinds, stats)
+    work = [(int(lengths[i]), float(len(own_teachers))) for i in rows if own_teachers]
+    work += [(int(lengths[i]), 2.0) for i in rows if cfg.method != "oar_p"]
+    work += [(int(lengths[i]), float(n)) for i, n in row_copies.items()]
+    return Attribution(importance * score_mask, score_mask, kinds, stats, work)
 
 
 __all__ = ["Attribution", "AttributionConfig", "ProbeConfig", "ProbeOutput", "ProbeSites", "SequenceBatch",

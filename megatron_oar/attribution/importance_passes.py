@@ -21,7 +21,8 @@ from megatron_oar.attribution.schedule import (
     clean_embeddings,
     run_probe_schedule,
 )
-from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple
+from megatron_oar.models.micro_batches import micro_batches
+from megatron_oar.models.padding import padded_length, sequence_multiple
 from megatron_oar.models.parallel import broadcast_from_stage
 from megatron_oar.models.sequence_batch import SequenceBatch
 from megatron_oar.seeds import OAR_G_NOISE, derive_seed
@@ -33,48 +34,55 @@ def sample_noise(seed: int, length: int, hidden: int, sigma: float) -> torch.Ten
     return torch.randn(length, hidden, generator=g) * sigma
 
 
-def _chunks(rows: list[int], size: int) -> list[list[int]]:
-    """``rows`` in chunks of ``size``; with PP > 1 the last chunk is padded with -1 (filler),
-    because the pipeline schedule exchanges tensors of one fixed shape."""
-    out = [rows[i:i + size] for i in range(0, len(rows), size)]
-    if out and parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        out[-1] = out[-1] + [-1] * (size - len(out[-1]))
-    return out
+def _budget(lengths: list[int], size: int, max_tokens: int | None, multiple: int) -> int:
+    """A micro-batch's token budget: ``max_tokens``, or by default ``size`` rows of the longest
+    (so no micro-batch is larger than the padded path's)."""
+    return max_tokens or size * padded_length(max(lengths), multiple)
 
 
-def _real(rows: list[int]) -> list[int]:
-    """Fillers stand in for the chunk's first row (any valid row would do: their results are dropped)."""
-    return [r if r >= 0 else rows[0] for r in rows]
+def _row_groups(lengths: list[int], rows: list[int], size: int, batching: str, max_tokens: int | None,
+                multiple: int) -> list[list[int]]:
+    """``rows`` grouped into micro-batches: ``padded``, ``size`` consecutive rows (the last may be
+    smaller); ``token_budget`` (``models.micro_batches``), longest first within the budget."""
+    if batching == "padded":
+        return [rows[i:i + size] for i in range(0, len(rows), size)]
+    sub = [lengths[r] for r in rows]
+    groups = micro_batches(sub, batching="token_budget", rows_per_micro=size,
+                           max_tokens=_budget(sub, size, max_tokens, multiple), multiple=multiple)
+    return [[rows[j] for j in g] for g in groups]
 
 
-def _sequence_micros(batch: SequenceBatch, sites: ProbeSites, rows: list[int], size: int) -> list[Micro]:
-    length = int(batch.lengths[rows].max())
-    micros = []
-    for chunk in _chunks(rows, size):
-        real = _real(chunk)
-        micros.append(Micro(batch.tokens[real, :length], sites.take(real), chunk))
-    return micros
+def _sequence_micros(batch: SequenceBatch, sites: ProbeSites, rows: list[int], size: int, batching: str,
+                     max_tokens: int | None, multiple: int) -> list[Micro]:
+    """Micro-batches of whole scored sequences: ``padded``, each at the longest of ``rows``;
+    ``token_budget``, each cut to its own longest row."""
+    lengths = batch.lengths.tolist()
+    width = max(lengths[r] for r in rows) if batching == "padded" else None
+    return [Micro(batch.tokens[g, :width or max(lengths[r] for r in g)], sites.take(g), g)
+            for g in _row_groups(lengths, rows, size, batching, max_tokens, multiple)]
 
 
 def probe_teacher(model, batch: SequenceBatch, sites: ProbeSites, rows: list[int], vocab_size: int,
-                  micro_batch_size: int, allow_fp8: bool = False) -> ProbeOutput | None:
+                  micro_batch_size: int, allow_fp8: bool = False, *, batching: str = "token_budget",
+                  max_tokens: int | None = None) -> ProbeOutput | None:
     """The clean probe output P0 (and S0) of ``rows``; on the last stage, else None.
 
     The trainer can skip this pass by building the teacher from its old-logprob forward with
     ``ProbeOutput.from_position_logits`` at the same sites positions, when that forward ran in
     the students' precision (``compute_importance`` checks). ``allow_fp8``: as the student's.
+    Micro-batches as OAR-G's (``batching``, ``max_tokens``).
     """
     outputs: dict[int, ProbeOutput] = {}
+    micros = _sequence_micros(batch, sites, rows, micro_batch_size, batching, max_tokens,
+                              sequence_multiple(model.config))
 
     def last_stage(micro: Micro, probe: ProbeOutput) -> torch.Tensor:
         for j, r in enumerate(micro.rows):
-            if r >= 0:
-                outputs[r] = probe.take([j])
+            outputs[r] = probe.take([j])
         return probe.score.sum() * 0
 
     with attribution_mode(model, allow_fp8), torch.no_grad():
-        run_probe_schedule(model, _sequence_micros(batch, sites, rows, micro_batch_size), vocab_size,
-                           forward_only=True, last_stage=last_stage)
+        run_probe_schedule(model, micros, vocab_size, forward_only=True, last_stage=last_stage)
     if not parallel_state.is_pipeline_last_stage():
         return None
     any_out = next(iter(outputs.values()))
@@ -87,18 +95,22 @@ def probe_teacher(model, batch: SequenceBatch, sites: ProbeSites, rows: list[int
 
 def oar_g(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput | None, rows: list[int],
           vocab_size: int, *, sigma: float, seed: int, step: int, micro_batch_size: int,
-          allow_fp8: bool = False) -> torch.Tensor:
+          allow_fp8: bool = False, batching: str = "token_budget", max_tokens: int | None = None) -> torch.Tensor:
     """OAR-G importance ``I_t = |<dJ/de_t, e_t>|`` with ``J = KL(P0 || P_noisy)`` (or the score
     drop for answer_joint), noise ``N(0, sigma^2)`` on the scored tokens' embeddings, one backward
-    through the schedule with parameter gradients off. Returns ``[B, L]`` on every stage."""
+    through the schedule with parameter gradients off. Micro-batches of whole sequences:
+    ``padded``, ``micro_batch_size`` rows at the longest scored row; ``token_budget``, at most
+    ``max_tokens`` padded tokens (default: ``micro_batch_size`` x the longest), each at its own
+    longest row. Returns ``[B, L]`` on every stage."""
     importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
-    micros = _sequence_micros(batch, sites, rows, micro_batch_size)
+    micros = _sequence_micros(batch, sites, rows, micro_batch_size, batching, max_tokens,
+                              sequence_multiple(model.config))
 
     def first_stage(gpt, micro: Micro) -> torch.Tensor:
         emb = clean_embeddings(gpt, micro.tokens)  # [s, m, h]
         s, _, h = emb.shape
         noise = torch.zeros(emb.shape, dtype=torch.float32)
-        for j, r in enumerate(_real(micro.rows)):
+        for j, r in enumerate(micro.rows):
             n = int(batch.lengths[r])
             noise[:n, j] = sample_noise(derive_seed(OAR_G_NOISE, seed, step, int(batch.sample_ids[r])), n, h, sigma)
         noise *= micro.sites.score_mask[:, :s].T.unsqueeze(-1).cpu()
@@ -107,9 +119,7 @@ def oar_g(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput |
         return x
 
     def last_stage(micro: Micro, probe: ProbeOutput) -> torch.Tensor:
-        j = divergence(teacher.take(_real(micro.rows)), probe, micro.sites, clamp=False)
-        keep = torch.tensor([r >= 0 for r in micro.rows], device=j.device)
-        return torch.where(keep, j, torch.zeros_like(j)).sum()
+        return divergence(teacher.take(micro.rows), probe, micro.sites, clamp=False).sum()
 
     with attribution_mode(model, allow_fp8):
         run_probe_schedule(model, micros, vocab_size, forward_only=False, first_stage=first_stage,
@@ -119,61 +129,68 @@ def oar_g(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput |
             x, emb = micro.extra
             grad = x.grad if x.grad is not None else torch.zeros_like(x)
             scores = (grad.float() * emb.float()).sum(dim=-1).abs().T  # [m, s]
-            for j, r in enumerate(micro.rows):
-                if r >= 0:
-                    importance[r, :scores.shape[1]] = scores[j]
+            importance[micro.rows, :scores.shape[1]] = scores
     importance *= sites.score_mask
     return broadcast_from_stage(importance, first=True)
 
 
 def _copy_micros(batch: SequenceBatch, sites: ProbeSites, copies: list[tuple[int, int]], size: int,
-                 pad_id: int, bucket: int, multiple: int) -> list[list[Micro]]:
-    """Masked copies grouped into schedule calls: one call per padded length (copies sorted by
-    length, padded up to a multiple of ``bucket`` but not past the batch width, then up to the
-    model's sequence ``multiple``), micro-batches of ``size`` copies."""
-    full = batch.tokens.shape[1]
-    by_length: dict[int, list[tuple[int, int]]] = {}
-    for i, t in sorted(copies, key=lambda c: (-int(batch.lengths[c[0]]), c)):
-        padded = padded_length(min(padded_length(int(batch.lengths[i]), bucket), full), multiple)
-        by_length.setdefault(padded, []).append((i, t))
-    calls = []
-    for length, group in by_length.items():
+                 pad_id: int, *, batching: str = "token_budget", max_tokens: int | None = None,
+                 bucket: int = 64, multiple: int = 1) -> list[list[Micro]]:
+    """OAR-P's masked copies (``(row, position)``), longest rows first, as micro-batches grouped
+    into schedule calls. ``token_budget``: one call, micro-batches of at most ``max_tokens``
+    padded tokens (default: ``size`` copies of the longest), each cut to its own longest row.
+    ``padded``: one call per padded length (a row's length rounded up to ``bucket``, not past the
+    batch width), micro-batches of ``size`` copies."""
+    lengths = batch.lengths.tolist()
+    copies = sorted(copies, key=lambda c: (-lengths[c[0]], c))
+    if batching == "padded":
+        full = batch.tokens.shape[1]
+        by_width: dict[int, list[tuple[int, int]]] = {}
+        for i, t in copies:
+            by_width.setdefault(min(padded_length(lengths[i], bucket), full), []).append((i, t))
+        calls = [(width, [group[k:k + size] for k in range(0, len(group), size)])
+                 for width, group in by_width.items()]
+    else:
+        sub = [lengths[i] for i, _ in copies]
+        groups = micro_batches(sub, batching="token_budget", rows_per_micro=size,
+                               max_tokens=_budget(sub, size, max_tokens, multiple), multiple=multiple)
+        calls = [(None, [[copies[j] for j in g] for g in groups])]
+    out = []
+    for width, chunks in calls:
         micros = []
-        for chunk in _chunks(list(range(len(group))), size):
-            members = [group[c] if c >= 0 else None for c in chunk]
-            real = [m if m is not None else members[0] for m in members]
-            tokens = pad_to(batch.tokens[[i for i, _ in real], :length], length).clone()
-            tokens[torch.arange(len(real)), torch.tensor([t for _, t in real])] = pad_id
-            micros.append(Micro(tokens, sites.take([i for i, _ in real]), [
-                i if m is not None else -1 for m, (i, _) in zip(members, real)], [t for _, t in real]))
-        calls.append(micros)
-    return calls
+        for chunk in chunks:
+            rows, positions = [i for i, _ in chunk], [t for _, t in chunk]
+            tokens = batch.tokens[rows, :width or max(lengths[i] for i in rows)].clone()
+            tokens[torch.arange(len(chunk)), torch.tensor(positions)] = pad_id
+            micros.append(Micro(tokens, sites.take(rows), rows, positions))
+        out.append(micros)
+    return out
 
 
 def oar_p(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput | None, rows: list[int],
           vocab_size: int, *, pad_id: int, micro_batch_size: int, length_bucket: int = 64,
-          serial: bool = False, joint_importance: str = "drop",
-          positions: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+          serial: bool = False, joint_importance: str = "drop", positions: torch.Tensor | None = None,
+          batching: str = "token_budget", max_tokens: int | None = None) -> tuple[torch.Tensor, int]:
     """OAR-P importance ``I_t = KL(P_final || P_final^(t))`` (score drop for answer_joint) with
-    token t replaced by ``pad_id``: one forward-only copy per scored token, batched
-    ``micro_batch_size`` copies at a time (``serial``: one copy per schedule call, the paper's
-    naive baseline). ``positions`` (``[B, L]`` bool) restricts the copies to those scored tokens;
-    the others stay 0. Returns ``[B, L]`` on every stage and the number of copies run."""
+    token t replaced by ``pad_id``: one forward-only copy per scored token, batched as
+    :func:`_copy_micros` groups them (``micro_batch_size`` copies, or ``max_tokens`` tokens, per
+    micro-batch); ``serial``: one copy per schedule call, the paper's naive baseline.
+    ``positions`` (``[B, L]`` bool) restricts the copies to those scored tokens; the others stay
+    0. Returns ``[B, L]`` on every stage and the number of copies run."""
     importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
     mask = sites.score_mask if positions is None else sites.score_mask & positions.to(sites.score_mask.device)
     copies = [(i, int(t)) for i in rows for t in mask[i].nonzero().flatten()]
     multiple = sequence_multiple(model.config)
     if serial:
-        calls = [m for i, t in copies
-                 for m in _copy_micros(batch, sites, [(i, t)], 1, pad_id, 1, multiple)]
+        calls = [m for c in copies for m in _copy_micros(batch, sites, [c], 1, pad_id, batching="padded", bucket=1)]
     else:
-        calls = _copy_micros(batch, sites, copies, micro_batch_size, pad_id, length_bucket, multiple)
+        calls = _copy_micros(batch, sites, copies, micro_batch_size, pad_id, batching=batching,
+                             max_tokens=max_tokens, bucket=length_bucket, multiple=multiple)
 
     def last_stage(micro: Micro, probe: ProbeOutput) -> torch.Tensor:
-        d = divergence(teacher.take(_real(micro.rows)), probe, micro.sites, joint_importance)
-        for j, (r, t) in enumerate(zip(micro.rows, micro.extra)):
-            if r >= 0:
-                importance[r, t] = d[j]
+        d = divergence(teacher.take(micro.rows), probe, micro.sites, joint_importance)
+        importance[micro.rows, micro.extra] = d.to(importance.device, importance.dtype)
         return d.sum() * 0
 
     with attribution_mode(model), torch.no_grad():

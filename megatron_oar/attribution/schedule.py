@@ -31,6 +31,7 @@ from megatron.core.tensor_parallel import (
 )
 
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
+from megatron_oar.models.forward import variable_shapes
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 from megatron_oar.models.parallel import unwrap
 
@@ -108,8 +109,7 @@ def output_weight(gpt) -> torch.Tensor:
 
 @dataclass
 class Micro:
-    """One micro-batch: ``tokens [m, s]``, its probe sites, and the batch rows it stands for
-    (``-1`` for filler rows that only pad the micro-batch to the schedule's fixed size)."""
+    """One micro-batch: ``tokens [m, s]``, its probe sites, and the batch rows it stands for."""
 
     tokens: torch.Tensor
     sites: ProbeSites
@@ -123,7 +123,8 @@ LastStageFn = Callable[[Micro, ProbeOutput], torch.Tensor]
 
 def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_only: bool,
                        last_stage: LastStageFn, first_stage: FirstStageFn | None = None) -> None:
-    """Run ``micros`` (all the same shape) through megatron's schedule, inside attribution_mode.
+    """Run ``micros`` through megatron's schedule, inside attribution_mode. Micro-batches may
+    differ in rows and length (pipeline stages then exchange shapes: ``variable_shapes``).
 
     ``first_stage(gpt, micro)`` returns the full ``[s, m, h]`` decoder input (or None for the
     model's own embedding); ``last_stage(micro, probe_output)`` returns a scalar whose gradient
@@ -133,12 +134,12 @@ def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_o
     if not micros:
         return
     gpt = unwrap(model)
-    m, s = micros[0].tokens.shape
-    length = padded_length(s, sequence_multiple(gpt.config))
+    multiple = sequence_multiple(gpt.config)
     n = len(micros)
 
     def step(data_iter, chunk):
         micro = next(data_iter)
+        length = padded_length(micro.tokens.shape[1], multiple)
         tokens = pad_to(micro.tokens, length)
         positions = torch.arange(length, device=tokens.device).expand_as(tokens)
         decoder_input = None
@@ -156,7 +157,9 @@ def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_o
 
         return hidden, loss
 
-    get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter(micros), model=[model], num_microbatches=n,
-        seq_length=length, micro_batch_size=m, forward_only=forward_only)
-
+    shapes = {(m.tokens.shape[0], padded_length(m.tokens.shape[1], multiple)) for m in micros}
+    with variable_shapes(model, len(shapes) > 1):
+        get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(micros), model=[model], num_microbatches=n,
+            seq_length=max(w for _, w in shapes), micro_batch_size=max(r for r, _ in shapes),
+            forward_only=forward_only)

@@ -5,7 +5,7 @@
 * :class:`TrainBatch`: a :class:`~megatron_oar.models.sequence_batch.SequenceBatch` (so the
   attribution passes take it as it is) with the training tensors: loss mask, vLLM's log-probs,
   the group advantage, and what the passes of the step fill in.
-* :func:`build_train_batch`: a step's samples -> this DP rank's rows ``d, d + DP, ...`` as one.
+* :func:`build_train_batch`: a step's samples -> this DP rank's rows (``training.dp_split``) as one.
 """
 
 from __future__ import annotations

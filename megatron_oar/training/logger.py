@@ -249,6 +249,10 @@ class MetricsLogger:
                 self._console.print(self._phase_line(name, seconds, memory), soft_wrap=True,
                                     highlight=False)
 
+    def seconds(self, *names: str) -> float:
+        """Wall seconds spent so far in this step in the phases ``names``."""
+        return sum(self._times.get(f"time/{name}", 0.0) for name in names)
+
     def _phase_line(self, name: str, seconds: float, memory: dict[str, float]):
         from rich.text import Text
         line = Text()

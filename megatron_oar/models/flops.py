@@ -1,0 +1,49 @@
+"""Model FLOPs of the Megatron passes, for ``oar plan``'s time estimate and the trainer's MFU.
+
+The usual accounting (Megatron-LM, PaLM's MFU): a forward costs 2 FLOPs per matmul parameter per
+token (the decoder layers' linears and the output layer; embeddings and norms are not matmuls)
+plus causal attention, ``QK^T`` and ``AV`` at 2 FLOPs per multiply-add over a mean context of
+half the sequence: ``2 * layers * heads * head_dim * n^2`` for a sequence of ``n`` tokens. A full
+backward costs 2 forwards; OAR-G's input-gradient-only backward 1 (no weight gradients).
+Activation recompute is not counted (MFU counts the model's FLOPs, not the hardware's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from megatron_oar.models.qwen2 import QwenArch
+
+# dense bf16 peak TFLOP/s per GPU by device name (NVIDIA datasheets, SXM parts; no sparsity)
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
+               "B200": 2250.0, "GB200": 2500.0, "L40S": 362.0}
+
+
+def linear_weights(a: QwenArch) -> int:
+    """Weights of one decoder layer's linears, whole (QKV, proj, gated FC1, FC2): the
+    parameters its matmuls use, and what FP8 keeps extra copies of."""
+    qkv = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+    return (a.hidden_size * qkv + a.num_heads * a.head_dim * a.hidden_size
+            + 3 * a.hidden_size * a.intermediate_size)
+
+
+def matmul_params(a: QwenArch) -> int:
+    """Parameters taking part in a token's matmuls (layers' linears and the output layer)."""
+    return a.num_layers * linear_weights(a) + a.vocab_size * a.hidden_size
+
+
+def forward_flops(a: QwenArch, lengths: Iterable[int]) -> float:
+    """FLOPs of one forward over sequences of ``lengths`` tokens."""
+    lengths = list(lengths)
+    return (2.0 * matmul_params(a) * sum(lengths)
+            + 2.0 * a.num_layers * a.num_heads * a.head_dim * sum(n * n for n in lengths))
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU named ``device_name`` (``torch.cuda.get_device_name``),
+    None for anything not in :data:`PEAK_TFLOPS` (and for CPUs)."""
+    upper = device_name.upper()
+    for name in sorted(PEAK_TFLOPS, key=len, reverse=True):  # GB200 before B200
+        if name in upper:
+            return PEAK_TFLOPS[name]
+    return None
