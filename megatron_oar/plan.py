@@ -24,9 +24,10 @@ preset, :mod:`megatron_oar.models.presets`); nothing is allocated. Per GPU it ad
   - old-logprob and reference passes (forward only): one layer's working set plus the logits.
   - OAR-G: a forward that keeps activations for one backward to the input embeddings. It runs in
     eval mode, where megatron-core does **not** recompute, so it is sized without recompute at
-    ``attribution.micro_batch_size`` (an upper bound: megatron's frozen-weight linears keep no
-    inputs), plus the fp32 input-embedding gradient.
-  - OAR-P: forward only, ``attribution.perturb_micro_batch_size`` masked copies, one layer at a time.
+    ``attribution.micro_batch_size`` rows (or ``max_tokens_per_micro_batch`` tokens; an upper
+    bound: megatron's frozen-weight linears keep no inputs), plus the fp32 input-embedding gradient.
+  - OAR-P: forward only, ``attribution.perturb_micro_batch_size`` masked copies (or
+    ``max_tokens_per_copy_micro_batch`` tokens), one layer at a time.
   - screened OAR-P: OAR-G's activations, then OAR-P's (the larger of the two).
 * **vLLM**, colocated: awake during generation it holds ``rollout.gpu_memory_utilization`` of the
   GPU (its weights, rollout-TP sharded, and the KV cache in what is left after ``VLLM_OVERHEAD``);
@@ -41,8 +42,10 @@ Megatron's resident state + the phase's Megatron working set (a weight-sync buck
 activations) + what vLLM holds then (asleep, its weights only, or all of it) + reserve; the peak
 per GPU is the largest phase.
 
-Time per step, at worst-case lengths unless ``--response-tokens`` says otherwise: Megatron passes
-as FLOPs at a stated MFU (forward 2 FLOPs per matmul parameter per token plus causal attention
+Time per step, at worst-case lengths unless ``--response-tokens`` says otherwise (padded
+micro-batches, ``train.batching`` / ``attribution.batching`` ``padded``, still process every
+sequence at the longest length; token budgets at its own): Megatron passes as FLOPs
+(``models/flops.py``) at a stated MFU (forward 2 FLOPs per matmul parameter per token plus causal attention
 2*L*a*d*s; backward 2x forward; OAR-G's input-gradient-only backward 1x; OAR-P one forward per
 scored token; screened OAR-P OAR-G plus ``screen_fraction`` of OAR-P), generation by a roofline
 over decode steps (weights and KV cache read once per step at a stated fraction of HBM bandwidth,
@@ -186,7 +189,9 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     resp = response_tokens if response_tokens is not None else r.max_new_tokens
     s = prompt + resp
     samples = t.prompts_per_step * t.group_size
-    microbatches = samples // t.mini_batches // (t.micro_batch_size * dp)
+    rows = samples // t.mini_batches // dp  # per rank per optimizer step
+    microbatches = (rows // t.micro_batch_size if t.batching == "padded"
+                    else math.ceil(rows * s / cfg.micro_batch_tokens))
 
     mem = _resident_memory(cfg, a, dp)
     resident = sum(mem.values())
@@ -220,7 +225,8 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     if not plan.fits:
         plan.advice = _advice(plan, cfg, mem, act["update"], act["attribution"])
     _estimate_time(plan, cfg, a, hw, world=world, samples=samples, prompt=prompt, resp=resp,
-                   engines=v["engines"], concurrent=max(1, v["concurrent"]),
+                   longest=cfg.data.max_prompt_tokens + r.max_new_tokens, engines=v["engines"],
+                   concurrent=max(1, v["concurrent"]),
                    kv_per_token=v["kv_per_token"], vllm_weights=v["weights"])
     return plan
 
@@ -256,12 +262,18 @@ def _activation_memory(cfg, a: QwenArch, *, s: int, dp: int, samples: int,
     update += logits_bytes(a, s, mbs, tp, m.vocab_multiple)
     forward = _layer_act_bytes(a, s, mbs, tp, sp, flash) + logits_bytes(a, s, mbs, tp, m.vocab_multiple)
     attr = 0.0
+    # attribution micro-batches of full-length rows: a set token budget holds budget / s of them
+    budgeted = at.batching == "token_budget"
+    seqs = (at.max_tokens_per_micro_batch / s if budgeted and at.max_tokens_per_micro_batch
+            else at.micro_batch_size)
+    copies = (at.max_tokens_per_copy_micro_batch / s if budgeted and at.max_tokens_per_copy_micro_batch
+              else at.perturb_micro_batch_size)
     if cfg.uses_attribution and at.method in ("oar_g", "oar_p_screened"):
-        attr = (_layer_act_bytes(a, s, at.micro_batch_size, tp, sp, flash)
-                * (a.num_layers // pp) * min(pp, max(1, samples // (at.micro_batch_size * dp)))
-                + 4.0 * s * at.micro_batch_size * a.hidden_size)
+        attr = (_layer_act_bytes(a, s, seqs, tp, sp, flash)
+                * (a.num_layers // pp) * min(pp, max(1, math.ceil(samples / (seqs * dp))))
+                + 4.0 * s * seqs * a.hidden_size)
     if cfg.uses_attribution and at.method in ("oar_p", "oar_p_screened"):  # screened: the larger
-        attr = max(attr, _layer_act_bytes(a, s, at.perturb_micro_batch_size, tp, sp, flash))
+        attr = max(attr, _layer_act_bytes(a, s, copies, tp, sp, flash))
     return {"update": update, "old-logprob": forward, "attribution": attr}
 
 
@@ -332,14 +344,18 @@ def _advice(plan, cfg, mem, act_update, act_attr) -> list[str]:
     return tips
 
 
-def _estimate_time(plan: Plan, cfg, a: QwenArch, hw: Hardware, *, world, samples, prompt, resp,
+def _estimate_time(plan: Plan, cfg, a: QwenArch, hw: Hardware, *, world, samples, prompt, resp, longest,
                    engines, concurrent, kv_per_token, vllm_weights) -> None:
     s = prompt + resp
     n_mm = matmul_params(a)
     attn_per_token = 2 * a.num_layers * a.num_heads * a.head_dim * s  # causal: mean context s/2
     fwd_token = 2 * n_mm + attn_per_token
-    fwd_seq = forward_flops(a, [s])  # = fwd_token * s
     t, at = cfg.train, cfg.attribution
+    # padded micro-batches run every sequence at the longest possible length; token budgets
+    # (and packing) at its own, up to a few per cent of padding to a micro-batch's longest
+    fwd_seq = {"logprob": forward_flops(a, [longest if t.batching == "padded" else s]),
+               "update": forward_flops(a, [longest if t.batching == "padded" else s]),
+               "attribution": forward_flops(a, [longest if at.batching == "padded" else s])}
     fe = {"logprob": 1.0 + (1.0 if cfg.loss.kl_coef > 0 else 0.0),  # old-logprob (+ reference)
           "update": t.ppo_epochs * (3.0 + (1.0 if cfg.model.recompute == "full" else 0.0))}
     if cfg.uses_attribution and at.method == "oar_g":
@@ -350,7 +366,7 @@ def _estimate_time(plan: Plan, cfg, a: QwenArch, hw: Hardware, *, world, samples
         fe["attribution"] = float(resp)  # one forward per scored token (upper bound: all)
     else:
         fe["attribution"] = 0.0
-    megatron_flop = {k: v * fwd_seq * samples for k, v in fe.items()}
+    megatron_flop = {k: v * fwd_seq[k] * samples for k, v in fe.items()}
     rate = world * hw.peak_tflops * 1e12 * hw.mfu
     times = {k: v / rate for k, v in megatron_flop.items()}
 

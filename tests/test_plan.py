@@ -236,3 +236,29 @@ def test_scaling_doc_tables_are_current(capsys):
         command = "oar plan --config " + " ".join(f"examples/{n}.yaml" for n in configs)
         assert command in doc, f"docs/scaling.md no longer shows `{command}`"
         assert out in doc, f"docs/scaling.md is stale: paste the output of `{command}`"
+
+
+def test_time_and_memory_follow_the_batching():
+    """Padded micro-batches run every sequence at the longest length, token budgets at its own:
+    with responses shorter than the maximum the Megatron passes cost less by exactly the FLOPs
+    ratio; a smaller attribution budget holds fewer rows, so less activation memory."""
+    from megatron_oar.models.flops import forward_flops
+
+    def plan(*overrides):
+        cfg = load_config(ROOT / "examples/qwen2.5-7b_oar_g.yaml", list(overrides))
+        hf, source = resolve_hf_config(cfg.model.path)
+        return cfg, P.make_plan(cfg, hf, nodes=cfg.launch.nodes, gpus_per_node=cfg.launch.gpus_per_node,
+                                hw=P.Hardware(), source=source, response_tokens=256)
+
+    cfg, budget = plan()
+    _, padded = plan("train.batching=padded", "attribution.batching=padded")
+    a = parse_arch(PRESETS["qwen2.5-7b"])
+    short, longest = cfg.data.max_prompt_tokens + 256, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    for phase in ("logprob", "update", "attribution"):
+        assert padded.flops[phase] / budget.flops[phase] == pytest.approx(
+            forward_flops(a, [longest]) / forward_flops(a, [short]))
+    assert budget.flops["generate"] == padded.flops["generate"]
+    # more short rows fit a token budget: fewer micro-batches per rank
+    assert budget.layout["micro_batches_per_rank"] < padded.layout["micro_batches_per_rank"]
+    _, small = plan(f"attribution.max_tokens_per_micro_batch={short}")
+    assert small.memory_gib["activations: attribution"] < budget.memory_gib["activations: attribution"]
