@@ -36,7 +36,7 @@ def measure(args) -> dict:
 
     g = torch.Generator().manual_seed(0)
     responses = torch.randint(args.min_response, args.max_response + 1, (args.rows,), generator=g).tolist()
-    with random_policy(args, args.prompt + args.max_response + 64, 4 * args.repeats) as policy:
+    with random_policy(args, args.prompt + args.max_response + 64, 4 * args.repeats) as (policy, _):
         params = sum(p.numel() for p in policy.gpt.parameters())
         batch = random_batch(args.prompt, responses, args.vocab, seed=1)
         lengths = batch.lengths.tolist()

@@ -29,11 +29,12 @@ def describe(args, params: int) -> str:
 
 @contextlib.contextmanager
 def random_policy(args, max_positions: int, optimizer_steps: int) -> Iterator:
-    """The policy (``training.policy.build_policy``, local spec, TP1/PP1) of a random Qwen2 of
-    ``args``' shape, converted through the HF checkpoint path as a user's model would be."""
+    """``(policy, arch)``: the policy (``training.policy.build_policy``, local spec, TP1/PP1) of a
+    random Qwen2 of ``args``' shape, converted through the HF checkpoint path as a user's model
+    would be, and its :class:`~megatron_oar.models.qwen2.QwenArch`."""
     from checkpoints_convert.convert import hf_to_megatron
     from megatron_oar.config import ModelConfig, OptimConfig
-    from megatron_oar.models.qwen2 import read_hf_config
+    from megatron_oar.models.qwen2 import parse_arch, read_hf_config
     from megatron_oar.models.tiny import make_tiny_qwen2
     from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
     from megatron_oar.training.policy import build_policy
@@ -49,8 +50,10 @@ def random_policy(args, max_positions: int, optimizer_steps: int) -> Iterator:
         hf_to_megatron(hf, ckpt, progress=False)
         init_runtime(ParallelConfig())
         try:
-            yield build_policy(read_hf_config(ckpt / "hf"), ModelConfig(path=str(ckpt), spec="local"),
-                               OptimConfig(lr=1e-6), checkpoint=ckpt, total_optimizer_steps=optimizer_steps)
+            hf_config = read_hf_config(ckpt / "hf")
+            policy = build_policy(hf_config, ModelConfig(path=str(ckpt), spec="local"), OptimConfig(lr=1e-6),
+                                  checkpoint=ckpt, total_optimizer_steps=optimizer_steps)
+            yield policy, parse_arch(hf_config)
         finally:
             destroy_runtime()
 

@@ -172,7 +172,7 @@ class Trainer:
 
         importance = score_mask = None
         attr_stats: dict[str, float] = {}
-        attr_work: list[tuple[int, float]] = []
+        attr_work: list[tuple[int, float, int]] = []
         if cfg.uses_attribution:
             with lg.phase("attribution"):
                 attr = compute_importance(self.policy.model, batch, cfg.attribution, vocab_size=vocab,
@@ -257,7 +257,7 @@ class Trainer:
     # ---------------------------------------------------------------------------- metrics
 
     def batch_metrics(self, batch: TrainBatch, credit, updates: list, attr_stats: dict,
-                      attr_work: list[tuple[int, float]]) -> dict:
+                      attr_work: list[tuple[int, float, int]]) -> dict:
         """Credit, entropy, mismatch and loss metrics, averaged over DP ranks (counts summed)."""
         mask = batch.loss_mask
         tokens = mask.sum().clamp_min(1)
@@ -292,13 +292,13 @@ class Trainer:
             out["guard/loss_scale_overflows"] = float(self.loss_scale_overflows)
         return out
 
-    def model_flops(self, batch: TrainBatch, attr_work: list[tuple[int, float]]) -> float:
+    def model_flops(self, batch: TrainBatch, attr_work: list[tuple[int, float, int]]) -> float:
         """Model FLOPs of this DP rank's Megatron passes in the step (``models/flops.py``): the
         old-logprob forward (and the reference's), ``ppo_epochs`` forward + backward, and the
-        attribution passes as ``compute_importance`` counted them."""
+        attribution passes as ``compute_importance`` counted them (logits at the probes only)."""
         forwards = 1 + (self.reference is not None) + 3 * self.cfg.train.ppo_epochs
         return (forwards * forward_flops(self.arch, batch.lengths.tolist())
-                + sum(fe * forward_flops(self.arch, [n]) for n, fe in attr_work))
+                + sum(fe * forward_flops(self.arch, [n], probes) for n, fe, probes in attr_work))
 
     def throughput(self, model_tflop: float) -> dict[str, float]:
         """``perf/tflops_per_gpu`` of the step's Megatron passes (logprob, attribution and

@@ -324,5 +324,17 @@ def test_attribution_flops_suite_end_to_end(tmp_path):
     assert m["oar_p"]["attribution_scale"] > 1
     assert m["oar_p"]["floor"] == pytest.approx(af.floor_ratio(res["tokens"], 0, m["oar_p"]["copy_tokens"]))
     assert all(x["sweep"] > 0 and x["seconds"]["update"] > 0 for x in m.values())
+    # the FLOP floor: OAR-G a forward and an input-gradient backward per row, logits at its probe
+    from megatron_oar.models.flops import forward_flops
+    from megatron_oar.models.qwen2 import QwenArch
+
+    arch = QwenArch(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                    num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e4,
+                    max_position_embeddings=1024, tie_word_embeddings=False)
+    assert res["grpo_flops"] == 4 * forward_flops(arch, lengths)
+    assert m["grpo"]["flop_floor"] == 1.0
+    oar_g = 2 * sum(forward_flops(arch, [n], 1) for n in lengths)
+    assert m["oar_g"]["flop_floor"] == pytest.approx(1 + oar_g / res["grpo_flops"])
+    assert 1 < m["oar_g"]["flop_floor"] < m["oar_g"]["floor"]  # the output layer runs at one position
     assert torch.tensor(res["responses"]).min() >= 8
     assert "| oar_p | " in (out / "attribution_flops.md").read_text()

@@ -28,6 +28,9 @@ def test_forward_flops_equal_torch_flop_counter(tmp_path):
         full_attention = 4 * arch.num_layers * arch.num_heads * arch.head_dim * n * n
         assert counter.get_total_flops() - full_attention / 2 == forward_flops(arch, [n])
     assert forward_flops(arch, [7, 32]) == forward_flops(arch, [7]) + forward_flops(arch, [32])
+    # logits at 2 of 39 positions: the output layer's FLOPs at the other 37 are not spent
+    saved = forward_flops(arch, [7, 32]) - forward_flops(arch, [7, 32], output_positions=2)
+    assert saved == 2 * arch.vocab_size * arch.hidden_size * 37
     assert matmul_params(arch) < sum(p.numel() for p in model.parameters())  # no embedding, norms
 
 

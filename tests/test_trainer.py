@@ -112,7 +112,9 @@ def test_every_credit_mode_trains(model, tmp_path):
     out = tmp_path / "modes.json"
     launch(_modes_worker, 2, str(model), str(tmp_path), str(out))
     results = json.loads(out.read_text())
-    n_mm = matmul_params(parse_arch(json.loads((model / "hf" / "config.json").read_text())))
+    arch = parse_arch(json.loads((model / "hf" / "config.json").read_text()))
+    n_mm = matmul_params(arch)
+    n_layers = n_mm - arch.vocab_size * arch.hidden_size  # attribution: logits at the probes only
     for credit, res in results.items():
         records = res["records"]
         assert [r["step"] for r in records] == [1, 2], credit
@@ -120,8 +122,8 @@ def test_every_credit_mode_trains(model, tmp_path):
             # model FLOPs: old-logprob forward + update forward/backward (no reference model),
             # OAR-G's forward and input-gradient backward, a forward per OAR-P copy; the matmuls
             # are a lower bound (attention adds a few per cent at these lengths)
-            floor = 2 * n_mm * (4 * r["tokens/sequence"] + 2 * r.get("attribution/oar_g_tokens", 0)
-                                + r.get("attribution/masked_copy_tokens", 0))
+            floor = 2 * n_mm * 4 * r["tokens/sequence"] + 2 * n_layers * (
+                2 * r.get("attribution/oar_g_tokens", 0) + r.get("attribution/masked_copy_tokens", 0))
             assert floor <= r["perf/model_tflop"] * 1e12 <= 1.5 * floor, (credit, r["perf/model_tflop"])
             assert r["perf/tflops_per_gpu"] > 0 and "perf/mfu" not in r  # no peak on a CPU
             assert r["perf/dp_token_imbalance"] == 1.0  # DP 1

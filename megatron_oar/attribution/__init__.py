@@ -76,9 +76,10 @@ class Attribution:
     score_mask: torch.Tensor  # [B, L] the tokens that were scored
     kinds: list[str]  # probe used per row (none: not scored)
     stats: dict[str, float]
-    # the sequences the passes ran over: (length, forward-equivalents), forward = 1,
-    # input-gradient-only backward = 1 (the trainer's model-FLOPs count, models/flops.py)
-    work: list[tuple[int, float]] = field(default_factory=list)
+    # the sequences the passes ran over: (length, forward-equivalents, probe positions), forward
+    # = 1, input-gradient-only backward = 1; the output layer ran at the probe positions only
+    # (the trainer's model-FLOPs count, models/flops.py)
+    work: list[tuple[int, float, int]] = field(default_factory=list)
 
 
 def resolve_pad_id(cfg: AttributionConfig, tokenizer) -> int:
@@ -175,9 +176,10 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
            if cfg.method == "oar_p_screened" else {}),
         "seconds": time.perf_counter() - start,
     }
-    work = [(int(lengths[i]), float(len(own_teachers))) for i in rows if own_teachers]
-    work += [(int(lengths[i]), 2.0) for i in rows if cfg.method != "oar_p"]
-    work += [(int(lengths[i]), float(n)) for i, n in row_copies.items()]
+    probes = torch.bincount(sites.row.cpu(), minlength=batch.size).tolist()
+    work = [(int(lengths[i]), float(len(own_teachers)), probes[i]) for i in rows if own_teachers]
+    work += [(int(lengths[i]), 2.0, probes[i]) for i in rows if cfg.method != "oar_p"]
+    work += [(int(lengths[i]), float(n), probes[i]) for i, n in row_copies.items()]
     return Attribution(importance * score_mask, score_mask, kinds, stats, work)
 
 

@@ -32,10 +32,14 @@ def matmul_params(a: QwenArch) -> int:
     return a.num_layers * linear_weights(a) + a.vocab_size * a.hidden_size
 
 
-def forward_flops(a: QwenArch, lengths: Iterable[int]) -> float:
-    """FLOPs of one forward over sequences of ``lengths`` tokens."""
+def forward_flops(a: QwenArch, lengths: Iterable[int], output_positions: int | None = None) -> float:
+    """FLOPs of one forward over sequences of ``lengths`` tokens; ``output_positions``: the
+    number of positions the output layer runs at (default: every token; the attribution passes
+    compute logits at the probe positions only)."""
     lengths = list(lengths)
-    return (2.0 * matmul_params(a) * sum(lengths)
+    tokens = sum(lengths)
+    skipped = 0 if output_positions is None else tokens - output_positions
+    return (2.0 * matmul_params(a) * tokens - 2.0 * a.vocab_size * a.hidden_size * skipped
             + 2.0 * a.num_layers * a.num_heads * a.head_dim * sum(n * n for n in lengths))
 
 
