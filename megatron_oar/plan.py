@@ -253,9 +253,8 @@ def _activation_memory(cfg, a: QwenArch, *, s: int, dp: int, samples: int,
     ``old-logprob`` and ``attribution``."""
     m, par, at = cfg.model, cfg.parallel, cfg.attribution
     tp, pp, sp = par.tp, par.pp, par.sequence_parallel
-    # rows of a full-length micro-batch: token budgets hold micro_batch_tokens padded tokens
-    mbs = (cfg.micro_batch_tokens / s if cfg.train.batching == "token_budget"
-           else cfg.train.micro_batch_size)
+    # rows of a full-length micro-batch: token budgets (and packing) hold micro_batch_tokens tokens
+    mbs = (cfg.micro_batch_tokens / s if cfg.train.batching != "padded" else cfg.train.micro_batch_size)
     flash = m.spec in ("te", "auto")  # auto resolves to TE on a CUDA machine that has it
     update = update_activation_bytes(a, s=s, b=mbs, tp=tp, pp=pp, sp=sp, flash=flash,
                                      recompute=m.recompute, microbatches=microbatches)

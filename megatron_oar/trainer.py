@@ -326,7 +326,7 @@ class Trainer:
         def slots(rows: range) -> tuple[int, int]:  # (processed, real)
             sub = [lengths[i] for i in rows]
             width = padded_length(max(sub), multiple) if t.batching == "padded" else None
-            return token_slots(sub, micro_batches(sub, **kw), multiple, width)
+            return token_slots(sub, micro_batches(sub, **kw), multiple, width, packed=t.batching == "packed")
 
         per = batch.size // t.mini_batches
         update = [slots(range(m * per, (m + 1) * per)) for m in range(t.mini_batches)]

@@ -30,3 +30,23 @@ def launch(fn, world_size: int, *args) -> None:
     """Runs ``fn(*args)`` on ``world_size`` spawned ranks; raises if any rank fails."""
     mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
                        join=True, start_method="spawn")
+
+
+def save_gathered(results, out: str) -> None:
+    """Collective: every rank's ``results``, in rank order, saved to ``out`` by rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        torch.save(gathered, out)
+
+
+def launch_and_load(fn, world_size: int, out, *args) -> list:
+    """``launch(fn, world_size, *args, str(out))`` where ``fn`` ends with ``save_gathered(..., out)``;
+    returns the per-rank results."""
+    import torch
+
+    launch(fn, world_size, *args, str(out))
+    return torch.load(out, weights_only=False)

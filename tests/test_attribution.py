@@ -17,7 +17,7 @@ from checkpoints_convert.convert import hf_to_megatron
 from megatron_oar.attribution import AttributionConfig, ProbeConfig, SequenceBatch, locate_probes
 from megatron_oar.attribution.spans import SpanFinder
 from tests import attribution_reference as ref
-from tests.distributed import launch
+from tests.distributed import launch, save_gathered
 from tests.tiny import make_tiny_qwen2
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
@@ -106,10 +106,7 @@ def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
     results["grads_untouched"] = all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
     results["requires_grad_restored"] = all(p.requires_grad for p in model.parameters())
     results["outputs_unchanged"] = before is None or torch.equal(before, after)
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, results)
-    if torch.distributed.get_rank() == 0:
-        torch.save(gathered, out)
+    save_gathered(results, out)
     del ps
 
 

@@ -15,12 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints_convert.convert import hf_to_megatron
 from megatron_oar.models.micro_batches import micro_batches, padding_fraction, token_slots
-from tests.distributed import launch
+from tests.distributed import launch_and_load, save_gathered
 from tests.test_attribution import SEQ_ADV, make_batch
 from tests.test_padding import _probe, _record_lengths
-from tests.tiny import make_tiny_qwen2
 
 BUDGET = 60  # padded tokens per micro-batch: the 5 test rows (widths 13..29) fall into 3 groups
 TOL = 1e-5
@@ -137,27 +135,15 @@ def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
         for name, balance in (("strided", False), ("balanced", True)):
             split = dp_assignment(lengths, dp, balance=balance)
             results[name] = {"rows": split, **_passes(ckpt, split[d], "token_budget", sharded_optimizer=False)}
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, results)
-    if torch.distributed.get_rank() == 0:
-        torch.save(gathered, out)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("micro_batches")
-    hf = make_tiny_qwen2(root / "hf", seed=5, initializer_range=0.3)
-    hf_to_megatron(hf, root / "ckpt", progress=False)
-    return root / "ckpt"
+    save_gathered(results, out)
 
 
 @pytest.fixture(scope="module", params=[(1, 1, 1), (2, 1, 2), (1, 2, 2), (1, 1, 2)],
                 ids=["tp1", "tp2", "pp2", "dp2"])
-def runs(request, checkpoint):
+def runs(request, scaled_checkpoint, tmp_path_factory):
     tp, pp, world = request.param
-    out = checkpoint.parent / f"tp{tp}pp{pp}w{world}.pt"
-    launch(_worker, world, str(checkpoint), tp, pp, str(out))
-    return torch.load(out, weights_only=False)
+    out = tmp_path_factory.mktemp("micro_batches") / f"tp{tp}pp{pp}w{world}.pt"
+    return launch_and_load(_worker, world, out, str(scaled_checkpoint), tp, pp)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -14,11 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints_convert.convert import hf_to_megatron
 from megatron_oar.models.padding import force_multiple, pad_to, padded_length, sequence_multiple, trim
-from tests.distributed import launch
+from tests.distributed import launch_and_load, save_gathered
 from tests.test_attribution import SEQ_ADV, make_batch, rel_error
-from tests.tiny import make_tiny_qwen2
 
 FORCED = 16
 SIGMA = 1e-2  # as in test_attribution: OAR-G's fp32 rounding floor stays ~1e-5
@@ -163,27 +161,15 @@ def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
     for multiple in (1, FORCED):
         with force_multiple(multiple):  # 1: no padding on this CPU model (no SP, no FP8)
             results[multiple] = _passes(ckpt, update=True)
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, results)
-    if torch.distributed.get_rank() == 0:
-        torch.save(gathered, out)
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("padding")
-    hf = make_tiny_qwen2(root / "hf", seed=5, initializer_range=0.3)
-    hf_to_megatron(hf, root / "ckpt", progress=False)
-    return root / "ckpt"
+    save_gathered(results, out)
 
 
 @pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def runs(request, checkpoint):
+def runs(request, scaled_checkpoint, tmp_path_factory):
     """Per rank: ``{1: unpadded run, 16: forced run}``."""
     tp, pp = request.param
-    out = checkpoint.parent / f"tp{tp}pp{pp}.pt"
-    launch(_worker, tp * pp, str(checkpoint), tp, pp, str(out))
-    return torch.load(out, weights_only=False)
+    out = tmp_path_factory.mktemp("padding") / f"tp{tp}pp{pp}.pt"
+    return launch_and_load(_worker, tp * pp, out, str(scaled_checkpoint), tp, pp)
 
 
 PASSES = ("old_logprob", "reference", "probe_teacher", "oar_g", "oar_p", "oar_p_screened", "update")

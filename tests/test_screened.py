@@ -17,7 +17,7 @@ import torch
 from checkpoints_convert.convert import hf_to_megatron
 from megatron_oar.attribution import AttributionConfig, ProbeConfig
 from megatron_oar.attribution.importance_passes import merge_screened, screen_count, screen_positions
-from tests.distributed import launch
+from tests.distributed import launch, save_gathered
 from tests.test_attribution import SEQ_ADV, make_batch, rel_error
 from tests.tiny import make_tiny_qwen2
 
@@ -61,10 +61,7 @@ def _compute(ckpt: str, tp: int, names) -> dict:
 
 def _tp_worker(ckpt: str, tp: int, out: str) -> None:
     results = _compute(ckpt, tp, TP_CASES)
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, results)
-    if torch.distributed.get_rank() == 0:
-        torch.save(gathered, out)
+    save_gathered(results, out)
 
 
 @pytest.fixture(scope="module")

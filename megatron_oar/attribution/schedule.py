@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -31,7 +30,7 @@ from megatron.core.tensor_parallel import (
 )
 
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
-from megatron_oar.models.forward import variable_shapes
+from megatron_oar.models.forward import MicroInput, run_schedule
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 from megatron_oar.models.parallel import unwrap
 
@@ -134,18 +133,16 @@ def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_o
     if not micros:
         return
     gpt = unwrap(model)
-    multiple = sequence_multiple(gpt.config)
+    inputs = [MicroInput(m.tokens, sequence_multiple(gpt.config)) for m in micros]
     n = len(micros)
 
     def step(data_iter, chunk):
-        micro = next(data_iter)
-        length = padded_length(micro.tokens.shape[1], multiple)
-        tokens = pad_to(micro.tokens, length)
-        positions = torch.arange(length, device=tokens.device).expand_as(tokens)
+        micro, inp = next(data_iter)
         decoder_input = None
         if first_stage is not None and parallel_state.is_pipeline_first_stage():
+            length = inp.tokens.shape[1]
             decoder_input = to_decoder_input(gpt, pad_to(first_stage(gpt, micro), length, dim=0))
-        hidden = chunk(tokens, positions, attention_mask=None, decoder_input=decoder_input)
+        hidden = chunk(inp.tokens, inp.position_ids, attention_mask=None, decoder_input=decoder_input)
 
         def loss(out):
             probe = ProbeOutput.from_position_logits(probe_logits(gpt, out, micro.sites), micro.sites,
@@ -157,9 +154,4 @@ def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_o
 
         return hidden, loss
 
-    shapes = {(m.tokens.shape[0], padded_length(m.tokens.shape[1], multiple)) for m in micros}
-    with variable_shapes(model, len(shapes) > 1):
-        get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(micros), model=[model], num_microbatches=n,
-            seq_length=max(w for _, w in shapes), micro_batch_size=max(r for r, _ in shapes),
-            forward_only=forward_only)
+    run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=forward_only)

@@ -7,7 +7,9 @@ over TP, padded rows dropped; converter verify, tests), the rollout sync check f
 log-probs. Attribution passes use the same schedule with their own loss functions.
 
 Tokens are right-padded to the model's sequence multiple (``models.padding``) and the logits
-trimmed back before ``fn`` sees them.
+trimmed back before ``fn`` sees them; or, with ``batching=packed``, a micro-batch's rows run as
+one THD sequence (``models.packing``) and the logits are unpacked to rows. :class:`MicroInput` is
+that one difference, for these passes and the update step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from megatron_oar.models.packing import pack, packed_seq_params, unpack
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 from megatron_oar.models.parallel import unwrap
 
@@ -42,6 +45,40 @@ def variable_shapes(model, on: bool):
         config.variable_seq_lengths = before
 
 
+class MicroInput:
+    """A micro-batch ``tokens [m, s]`` as the model runs it: right-padded to ``multiple``, or,
+    given the rows' ``lengths`` (``batching=packed``), packed into one sequence ``[1, T]`` with
+    megatron's THD ``packed_seq_params``. ``restore`` maps the last stage's logits back to
+    ``[m, s, ...]`` (trimmed, or unpacked with zeros past each row's length)."""
+
+    def __init__(self, tokens: torch.Tensor, multiple: int, lengths: list[int] | None = None):
+        self.width = tokens.shape[1]
+        self.packed = None if lengths is None else pack(tokens, lengths, multiple)
+        if self.packed is None:
+            self.tokens = pad_to(tokens, padded_length(self.width, multiple))
+            self.position_ids = position_ids_for(self.tokens)
+        else:
+            self.tokens, self.position_ids = self.packed.tokens, self.packed.position_ids
+
+    def __call__(self, chunk) -> torch.Tensor:
+        extra = {} if self.packed is None else {"packed_seq_params": packed_seq_params(self.packed)}
+        return chunk(self.tokens, self.position_ids, attention_mask=None, **extra)
+
+    def restore(self, logits: torch.Tensor) -> torch.Tensor:
+        return trim(logits, self.width) if self.packed is None else unpack(logits, self.packed, self.width)
+
+
+def run_schedule(model, step, items: list, inputs: list[MicroInput], forward_only: bool):
+    """megatron's schedule over ``items`` (one per micro-batch, ``inputs`` their model inputs):
+    shapes announced from the inputs, variable ones exchanged under pipeline parallelism."""
+    shapes = {tuple(i.tokens.shape) for i in inputs}
+    with variable_shapes(model, len(shapes) > 1):
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(items), model=[model], num_microbatches=len(items),
+            seq_length=max(w for _, w in shapes), micro_batch_size=max(r for r, _ in shapes),
+            forward_only=forward_only)
+
+
 @torch.no_grad()
 def forward_map(model, tokens: torch.Tensor, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                 micro_batch_size: int | None = None) -> torch.Tensor | None:
@@ -61,13 +98,15 @@ def forward_map(model, tokens: torch.Tensor, fn: Callable[[torch.Tensor, torch.T
 
 @torch.no_grad()
 def forward_rows(model, tokens: torch.Tensor, lengths: list[int], groups: list[list[int]],
-                 fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+                 fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 packed: bool = False) -> torch.Tensor | None:
     """Like :func:`forward_map`, with micro-batches of the rows ``groups``
-    (``models.micro_batches``), each cut to its own longest row: ``fn`` returns ``[m, ..., s]``
-    per micro-batch (the sequence last), and the result is ``[B, ..., S]`` in row order, zero
-    past each micro-batch's width. On the last pipeline stage, else None."""
+    (``models.micro_batches``), each cut to its own longest row (``packed``: run as one THD
+    sequence): ``fn`` returns ``[m, ..., s]`` per micro-batch (the sequence last), and the result
+    is ``[B, ..., S]`` in row order, zero past each micro-batch's width. On the last pipeline
+    stage, else None."""
     micros = [tokens[g, :max(lengths[i] for i in g)] for g in groups]
-    outputs = forward_micros(model, micros, fn)
+    outputs = forward_micros(model, micros, fn, [[lengths[i] for i in g] for g in groups] if packed else None)
     if outputs is None:
         return None
     full = outputs[0].new_zeros((tokens.shape[0], *outputs[0].shape[1:-1], tokens.shape[1]))
@@ -76,41 +115,29 @@ def forward_rows(model, tokens: torch.Tensor, lengths: list[int], groups: list[l
     return full
 
 
-def forward_micros(model, micros: list[torch.Tensor],
-                   fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[torch.Tensor] | None:
+def forward_micros(model, micros: list[torch.Tensor], fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   lengths: list[list[int]] | None = None) -> list[torch.Tensor] | None:
     """``[fn(logits, micro) for micro in micros]`` through megatron's schedule, forward only, in
-    eval mode; each ``micro [m, s]`` runs padded to the sequence multiple, ``fn`` sees the logits
-    trimmed back to ``s``. Micro-batches may differ in shape. The last pipeline stage gets the
-    list, the others None."""
+    eval mode; each ``micro [m, s]`` runs padded to the sequence multiple (or, given its rows'
+    ``lengths``, packed: :class:`MicroInput`), ``fn`` sees the logits ``[m, s, V/TP]``.
+    Micro-batches may differ in shape. The last pipeline stage gets the list, the others None."""
     multiple = sequence_multiple(model.config)
+    inputs = [MicroInput(m, multiple, None if lengths is None else lengths[k]) for k, m in enumerate(micros)]
     outputs: list[torch.Tensor] = []
 
     def step(data_iter, m):
-        micro = next(data_iter)
-        s = micro.shape[1]
-        batch = pad_to(micro, padded_length(s, multiple))
-        logits = m(batch, position_ids_for(batch), attention_mask=None)
+        micro, inp = next(data_iter)
 
         def collect(out):
-            outputs.append(fn(trim(out, s), micro))
+            outputs.append(fn(inp.restore(out), micro))
             return torch.zeros((), device=out.device), {}
 
-        return logits, collect
+        return inp(m), collect
 
-    shapes = {(m.shape[0], padded_length(m.shape[1], multiple)) for m in micros}
     was_training = model.training
     model.eval()
     try:
-        with variable_shapes(model, len(shapes) > 1):
-            get_forward_backward_func()(
-                forward_step_func=step,
-                data_iterator=iter(micros),
-                model=[model],
-                num_microbatches=len(micros),
-                seq_length=max(w for _, w in shapes),
-                micro_batch_size=max(r for r, _ in shapes),
-                forward_only=True,
-            )
+        run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=True)
     finally:
         model.train(was_training)
     return outputs if parallel_state.is_pipeline_last_stage() else None

@@ -9,7 +9,9 @@
 Every ``[B, L]`` tensor is aligned with ``tokens``: column ``t`` holds the value for token ``t``
 (computed from the logits at ``t - 1``); column 0 is never a response token. Both passes run
 on tokens right-padded to the model's sequence multiple (``models.padding``: sequence
-parallelism, FP8) and trim the logits back before anything reads them.
+parallelism, FP8) and trim the logits back before anything reads them; with ``batching=packed``
+each micro-batch runs as one THD sequence and the logits are unpacked to its rows instead
+(``models.forward.MicroInput``), so everything after the model is the same as ``token_budget``.
 """
 
 from __future__ import annotations
@@ -20,14 +22,13 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_oar.algorithms import PolicyLossConfig, ppo_clip_loss
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
 from megatron_oar.models import vocab_parallel as vp
-from megatron_oar.models.forward import forward_map, forward_rows, position_ids_for, variable_shapes
+from megatron_oar.models.forward import MicroInput, forward_map, forward_rows, run_schedule
 from megatron_oar.models.micro_batches import micro_batches
-from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
+from megatron_oar.models.padding import pad_to, sequence_multiple
 from megatron_oar.models.parallel import broadcast_from_stage
 from megatron_oar.training.inputs import TrainBatch
 
@@ -98,10 +99,11 @@ def _groups(model, batch: TrainBatch, micro_batch_size: int, batching: str,
 
 def _run_grouped(model, batch: TrainBatch, groups: list[list[int]], batching: str, fn):
     """The forward pass over ``groups``: the padded path runs consecutive rows at the batch's
-    full width (``forward_map``), token budgets each group at its own (``forward_rows``)."""
+    full width (``forward_map``), token budgets each group at its own (``forward_rows``), packed
+    ones each group as one THD sequence."""
     if batching == "padded":
         return forward_map(model, batch.tokens, fn, len(groups[0]))
-    return forward_rows(model, batch.tokens, batch.lengths.tolist(), groups, fn)
+    return forward_rows(model, batch.tokens, batch.lengths.tolist(), groups, fn, packed=batching == "packed")
 
 
 @dataclass
@@ -126,7 +128,8 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
 
     Micro-batches as ``models.micro_batches`` groups them (``batching``: ``padded``, rows of
     ``micro_batch_size`` padded to the longest; ``token_budget``, at most ``max_tokens`` padded
-    tokens each, padded to their own longest). The loss is the exact mini-batch loss of Eq. 18
+    tokens each, padded to their own longest; ``packed``, grouped alike, each run as one THD
+    sequence). The loss is the exact mini-batch loss of Eq. 18
     (token / sequence counts are global over DP), so the grouping and DP change nothing but
     rounding. Collective over the world.
     """
@@ -139,6 +142,8 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
         width = max(m.tokens.shape[1] for m in micros)
         micros = [_pad_to(m, width) for m in micros]
     n_micro = len(micros)
+    inputs = [MicroInput(m.tokens, multiple, m.lengths.tolist() if batching == "packed" else None)
+              for m in micros]
     dp_group = ps.get_data_parallel_group()
     num_tokens, num_seqs = _global_counts(batch.loss_mask, dp_group)
     # megatron's schedule divides each micro-batch loss by n_micro and DDP averages over DP; the
@@ -148,13 +153,10 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
     sums = torch.zeros(2, dtype=torch.float64, device=batch.tokens.device)  # loss, finite flag
 
     def step(data_iter, chunk):
-        micro = next(data_iter)
-        seq_len = micro.tokens.shape[1]
-        tokens = pad_to(micro.tokens, padded_length(seq_len, multiple))
-        logits = chunk(tokens, position_ids_for(tokens), attention_mask=None)
+        micro, inp = next(data_iter)
 
         def loss_func(out):
-            out = trim(out, seq_len)  # the padding to the sequence multiple never enters the loss
+            out = inp.restore(out)  # the padding to the sequence multiple never enters the loss
             lp = _shifted(vp.target_logprobs(out[:, :-1], micro.tokens[:, 1:], vocab_size))
             ent = _shifted(vp.entropy(out[:, :-1], vocab_size)) if want_entropy else None
             loss, stats = ppo_clip_loss(
@@ -165,16 +167,11 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
             stats["num_tokens"] = micro.loss_mask.sum().to(lp.dtype)
             return loss * scale, stats
 
-        return logits, loss_func
+        return inp(chunk), loss_func
 
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    shapes = {(m.size, padded_length(m.tokens.shape[1], multiple)) for m in micros}
-    with variable_shapes(model, len(shapes) > 1):
-        records = get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(micros), model=[model],
-            num_microbatches=n_micro, seq_length=max(w for _, w in shapes),
-            micro_batch_size=max(r for r, _ in shapes), forward_only=False)
+    records = run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=False)
 
     # megatron's optimizer.step(), split so the non-finite guard sits between gradient
     # preparation and the update. prepare_grads runs once: with fp16 it unscales the gradients
