@@ -110,14 +110,20 @@ def measure(args) -> dict:
         out = {"params": sum(p.numel() for p in policy.gpt.parameters()), "responses": responses,
                "tokens": sum(lengths), "scored_tokens": sum(scored), "grpo_flops": grpo_flops, "methods": {}}
         _sweep(policy, batch, sites, "grpo", args, batch.seq_adv)  # warm-up: allocator, first calls
+        scales, advs = {}, {}
         for method in args.methods:
-            seq_adv = batch.seq_adv
-            scale = 1.0
+            advs[method], scales[method] = batch.seq_adv, 1.0
             if method == "oar_p" and args.oar_p_rows < args.rows:
-                seq_adv = seq_adv.clone()
-                seq_adv[args.oar_p_rows:] = 0  # not scored
-                scale = sum(copy_tokens) / sum(copy_tokens[:args.oar_p_rows])
-            runs = [_sweep(policy, batch, sites, method, args, seq_adv) for _ in range(args.repeats)]
+                advs[method] = batch.seq_adv.clone()
+                advs[method][args.oar_p_rows:] = 0  # not scored
+                scales[method] = sum(copy_tokens) / sum(copy_tokens[:args.oar_p_rows])
+        # round-robin over the methods, so a slow drift of the machine spreads over all of them
+        all_runs = {m: [] for m in args.methods}
+        for _ in range(args.repeats):
+            for method in args.methods:
+                all_runs[method].append(_sweep(policy, batch, sites, method, args, advs[method]))
+        for method in args.methods:
+            runs, scale = all_runs[method], scales[method]
             seconds = {k: statistics.median(r["seconds"][k] for r in runs) for k in runs[0]["seconds"]}
             stats = runs[0]["stats"]
             g = stats.get("oar_g_tokens", 0.0)
@@ -132,10 +138,21 @@ def measure(args) -> dict:
                 "sweep": seconds["logprob"] + seconds["attribution"] * scale + seconds["update"],
                 "oar_g_tokens": g, "copy_tokens": c, "copies": copies,
                 "floor": floor_ratio(out["tokens"], g, c),
+                "attribution_flops": attribution_flops(arch, work),
                 "flop_floor": 1.0 + attribution_flops(arch, work) / grpo_flops}
         base = out["methods"]["grpo"]["sweep"] if "grpo" in out["methods"] else None
         for m in out["methods"].values():
             m["ratio"] = m["sweep"] / base if base else None
+            sweeps = [r["logprob"] + r["attribution"] * m["attribution_scale"] + r["update"] for r in m["all"]]
+            m["sweep_range"] = [min(sweeps), max(sweeps)]
+        # achieved rates per pass: the FLOP floor assumes every pass turns FLOPs into time alike
+        forward = forward_flops(arch, lengths)
+        out["gflops"] = {"logprob": [forward / r["logprob"] / 1e9 for m in out["methods"].values() for r in m["all"]],
+                         "update": [3 * forward / r["update"] / 1e9 for m in out["methods"].values() for r in m["all"]]}
+        for name, m in out["methods"].items():
+            if m["attribution_flops"]:
+                out["gflops"][f"attribution ({name})"] = [
+                    m["attribution_flops"] / (r["attribution"] * m["attribution_scale"]) / 1e9 for r in m["all"]]
         return out
 
 
@@ -146,8 +163,8 @@ def render(res: dict, args) -> str:
              f"clipped to [{args.min_response}, {args.max_response}]: {min(r)}-{max(r)} tokens, mean "
              f"{sum(r) / len(r):.0f}; {res['tokens']} tokens, {res['scored_tokens']} scored (last_token "
              f"probe). Token-budget micro-batches of {args.micro_batch_size * (args.prompt + args.max_response)} "
-             f"tokens (attribution: its defaults). Median of {args.repeats} run(s) per method after one "
-             "warm-up sweep.", "",
+             f"tokens (attribution: its defaults). Median of {args.repeats} run(s) per method, round-robin over "
+             "the methods, after one warm-up sweep.", "",
              "| method | sweep s | logprob s | attribution s | update s | sweep ratio | forward-equivalent floor "
              "| FLOP floor | ratio / FLOP floor |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -167,6 +184,12 @@ def render(res: dict, args) -> str:
               "FLOP floor = the same passes' model FLOPs over GRPO's (`models/flops.py`), where the attribution "
               "passes run the output layer at the probe positions only; with a 32768-token vocabulary the output "
               "layer is a large share of a forward, so this is the floor the attribution passes can reach."]
+    rates = ", ".join(f"{k} {statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
+                      for k, v in res["gflops"].items())
+    lines += ["", f"Achieved GFLOP/s per pass, median (min-max) over every run: {rates}. A pass that turns "
+              "FLOPs into time faster than GRPO's passes puts its method below the FLOP floor, a slower one above.",
+              "Sweep seconds per method, min-max over its runs: " + ", ".join(
+                  f"{k} {m['sweep_range'][0]:.2f}-{m['sweep_range'][1]:.2f}" for k, m in res["methods"].items()) + "."]
     if "oar_p" in res["methods"] and res["methods"]["oar_p"]["attribution_scale"] != 1.0:
         lines.append(f"Exact OAR-P's attribution ran on the first {args.oar_p_rows} rows and is scaled to "
                      "the batch by copy tokens (its measured seconds x the factor in parentheses).")
@@ -197,13 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need 1 <= --min-response <= --max-response and 1 <= --oar-p-rows <= --rows")
     from benchmarks import common
 
+    machine = common.machine_line(common.machine_info())  # the load before the suite runs
     t0 = time.perf_counter()
     res = measure(args)
     wall = time.perf_counter() - t0
     argv = argv if argv is not None else sys.argv[1:]
     body = (f"## Attribution cost where FLOPs dominate (`oar bench attribution-flops`)\n\n"
             f"Command: `{common.command_line('oar bench attribution-flops', argv)}` ({wall / 60:.1f} min)\n"
-            f"{common.machine_line(common.machine_info())}\n\n{render(res, args)}\n")
+            f"{machine}\n\n{render(res, args)}\n")
     ok = common.publish(args.out, SUITE, {"args": vars(args) | {"out": str(args.out)}, "result": res,
                                           "wall_seconds": wall}, body, update=args.update_benchmarks)
     return 0 if ok else 1

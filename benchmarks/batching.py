@@ -99,13 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need 1 <= --min-response <= --max-response and --rows divisible by --micro-batch-size")
     from benchmarks import common
 
+    machine = common.machine_line(common.machine_info())  # the load before the suite runs
     t0 = time.perf_counter()
     res = measure(args)
     wall = time.perf_counter() - t0
     argv = argv if argv is not None else sys.argv[1:]
     body = (f"## Padding and sweep time: padded vs token-budget micro-batches (`oar bench batching`)\n\n"
             f"Command: `{common.command_line('oar bench batching', argv)}` ({wall / 60:.1f} min)\n"
-            f"{common.machine_line(common.machine_info())}\n\n{render(res, args)}\n")
+            f"{machine}\n\n{render(res, args)}\n")
     ok = common.publish(args.out, SUITE, {"args": vars(args) | {"out": str(args.out)}, "result": res,
                                           "wall_seconds": wall}, body, update=args.update_benchmarks)
     return 0 if ok else 1
