@@ -128,7 +128,7 @@ def test_fp8_rule(monkeypatch, model_fp8, method, allow_fp8, given, teacher_fp8,
 
     seen = {}
 
-    def fake_teacher(model, batch, sites, rows, vocab_size, micro_batch_size, allow_fp8=False):
+    def fake_teacher(model, batch, sites, rows, vocab_size, micro_batch_size, allow_fp8=False, **grouping):
         seen.setdefault("passes", []).append(allow_fp8)
         return f"own fp8={allow_fp8}"
 
