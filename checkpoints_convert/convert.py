@@ -1,4 +1,4 @@
-"""HF <-> megatron-core conversion for Qwen2/Qwen2.5, streaming one tensor / layer at a time.
+"""HF <-> megatron-core conversion for Qwen2/Qwen2.5 and Qwen3 (dense), streaming one tensor / layer at a time.
 
 HF -> Megatron saves through megatron's ``dist_checkpointing.save`` with a *template*: the
 sharded state dict of a real ``GPTModel`` built on the meta device at TP=1/PP=1 (no memory).
@@ -117,7 +117,7 @@ def _prepare_out(out: Path) -> Path:
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1,
                    dtype: str | None = None, vocab_multiple: int = 128,
                    progress: bool = True) -> CheckpointMeta:
-    """Writes a torch_dist checkpoint of an HF Qwen2 model; ``tp``/``pp`` are validated and
+    """Writes a torch_dist checkpoint of an HF Qwen2 / Qwen3 model; ``tp``/``pp`` are validated and
     recorded as the intended layout (the checkpoint itself loads at any TP/PP)."""
     from megatron.core import dist_checkpointing
 
@@ -222,7 +222,8 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, max_shard_bytes: int = 
     hf, arch = _hf_arch(ckpt / HF_DIR, "--ckpt")
     reader = CheckpointRegionReader(mdir)
     _check_checkpoint_shapes(reader, arch, meta, ckpt)  # fail before writing anything
-    layer_keys = [hf_mapping.MC_LAYER_PREFIX + n for n in hf_mapping.layer_names(hf_mapping.CHECKPOINT_SPEC)]
+    layer_keys = [hf_mapping.MC_LAYER_PREFIX + n
+                  for n in hf_mapping.layer_names(hf_mapping.CHECKPOINT_SPEC, arch)]
     tmp = _prepare_out(out)
     try:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)

@@ -85,10 +85,11 @@ class Hardware:
 # ------------------------------------------------------------------------------ parameters
 
 def layer_params(a: QwenArch, tp: int = 1) -> int:
-    """Parameters of one decoder layer on one TP rank: the linears and the QKV bias split by TP,
-    two RMSNorm weights that every rank holds whole."""
-    qkv_bias = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
-    return (linear_weights(a) + qkv_bias) // tp + 2 * a.hidden_size
+    """Parameters of one decoder layer on one TP rank: the linears and the QKV bias (Qwen2) split
+    by TP, two RMSNorm weights and Qwen3's q/k RMSNorms (head_dim each) that every rank holds whole."""
+    qkv_bias = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim if a.qkv_bias else 0
+    qk_norms = 2 * a.head_dim if a.qk_norm else 0
+    return (linear_weights(a) + qkv_bias) // tp + 2 * a.hidden_size + qk_norms
 
 
 def stage_params(a: QwenArch, tp: int, pp: int, stage: int, vocab_multiple: int = 128) -> int:
@@ -206,7 +207,7 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     phases = {p.name: resident + work[p.megatron] + vllm_mem[p.vllm] + hw.reserve_gib * GIB
               for p in trainer_phases(cfg)}
     plan = Plan(
-        model=f"Qwen2, {a.num_layers} layers, hidden {a.hidden_size}",
+        model=f"{'Qwen3' if a.qk_norm else 'Qwen2'}, {a.num_layers} layers, hidden {a.hidden_size}",
         source=source, params_b=total_params(a) / 1e9,
         layout={"nodes": nodes, "gpus": world, "tp": par.tp, "pp": par.pp, "dp": dp,
                 "sequence_parallel": par.sequence_parallel, "recompute": m.recompute, "fp8": m.fp8,

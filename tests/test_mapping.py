@@ -122,7 +122,7 @@ def test_layer_roundtrip_is_identity(spec):
     arch = _arch(heads=8, groups=2, head_dim=4, inter=24)
     i = 3
     hf = _hf_layer(arch, i)
-    assert sorted(hf) == sorted(hf_mapping.hf_layer_names(i))
+    assert sorted(hf) == sorted(hf_mapping.hf_layer_names(arch, i))
     mc = hf_mapping.hf_to_mcore_layer(hf.__getitem__, arch, i, spec)
     assert list(mc) == hf_mapping.layer_names(spec)
     h = arch.hidden_size

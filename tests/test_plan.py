@@ -25,6 +25,9 @@ TINY = {**DEMO_ARCH, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2
 # a 7B-wide model cut to 2 layers (1.56B parameters) and a tied 1.5B-wide one: mid-sized shapes
 MID = dict(PRESETS["qwen2.5-7b"], num_hidden_layers=2)
 MID_TIED = dict(PRESETS["qwen2.5-1.5b"], num_hidden_layers=2)
+# Qwen3: head_dim 128 != hidden / heads, q/k norms, no q/k/v bias; tied (0.6B) and untied (8B)
+QWEN3_TIED = dict(PRESETS["qwen3-0.6b"], num_hidden_layers=2)
+QWEN3 = dict(PRESETS["qwen3-8b"], num_hidden_layers=2)
 
 
 def _gpt_params(hf: dict) -> int:
@@ -36,7 +39,8 @@ def _gpt_params(hf: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("hf", [TINY, MID, MID_TIED], ids=["tiny", "7b-wide", "1.5b-wide-tied"])
+@pytest.mark.parametrize("hf", [TINY, MID, MID_TIED, QWEN3, QWEN3_TIED],
+                         ids=["tiny", "7b-wide", "1.5b-wide-tied", "qwen3-8b-wide", "qwen3-0.6b-wide-tied"])
 def test_param_count_equals_gptmodel(hf):
     from megatron_oar.runtime import destroy_runtime, init_runtime
 
@@ -61,7 +65,8 @@ def _rank_count_worker(hfs: list[dict], tp: int, pp: int, out: str) -> None:
 def test_param_count_per_rank_tp2_pp2(tmp_path):
     """Per-rank counts of a real TP2xPP2 GPTModel (first stage: embedding; last stage: final norm,
     output layer, and for tied embeddings the embedding's copy)."""
-    hfs = [dict(TINY, num_hidden_layers=4), dict(MID_TIED, num_hidden_layers=4), MID]
+    hfs = [dict(TINY, num_hidden_layers=4), dict(MID_TIED, num_hidden_layers=4), MID,
+           dict(QWEN3_TIED, num_hidden_layers=4)]
     launch(_rank_count_worker, 4, hfs, 2, 2, str(tmp_path))
     for f in tmp_path.glob("*.json"):
         for hf, (stage, count) in zip(hfs, json.loads(f.read_text())):
@@ -74,6 +79,13 @@ def test_total_params_match_model_cards():
     for key, card in {"qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09,
                       "qwen2.5-7b": 7.61, "qwen2.5-14b": 14.7, "qwen2.5-72b": 72.7}.items():
         assert billions[key] == pytest.approx(card, rel=0.01), key
+    # Qwen3's cards give the total and the non-embedding count, to the digits compared here
+    for key, (total, body, digits) in {"qwen3-0.6b": (0.6, 0.44, 2), "qwen3-1.7b": (1.7, 1.4, 1),
+                                       "qwen3-4b": (4.0, 3.6, 1), "qwen3-8b": (8.2, 6.95, 2),
+                                       "qwen3-14b": (14.8, 13.2, 1), "qwen3-32b": (32.8, 31.2, 1)}.items():
+        a = parse_arch(PRESETS[key])
+        assert round(billions[key], 1) == total, key
+        assert round(a.num_layers * P.layer_params(a) / 1e9, digits) == body, key
 
 
 def _tiny_model_dir(tmp_path: Path) -> Path:

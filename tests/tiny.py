@@ -7,7 +7,13 @@ from pathlib import Path
 
 import torch
 
-from megatron_oar.models.tiny import SMALL, make_tiny_qwen2, make_tokenizer  # noqa: F401
+from megatron_oar.models.tiny import (  # noqa: F401
+    SMALL,
+    SMALL_QWEN3,
+    make_tiny_qwen2,
+    make_tiny_qwen3,
+    make_tokenizer,
+)
 
 
 def hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Qwen2 parameter mapping between Hugging Face and megatron-core names and layouts, and the HF
-side files a checkpoint keeps next to its weights.
+"""Qwen2 / Qwen3 (dense) parameter mapping between Hugging Face and megatron-core names and
+layouts, and the HF side files a checkpoint keeps next to its weights.
 
 Everything here works on whole (TP=1) tensors of one layer at a time, which is what the
 streaming converter and the vLLM weight sync need. megatron-core's own sharded state dict
@@ -13,6 +13,11 @@ Layouts:
 * Norm names depend on the layer spec: the local spec has ``input_layernorm`` and
   ``pre_mlp_layernorm`` modules; the Transformer Engine spec fuses them into
   ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``.
+* Which tensors a layer has depends on the architecture (:class:`QwenArch`): ``linear_qkv.bias``
+  only with ``qkv_bias`` (Qwen2), and with ``qk_norm`` (Qwen3) the per-head q/k RMSNorm weights
+  ``self_attention.{q,k}_layernorm.weight`` (HF ``self_attn.{q,k}_norm.weight``, ``[head_dim]``,
+  the same name under both specs). Those are not TP-sharded: every TP rank holds the whole
+  vector, and megatron checkpoints them as replicated over TP.
 """
 
 from __future__ import annotations
@@ -50,17 +55,35 @@ _NORM_NAMES = {
 }
 QKV_W = "self_attention.linear_qkv.weight"
 QKV_B = "self_attention.linear_qkv.bias"
+Q_NORM = "self_attention.q_layernorm.weight"
+K_NORM = "self_attention.k_layernorm.weight"
 PROJ_W = "self_attention.linear_proj.weight"
 FC1_W = "mlp.linear_fc1.weight"
 FC2_W = "mlp.linear_fc2.weight"
+# HF layer-relative names of the q/k norms (Qwen3) and of the q/k/v projections.
+HF_Q_NORM = "self_attn.q_norm.weight"
+HF_K_NORM = "self_attn.k_norm.weight"
 
 
-def layer_names(spec: str) -> list[str]:
-    """Megatron layer-relative parameter names for a spec ('local' or 'te')."""
+def _check_spec(spec: str) -> None:
     if spec not in _NORM_NAMES:
         raise ValueError(f"unknown layer spec {spec!r}; expected 'local' or 'te'")
-    attn_norm, mlp_norm = _NORM_NAMES[spec]
-    return [attn_norm, QKV_W, QKV_B, PROJ_W, mlp_norm, FC1_W, FC2_W]
+
+
+def norm_names(spec: str) -> tuple[str, str]:
+    """(attention-input norm, MLP-input norm): megatron layer-relative names for a spec."""
+    _check_spec(spec)
+    return _NORM_NAMES[spec]
+
+
+def layer_names(spec: str, arch: QwenArch | None = None) -> list[str]:
+    """Megatron layer-relative parameter names for a spec ('local' or 'te') and architecture
+    (None: Qwen2's, with the q/k/v bias and without q/k norms)."""
+    attn_norm, mlp_norm = norm_names(spec)
+    qkv_bias = True if arch is None else arch.qkv_bias
+    qk_norm = False if arch is None else arch.qk_norm
+    return ([attn_norm, QKV_W] + ([QKV_B] if qkv_bias else []) + ([Q_NORM, K_NORM] if qk_norm else [])
+            + [PROJ_W, mlp_norm, FC1_W, FC2_W])
 
 
 def rename_spec(name: str, src: str, dst: str) -> str:
@@ -71,13 +94,27 @@ def rename_spec(name: str, src: str, dst: str) -> str:
     return name
 
 
-def hf_layer_names(i: int) -> list[str]:
+def _hf_layer_shapes(arch: QwenArch, i: int) -> dict[str, tuple[int, ...]]:
+    h, f, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
+    q, kv = arch.num_heads * d, arch.num_kv_heads * d
     p = f"model.layers.{i}."
-    return [p + n for n in (
-        "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.q_proj.bias",
-        "self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
-        "self_attn.v_proj.bias", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
-        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+    shapes: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,)}
+    for x, rows in (("q", q), ("k", kv), ("v", kv)):
+        shapes[f"self_attn.{x}_proj.weight"] = (rows, h)
+        if arch.qkv_bias:
+            shapes[f"self_attn.{x}_proj.bias"] = (rows,)
+    shapes["self_attn.o_proj.weight"] = (h, q)
+    if arch.qk_norm:
+        shapes[HF_Q_NORM] = (d,)
+        shapes[HF_K_NORM] = (d,)
+    shapes.update({"post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (f, h),
+                   "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)})
+    return {p + k: v for k, v in shapes.items()}
+
+
+def hf_layer_names(arch: QwenArch, i: int) -> list[str]:
+    """HF names of decoder layer ``i``'s tensors for this architecture."""
+    return list(_hf_layer_shapes(arch, i))
 
 
 def hf_names(arch: QwenArch) -> list[str]:
@@ -86,13 +123,10 @@ def hf_names(arch: QwenArch) -> list[str]:
 
 def hf_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of this architecture with the shape config.json implies."""
-    h, f, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    q, kv = arch.num_heads * d, arch.num_kv_heads * d
+    h = arch.hidden_size
     shapes = {HF_EMBED: (arch.vocab_size, h), HF_NORM: (h,)}
-    per_layer = ((h,), (q, h), (q,), (kv, h), (kv,), (kv, h), (kv,), (h, q), (h,), (f, h), (f, h),
-                 (h, f))
     for i in range(arch.num_layers):
-        shapes.update(zip(hf_layer_names(i), per_layer))
+        shapes.update(_hf_layer_shapes(arch, i))
     if not arch.tie_word_embeddings:
         shapes[HF_HEAD] = (arch.vocab_size, h)
     return shapes
@@ -103,9 +137,9 @@ def checkpoint_shapes(arch: QwenArch, padded_vocab: int) -> dict[str, tuple[int,
     h, f, d, L = arch.hidden_size, arch.intermediate_size, arch.head_dim, arch.num_layers
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
     attn_norm, mlp_norm = _NORM_NAMES[CHECKPOINT_SPEC]
-    layer = {attn_norm: (h,), QKV_W: (qkv, h), QKV_B: (qkv,), PROJ_W: (h, arch.num_heads * d),
-             mlp_norm: (h,), FC1_W: (2 * f, h), FC2_W: (h, f)}
-    shapes = {MC_LAYER_PREFIX + k: (L, *v) for k, v in layer.items()}
+    layer = {attn_norm: (h,), QKV_W: (qkv, h), QKV_B: (qkv,), Q_NORM: (d,), K_NORM: (d,),
+             PROJ_W: (h, arch.num_heads * d), mlp_norm: (h,), FC1_W: (2 * f, h), FC2_W: (h, f)}
+    shapes = {MC_LAYER_PREFIX + k: (L, *layer[k]) for k in layer_names(CHECKPOINT_SPEC, arch)}
     shapes[MC_EMBED] = (padded_vocab, h)
     shapes[MC_NORM] = (h,)
     if not arch.tie_word_embeddings:
@@ -147,46 +181,62 @@ def hf_to_mcore_layer_tensor(get: Getter, arch: QwenArch, i: int, name: str,
                              spec: str) -> torch.Tensor:
     """One megatron layer-relative tensor of decoder layer ``i``, reading only its HF sources."""
     p = f"model.layers.{i}."
-    attn_norm, mlp_norm = _NORM_NAMES[spec]
+    attn_norm, mlp_norm = norm_names(spec)
     if name == attn_norm:
         return get(p + "input_layernorm.weight")
     if name == mlp_norm:
         return get(p + "post_attention_layernorm.weight")
-    if name in (QKV_W, QKV_B):
+    if name == QKV_W or (name == QKV_B and arch.qkv_bias):
         kind = name.rsplit(".", 1)[1]
         return merge_qkv(*(get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"), arch)
+    if name in (Q_NORM, K_NORM) and arch.qk_norm:
+        return get(p + (HF_Q_NORM if name == Q_NORM else HF_K_NORM))
     if name == PROJ_W:
         return get(p + "self_attn.o_proj.weight")
     if name == FC1_W:
         return torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
     if name == FC2_W:
         return get(p + "mlp.down_proj.weight")
-    raise KeyError(f"no HF source for megatron layer parameter {name!r} (spec {spec!r})")
+    raise KeyError(f"no HF source for megatron layer parameter {name!r} (spec {spec!r}, "
+                   f"qkv_bias={arch.qkv_bias}, qk_norm={arch.qk_norm})")
 
 
 def hf_to_mcore_layer(get: Getter, arch: QwenArch, i: int, spec: str) -> dict[str, torch.Tensor]:
     """One decoder layer: megatron layer-relative name -> tensor, from an HF tensor getter."""
-    return {n: hf_to_mcore_layer_tensor(get, arch, i, n, spec) for n in layer_names(spec)}
+    return {n: hf_to_mcore_layer_tensor(get, arch, i, n, spec) for n in layer_names(spec, arch)}
+
+
+def mcore_to_hf_layer_tensor(arch: QwenArch, i: int, name: str, tensor: torch.Tensor,
+                             spec: str) -> list[tuple[str, torch.Tensor]]:
+    """One whole megatron layer-relative tensor of decoder layer ``i`` -> its HF tensor(s)."""
+    p = f"model.layers.{i}."
+    attn_norm, mlp_norm = norm_names(spec)
+    if name == attn_norm:
+        return [(p + "input_layernorm.weight", tensor)]
+    if name == mlp_norm:
+        return [(p + "post_attention_layernorm.weight", tensor)]
+    if name == QKV_W or (name == QKV_B and arch.qkv_bias):
+        kind = name.rsplit(".", 1)[1]
+        return [(f"{p}self_attn.{x}_proj.{kind}", t) for x, t in zip("qkv", split_qkv(tensor, arch))]
+    if name in (Q_NORM, K_NORM) and arch.qk_norm:
+        return [(p + (HF_Q_NORM if name == Q_NORM else HF_K_NORM), tensor)]
+    if name == PROJ_W:
+        return [(p + "self_attn.o_proj.weight", tensor)]
+    if name == FC1_W:
+        gate, up = torch.chunk(tensor, 2, dim=0)
+        return [(p + "mlp.gate_proj.weight", gate.contiguous()), (p + "mlp.up_proj.weight", up.contiguous())]
+    if name == FC2_W:
+        return [(p + "mlp.down_proj.weight", tensor)]
+    raise KeyError(f"no HF name for megatron layer parameter {name!r} (spec {spec!r}, "
+                   f"qkv_bias={arch.qkv_bias}, qk_norm={arch.qk_norm})")
 
 
 def mcore_to_hf_layer(get: Getter, arch: QwenArch, i: int, spec: str) -> dict[str, torch.Tensor]:
     """Inverse of :func:`hf_to_mcore_layer`; ``get`` takes layer-relative megatron names."""
-    p = f"model.layers.{i}."
-    attn_norm, mlp_norm = _NORM_NAMES[spec]
-    q, k, v = split_qkv(get(QKV_W), arch)
-    qb, kb, vb = split_qkv(get(QKV_B), arch)
-    gate, up = torch.chunk(get(FC1_W), 2, dim=0)
-    return {
-        p + "input_layernorm.weight": get(attn_norm),
-        p + "self_attn.q_proj.weight": q, p + "self_attn.q_proj.bias": qb,
-        p + "self_attn.k_proj.weight": k, p + "self_attn.k_proj.bias": kb,
-        p + "self_attn.v_proj.weight": v, p + "self_attn.v_proj.bias": vb,
-        p + "self_attn.o_proj.weight": get(PROJ_W),
-        p + "post_attention_layernorm.weight": get(mlp_norm),
-        p + "mlp.gate_proj.weight": gate.contiguous(),
-        p + "mlp.up_proj.weight": up.contiguous(),
-        p + "mlp.down_proj.weight": get(FC2_W),
-    }
+    out: dict[str, torch.Tensor] = {}
+    for name in layer_names(spec, arch):
+        out.update(mcore_to_hf_layer_tensor(arch, i, name, get(name), spec))
+    return out
 
 
 def hf_to_mcore_global(get: Getter, arch: QwenArch, key: str, vocab_padded: int) -> torch.Tensor:

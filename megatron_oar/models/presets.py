@@ -1,8 +1,9 @@
-"""The published Qwen2.5 architectures, for planning and validating a layout without the weights.
+"""The published Qwen2.5 and Qwen3 (dense) architectures, for planning and validating a layout
+without the weights.
 
 Each entry holds the ``config.json`` fields :func:`~megatron_oar.models.qwen2.parse_arch` reads,
 copied from the Hugging Face model cards' ``config.json`` (Qwen/Qwen2.5-{0.5B..72B},
-Qwen/Qwen2.5-Math-{1.5B,7B}). A real ``config.json`` always wins: :func:`resolve_hf_config`
+Qwen/Qwen2.5-Math-{1.5B,7B}, Qwen/Qwen3-{0.6B..32B}). A real ``config.json`` always wins: :func:`resolve_hf_config`
 falls back to a preset only when the model directory is not on this machine (e.g. planning a 72B
 run from a laptop).
 """
@@ -31,6 +32,14 @@ def _qwen(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int,
             "rope_theta": rope_theta}
 
 
+def _qwen3(hidden: int, inter: int, layers: int, heads: int, tie: bool) -> dict[str, Any]:
+    """Qwen3 dense: 8 KV heads, head_dim 128 whatever the width, q/k RMSNorm, no q/k/v bias."""
+    return {**_COMMON, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": 8, "head_dim": 128, "attention_bias": False, "vocab_size": 151936,
+            "tie_word_embeddings": tie, "max_position_embeddings": 40960, "rope_theta": 1e6}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": _qwen(896, 4864, 24, 14, 2, 151936, True, max_pos=32768),
     "qwen2.5-1.5b": _qwen(1536, 8960, 28, 12, 2, 151936, True),
@@ -41,6 +50,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-72b": _qwen(8192, 29568, 80, 64, 8, 152064, False),
     "qwen2.5-math-1.5b": _qwen(1536, 8960, 28, 12, 2, 151936, True, max_pos=4096, rope_theta=1e4),
     "qwen2.5-math-7b": _qwen(3584, 18944, 28, 28, 4, 152064, False, max_pos=4096, rope_theta=1e4),
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, False),
+    "qwen3-14b": _qwen3(5120, 17408, 40, 40, False),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, False),
 }
 
 

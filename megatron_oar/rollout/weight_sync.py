@@ -10,7 +10,9 @@ Every rank ends up with every full HF tensor (each rank feeds its own vLLM engin
    parameter's ``partition_dim`` (``linear_fc1`` holds ``[gate_i; up_i]`` per rank, so gate and
    up are re-joined separately), then it broadcasts the full tensor over the PP group.
 3. The converter's mapping (:mod:`megatron_oar.models.hf_mapping`) turns the megatron tensor into
-   HF tensors: ``linear_qkv`` -> q/k/v, ``linear_fc1`` -> gate/up, padded vocab rows dropped.
+   HF tensors: ``linear_qkv`` -> q/k/v, ``linear_fc1`` -> gate/up, padded vocab rows dropped;
+   Qwen3's q/k norms (not TP-sharded: every TP rank holds the whole ``[head_dim]`` vector) go
+   as they are, from the TP rank's own copy.
 4. Tensors accumulate into a bucket until the next one would exceed the bound; the bucket is
    yielded, handed to vLLM, and freed before the next is gathered.
 
@@ -28,10 +30,6 @@ import torch.distributed as dist
 
 from megatron_oar.models import hf_mapping
 from megatron_oar.models.qwen2 import QwenArch
-
-# Layer-relative names in the TE spelling (local-spec norm names are renamed to these).
-_TE = hf_mapping.layer_names("te")
-_ATTN_NORM, _MLP_NORM = _TE[0], _TE[4]
 
 
 @dataclass(frozen=True)
@@ -83,24 +81,11 @@ def mcore_tensor_to_hf(key: str, tensor: torch.Tensor, arch: QwenArch) -> list[t
     if key.startswith(hf_mapping.MC_LAYER_PREFIX):
         layer_str, rel = key[len(hf_mapping.MC_LAYER_PREFIX):].split(".", 1)
         rel = hf_mapping.rename_spec(rel, "local", "te")
-        p = f"model.layers.{int(layer_str)}."
-        if rel == _ATTN_NORM:
-            return [(p + "input_layernorm.weight", tensor)]
-        if rel == _MLP_NORM:
-            return [(p + "post_attention_layernorm.weight", tensor)]
-        if rel in (hf_mapping.QKV_W, hf_mapping.QKV_B):
-            kind = rel.rsplit(".", 1)[1]
-            q, k, v = hf_mapping.split_qkv(tensor, arch)
-            return [(f"{p}self_attn.{x}_proj.{kind}", t) for x, t in zip("qkv", (q, k, v))]
-        if rel == hf_mapping.PROJ_W:
-            return [(p + "self_attn.o_proj.weight", tensor)]
-        if rel == hf_mapping.FC1_W:
-            gate, up = torch.chunk(tensor, 2, dim=0)
-            return [(p + "mlp.gate_proj.weight", gate.contiguous()),
-                    (p + "mlp.up_proj.weight", up.contiguous())]
-        if rel == hf_mapping.FC2_W:
-            return [(p + "mlp.down_proj.weight", tensor)]
-        raise KeyError(f"no HF name for megatron parameter {key!r}")
+        try:
+            return hf_mapping.mcore_to_hf_layer_tensor(arch, int(layer_str), rel, tensor, "te")
+        except KeyError:
+            raise KeyError(f"no HF name for megatron parameter {key!r} (qkv_bias={arch.qkv_bias}, "
+                           f"qk_norm={arch.qk_norm})") from None
     hf_name = {hf_mapping.MC_EMBED: hf_mapping.HF_EMBED, hf_mapping.MC_NORM: hf_mapping.HF_NORM,
                hf_mapping.MC_HEAD: hf_mapping.HF_HEAD}.get(key)
     if hf_name is None:
