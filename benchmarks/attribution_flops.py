@@ -220,17 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need 1 <= --min-response <= --max-response and 1 <= --oar-p-rows <= --rows")
     from benchmarks import common
 
-    machine = common.machine_line(common.machine_info())  # the load before the suite runs
-    t0 = time.perf_counter()
-    res = measure(args)
-    wall = time.perf_counter() - t0
-    argv = argv if argv is not None else sys.argv[1:]
-    body = (f"## Attribution cost where FLOPs dominate (`oar bench attribution-flops`)\n\n"
-            f"Command: `{common.command_line('oar bench attribution-flops', argv)}` ({wall / 60:.1f} min)\n"
-            f"{machine}\n\n{render(res, args)}\n")
-    ok = common.publish(args.out, SUITE, {"args": vars(args) | {"out": str(args.out)}, "result": res,
-                                          "wall_seconds": wall}, body, update=args.update_benchmarks)
-    return 0 if ok else 1
+    return common.run_and_publish(args, argv, suite=SUITE, prog="oar bench attribution-flops",
+                                  title="Attribution cost where FLOPs dominate", measure=measure, render=render)
 
 
 if __name__ == "__main__":

@@ -99,17 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need 1 <= --min-response <= --max-response and --rows divisible by --micro-batch-size")
     from benchmarks import common
 
-    machine = common.machine_line(common.machine_info())  # the load before the suite runs
-    t0 = time.perf_counter()
-    res = measure(args)
-    wall = time.perf_counter() - t0
-    argv = argv if argv is not None else sys.argv[1:]
-    body = (f"## Padding and sweep time: padded vs token-budget micro-batches (`oar bench batching`)\n\n"
-            f"Command: `{common.command_line('oar bench batching', argv)}` ({wall / 60:.1f} min)\n"
-            f"{machine}\n\n{render(res, args)}\n")
-    ok = common.publish(args.out, SUITE, {"args": vars(args) | {"out": str(args.out)}, "result": res,
-                                          "wall_seconds": wall}, body, update=args.update_benchmarks)
-    return 0 if ok else 1
+    return common.run_and_publish(args, argv, suite=SUITE, prog="oar bench batching",
+                                  title="Padding and sweep time: padded vs token-budget micro-batches",
+                                  measure=measure, render=render)
 
 
 if __name__ == "__main__":

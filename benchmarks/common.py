@@ -21,6 +21,7 @@ import platform
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from megatron_oar.fileio import atomic_write_text
@@ -221,3 +222,19 @@ def publish(out: Path, name: str, report: dict, markdown: str, *, update: bool,
     path = update_benchmarks(name, markdown, benchmarks_file)
     print(f"[bench] updated the '{name}' section of {path}")
     return True
+
+
+def run_and_publish(args, argv: list[str] | None, *, suite: str, prog: str, title: str, measure, render) -> int:
+    """The in-process suites' main: the machine line (its load before the run), ``measure(args)``
+    timed, the section ``## title (`prog`)`` with its command, machine and ``render(res, args)``,
+    written by :func:`publish`. Returns the exit status."""
+    machine = machine_line(machine_info())
+    t0 = time.perf_counter()
+    res = measure(args)
+    wall = time.perf_counter() - t0
+    argv = argv if argv is not None else sys.argv[1:]
+    body = (f"## {title} (`{prog}`)\n\nCommand: `{command_line(prog, argv)}` ({wall / 60:.1f} min)\n"
+            f"{machine}\n\n{render(res, args)}\n")
+    ok = publish(args.out, suite, {"args": vars(args) | {"out": str(args.out)}, "result": res,
+                                   "wall_seconds": wall}, body, update=args.update_benchmarks)
+    return 0 if ok else 1
