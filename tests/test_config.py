@@ -55,6 +55,15 @@ HF = {
     "72b": qwen(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
                 num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
                 rope_theta=1e6, tie_word_embeddings=False),
+    # Qwen/Qwen3-8B and Qwen3-32B config.json: q/k norms, no q/k/v bias, head_dim 128
+    "qwen3-8b": dict(qwen(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=40960,
+                          rope_theta=1e6, tie_word_embeddings=False),
+                     architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128, attention_bias=False),
+    "qwen3-32b": dict(qwen(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                           num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=40960,
+                           rope_theta=1e6, tie_word_embeddings=False),
+                      architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128, attention_bias=False),
     "tiny": qwen(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                  rope_theta=1e6, tie_word_embeddings=False),
@@ -68,6 +77,8 @@ CASES = {
     "qwen2.5-14b_oar_g.yaml": ("14b", 16),
     "qwen2.5-32b_oar_g.yaml": ("32b", 32),
     "qwen2.5-72b_oar_g.yaml": ("72b", 64),
+    "qwen3-8b_oar_g.yaml": ("qwen3-8b", 8),
+    "qwen3-32b_oar_g.yaml": ("qwen3-32b", 32),
     "tiny_cpu.yaml": ("tiny", 2),
     "tiny_chain_cpu.yaml": ("tiny", 2),
 }
@@ -95,7 +106,8 @@ def test_presets_match_the_published_configs():
 
     for arch, preset in (("math-1.5b", "qwen2.5-math-1.5b"), ("7b", "qwen2.5-7b"),
                          ("math-7b", "qwen2.5-math-7b"), ("14b", "qwen2.5-14b"),
-                         ("32b", "qwen2.5-32b"), ("72b", "qwen2.5-72b")):
+                         ("32b", "qwen2.5-32b"), ("72b", "qwen2.5-72b"), ("qwen3-8b", "qwen3-8b"),
+                         ("qwen3-32b", "qwen3-32b")):
         assert parse_arch(PRESETS[preset]) == parse_arch(HF[arch]), preset
 
 
