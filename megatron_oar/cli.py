@@ -46,19 +46,32 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    """Runs megatron_oar.train in this process (inside torchrun, or one process), or starts
-    torchrun with ``--nproc-per-node`` processes."""
+    """Runs megatron_oar.train in this process (inside torchrun, or one process), or becomes
+    torchrun with ``--nproc-per-node`` processes and the config's restart budget
+    (``launch.max_restarts``; each restart resumes from the newest checkpoint)."""
     import os
-    import subprocess
 
     from megatron_oar import train
 
     argv = ["--config", str(args.config), *(["--resume", args.resume] if args.resume else []),
             *args.overrides]
     if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        from megatron_oar.config import ConfigError
+        from megatron_oar.launch import elastic_env
+
+        try:  # a config error stops here, not once per restart
+            cfg = train.config_from_args(train.parse_args(argv))
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        for key, value in elastic_env(cfg.launch).items():
+            os.environ.setdefault(key, value)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.nproc_per_node}", "-m", "megatron_oar.train", *argv]
-        return subprocess.call(cmd)
+               f"--nproc-per-node={args.nproc_per_node}", f"--max-restarts={cfg.launch.max_restarts}",
+               "-m", "megatron_oar.train", *argv]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, cmd)  # signals (SIGTERM, SIGUSR1) go straight to torchrun
     return train.main(argv)
 
 

@@ -157,6 +157,7 @@ class TrainConfig:
     max_refill_rounds: int = 3      # extra rollout rounds per step for refilling
     overlong_filter: bool = False   # no loss on truncated (length-capped) responses
     max_nonfinite_steps: int = 3    # abort after this many non-finite (loss/grad) steps in a row
+    phase_timeout_s: float = 3600.0  # a phase running longer: dump stacks, exit, restart (0: off)
     eval_interval: int = 0          # steps between evaluations on the eval set (0: never)
     eval_n: int = 1                 # completions per eval prompt
     eval_temperature: float = 0.0   # 0: greedy (then eval_n must be 1)
@@ -203,6 +204,7 @@ class SlurmConfig:
     container_image: str | None = None  # pyxis/enroot image; null: the nodes' own environment
     container_mounts: list[str] = field(default_factory=list)  # "src:dst" for the container
     exclusive: bool = True
+    max_requeues: int = 3             # requeues after a failed attempt (preemption requeues too)
 
 
 @dataclass
@@ -214,6 +216,9 @@ class LaunchConfig:
     gpus_per_node: int = 8
     gpu_mem_gib: float = 80.0         # per GPU (H100 SXM: 80)
     executor: str = "local"           # local (torchrun on this node) | slurm
+    max_restarts: int = 3             # torchrun restarts of the worker group; each resumes (0: none)
+    preemption_grace_s: int = 600     # Slurm signals this long before the time limit; torchrun
+    #                                   waits this long for the workers' final checkpoint
     env: dict[str, str] = field(default_factory=dict)  # on top of env.sh's defaults (megatron_oar/resources)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
@@ -562,6 +567,9 @@ def _check_optimizer_and_run(cfg: Config) -> None:
     _at_least(cfg, "optim.warmup_steps checkpoint.interval checkpoint.keep_last", 0)
     _at_least(cfg, "log.interval")
     _at_least(cfg, "launch.nodes launch.gpus_per_node")
+    _at_least(cfg, "launch.max_restarts launch.preemption_grace_s train.phase_timeout_s", 0)
+    _need(cfg.launch.slurm.max_requeues >= 0,
+          f"launch.slurm.max_requeues={cfg.launch.slurm.max_requeues}: must be >= 0")
     _need(cfg.launch.gpu_mem_gib > 0, f"launch.gpu_mem_gib={cfg.launch.gpu_mem_gib}: must be > 0")
     _one_of("launch.executor", cfg.launch.executor, EXECUTORS)
     _need(bool(re.fullmatch(r"(\d+-)?\d{1,2}:\d{2}:\d{2}", cfg.launch.slurm.time)),

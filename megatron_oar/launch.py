@@ -19,6 +19,12 @@ with ``launch.gpus_per_node`` processes on each of ``launch.nodes`` nodes:
   node. The job runs in a ``code`` symlink to the directory ``oar launch`` was started in (a shared
   file system), so the config's relative paths mean what they mean here. Submits and returns.
 
+Fault tolerance (docs/running-for-days.md): torchrun restarts the worker group up to
+``launch.max_restarts`` times (``PET_MAX_RESTARTS``), each restart resuming from the newest
+checkpoint; Slurm jobs ask for SIGUSR1 ``launch.preemption_grace_s`` before the time limit, on
+which the workers checkpoint and exit, and nemo-run's script then requeues the job, up to
+``launch.slurm.max_requeues`` times.
+
 The job's environment sets the defaults of ``env.sh`` (``megatron_oar/resources/env.sh``, shipped
 in the package; ``launch_scripts/env.sh`` links to it) with ``launch.env`` on top; a value exported
 in the calling shell does not override them (the rest of it is inherited). vLLM's share of the GPU
@@ -62,6 +68,17 @@ def parse_env_sh(path: str | Path = ENV_SH) -> dict[str, str]:
             raise ConfigError(f'{path}:{n}: expected export NAME="${{NAME:-default}}", got {line!r}')
         env[m.group(1)] = m.group(2)
     return env
+
+
+def elastic_env(launch) -> dict[str, str]:
+    """torchrun's fault-tolerance settings from ``launch`` (a :class:`LaunchConfig`), as the
+    ``PET_*`` variables torchrun reads for its flags: restarts of the worker group, the signals it
+    forwards to the workers (SIGUSR1 too), how long it then waits for their checkpoint, and a
+    fresh rendezvous store per restart (env.sh says why)."""
+    return {"PET_MAX_RESTARTS": str(launch.max_restarts),
+            "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(launch.preemption_grace_s),
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -136,6 +153,10 @@ def _executor(cfg, name: str, env: dict[str, str], job_dir: Path, workdir: Path)
         # on the nodes' own environment (shared file system), the torchrun next to this Python
         setup_lines=None if s.container_image else f'export PATH={shlex.quote(PYTHON_BIN)}:"$PATH"',
         job_name_prefix=f"{name}-",  # unused with job_details.job_name, but nemo-run needs one
+        # SIGUSR1 to every process of the job step this long before the time limit: the workers
+        # finish the step and checkpoint (torchrun forwards it too: PET_SIGNALS_TO_HANDLE); the
+        # failed exit makes nemo-run's script requeue the job while retries remain
+        signal=f"USR1@{launch.preemption_grace_s}", retries=s.max_requeues,
     )
 
 
@@ -176,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*args.overrides, *_flag_overrides(args)]
     try:
         cfg = _checked_config(args, overrides)
-        env = {**parse_env_sh(), **cfg.launch.env}
+        env = {**parse_env_sh(), **elastic_env(cfg.launch), **cfg.launch.env}
     except ConfigError as e:
         print(f"oar launch: {e}", file=sys.stderr)
         return 2
@@ -188,9 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     name = cfg.launch.slurm.job_name or Path(cfg.run_dir).name
     job_dir = Path(cfg.launch.slurm.job_dir).resolve()
 
-    import nemo_run as run
+    with _nemo_run_quietly(to_stderr=True):  # its first use may reconfigure logging too
+        import nemo_run as run
 
-    script = run.Script(path="megatron_oar.train", m=True, entrypoint="python", args=train_args)
+        script = run.Script(path="megatron_oar.train", m=True, entrypoint="python", args=train_args)
     if args.dryrun:
         with tempfile.TemporaryDirectory(prefix="oar-launch-") as tmp:
             with _nemo_run_quietly(to_stderr=True):

@@ -1,5 +1,9 @@
 """``torchrun --nproc-per-node N -m megatron_oar.train --config X.yaml [key=value ...]``
 
+Exit status: 0 when ``train.steps`` are done; 2 for a config error; ``EXIT_PREEMPTED`` (75) when
+SIGTERM / SIGUSR1 stopped it after a checkpoint (run it again to continue); ``EXIT_HANG`` (124)
+when a phase ran past ``train.phase_timeout_s``; 1 for any other error.
+
 Also ``oar train`` (which starts torchrun itself when ``--nproc-per-node`` > 1). Overrides are
 dotted keys of the config schema (``megatron_oar.config``), e.g. ``train.steps=10 credit=grpo``;
 ``--resume auto|none|PATH`` sets ``checkpoint.resume``. Config errors are reported before any
@@ -45,15 +49,17 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(rank, cfg.log.level)
         from megatron_oar.runtime import destroy_runtime
         from megatron_oar.trainer import Trainer
+        from megatron_oar.training.preemption import EXIT_PREEMPTED
 
         try:
-            Trainer(cfg).run()
+            trainer = Trainer(cfg)
+            trainer.run()
         finally:
             destroy_runtime()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return EXIT_PREEMPTED if trainer.preempted else 0
 
 
 if __name__ == "__main__":

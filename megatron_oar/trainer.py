@@ -22,6 +22,7 @@ Every rank runs the same code on the same step data; each DP rank trains on its 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_oar import faults
 from megatron_oar.algorithms import assign_credit, credit_metrics, group_advantages
 from megatron_oar.attribution import SpanFinder, compute_importance, locate_probes
 from megatron_oar.config import Config, save_config, validate
@@ -40,6 +42,7 @@ from megatron_oar.models.micro_batches import micro_batches, token_slots
 from megatron_oar.models.model_checkpoint import CheckpointMeta
 from megatron_oar.models.padding import padded_length, sequence_multiple
 from megatron_oar.models.qwen2 import read_hf_config
+from megatron_oar.rollout.sync_check import check_policy_agreement
 from megatron_oar.seeds import RANDOM_CREDIT, derive_seed
 from megatron_oar.training import step_checkpoint as ckpt
 from megatron_oar.training.collect import collect
@@ -49,7 +52,9 @@ from megatron_oar.training.inputs import TrainBatch, build_train_batch, load_exa
 from megatron_oar.training.logger import MetricsLogger
 from megatron_oar.training.policy import build_policy, build_reference, init_checkpoint
 from megatron_oar.training.policy_passes import old_logprob_pass, reference_logprobs, update_step
+from megatron_oar.training.preemption import Preemption
 from megatron_oar.training.run_context import start_run
+from megatron_oar.training.watchdog import PhaseWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +68,6 @@ class Trainer:
     rank constructs one. ``engine`` lets a caller share a running :class:`RolloutEngine`."""
 
     def __init__(self, cfg: Config, *, engine=None):
-        from megatron_oar.data import PromptSampler
-        from megatron_oar.rewards import RewardScorer
-        from megatron_oar.rollout import RolloutEngine
-
         self.cfg = cfg
         hf_dir = cfg.model.hf_dir()
         hf_config = read_hf_config(hf_dir / "config.json")
@@ -75,6 +76,20 @@ class Trainer:
         ctx = start_run(cfg, hf_config)
         self.rt, self.rank, self.arch = ctx.rt, ctx.rt.rank, ctx.arch
         self.tokenizer, self.pad_id, self.control = ctx.tokenizer, ctx.pad_id, ctx.control
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)  # torchrun restarts so far
+        self.watchdog = PhaseWatchdog(cfg.train.phase_timeout_s, rank=self.rank, attempt=self.attempt,
+                                      dump_dir=Path(cfg.run_dir) / "hangs")
+        self.preemption = Preemption()
+        self.preempted = False  # run() stopped early on SIGTERM / SIGUSR1 (after a checkpoint)
+        self._build(hf_dir, hf_config, engine)  # unwatched: its collectives have the group's timeout
+
+    def _build(self, hf_dir: Path, hf_config: dict, engine) -> None:
+        """The data, the policy (and reference), a resumed state, the vLLM engine and the logger."""
+        from megatron_oar.data import PromptSampler
+        from megatron_oar.rewards import RewardScorer
+        from megatron_oar.rollout import RolloutEngine
+
+        cfg = self.cfg
         self.finder = SpanFinder(self.tokenizer, cfg.attribution.probe.answer_pattern)
         train_examples = load_examples(cfg, self.tokenizer)
         self.sampler = PromptSampler(train_examples, cfg.train.prompts_per_step, seed=cfg.train.seed)
@@ -91,7 +106,8 @@ class Trainer:
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
         self.loss_scale_overflows = 0  # fp16 only: skipped updates the dynamic loss scale handles
-        resume = ckpt.resolve_resume(cfg.checkpoint.resume, cfg.checkpoint.dir)
+        # a torchrun restart (launch.max_restarts) continues from the run's own newest checkpoint
+        resume = ckpt.resolve_resume(cfg.checkpoint.resume, cfg.checkpoint.dir, restarted=self.attempt > 0)
         if resume is not None:
             state = ckpt.load_checkpoint(resume, self.policy)
             self.step = int(state["step"])
@@ -114,38 +130,58 @@ class Trainer:
     # ---------------------------------------------------------------------------- the loop
 
     def run(self) -> dict[str, float]:
-        """Trains from ``self.step`` to ``train.steps``; returns the last step's metrics."""
+        """Trains from ``self.step`` to ``train.steps``; returns the last step's metrics. On
+        SIGTERM / SIGUSR1 it stops after the step in progress, with a checkpoint of that step,
+        and sets ``self.preempted`` (``training/preemption.py``)."""
         cfg, metrics = self.cfg, {}
+        self.preemption.install()
         try:
             if self.step == 0 and cfg.train.eval_interval:
                 self.logger.log(0, self.evaluate())  # the baseline, before any update
-            while self.step < cfg.train.steps:
+            while self.step < cfg.train.steps and not self.preempted:
                 metrics = self.train_step()
                 self.step += 1
                 every = cfg.train.eval_interval
                 if every and (self.step % every == 0 or self.step == cfg.train.steps):
                     metrics.update(self.evaluate())
-                self.logger.log(self.step, metrics)
+                self.preempted = self.preemption.requested(self.control)  # any rank signalled
                 interval = cfg.checkpoint.interval
-                if self.step == cfg.train.steps or (interval and self.step % interval == 0):
+                if (self.step == cfg.train.steps or (interval and self.step % interval == 0)
+                        or self.preempted):
                     self.save()
-            if cfg.checkpoint.export_hf_at_end and self.last_checkpoint is not None:
+                self.logger.log(self.step, metrics)
+            self.preempted &= self.step < cfg.train.steps  # a signal during the last step stops nothing
+            if self.preempted and self.rank == 0:
+                log.warning("stopped on a signal after step %d of %d; checkpoint: %s. Run the same "
+                            "command (checkpoint.resume=auto) to continue", self.step, cfg.train.steps,
+                            self.last_checkpoint)
+            elif not self.preempted and cfg.checkpoint.export_hf_at_end and self.last_checkpoint is not None:
                 self.export_hf(self.last_checkpoint)
         finally:
+            self.preemption.uninstall()
             self.close()
         return metrics
 
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int):
+        """One phase of the loop (``training/phases.py``) in step ``step``: its console line and
+        time (the logger), the hang watchdog's deadline, and the test-only fault point ``name``."""
+        with self.logger.phase(name), self.watchdog.phase(name, step):
+            faults.inject(name, step=step)
+            yield
+
     def train_step(self) -> dict[str, float]:
-        cfg, step, lg = self.cfg, self.step, self.logger
+        cfg, step = self.cfg, self.step
+        n = step + 1  # the step being computed, as the logs and checkpoints number it
         t0 = time.perf_counter()
 
-        sync = self.wake_rollout()  # wake_weights, sync, wake_kv_cache
-        with lg.phase("generate"):  # and rewards (dynamic sampling may generate again)
+        sync = self.wake_rollout(n)  # wake_weights, sync, wake_kv_cache
+        with self.phase("generate", n):  # and rewards (dynamic sampling may generate again)
             data = collect(self.engine, self.scorer, self.sampler, self.tokenizer, step=step,
                            group_size=cfg.train.group_size, template=cfg.data.template,
                            seed=cfg.rollout.seed, dynamic_sampling=cfg.train.dynamic_sampling,
                            max_refill_rounds=cfg.train.max_refill_rounds, group=self.control)
-        with lg.phase("sleep"):  # every Megatron pass below runs while vLLM sleeps
+        with self.phase("sleep", n):  # every Megatron pass below runs while vLLM sleeps
             self.engine.sleep()
         rewards = torch.tensor([s.reward for s in data.samples])
         seq_adv = group_advantages(rewards, group_size=cfg.train.group_size,
@@ -164,17 +200,19 @@ class Trainer:
             sites = locate_probes(batch, cfg.attribution.probe, step, self.finder,
                                   eos_ids={self.tokenizer.eos_token_id, *cfg.rollout.stop_token_ids})
         grouping = {"batching": cfg.train.batching, "max_tokens": cfg.micro_batch_tokens}
-        with lg.phase("logprob"):
+        with self.phase("logprob", n):
             batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(
                 self.policy.model, batch, vocab, mbs, sites=sites, **grouping)
             if self.reference is not None:
                 batch.ref_logprobs = reference_logprobs(self.reference, batch, vocab, mbs, **grouping)
+        check_policy_agreement(batch.rollout_logprobs, batch.old_logprobs, batch.loss_mask,
+                               limit=cfg.rollout.max_logprob_mismatch, step=n, group=self.control)
 
         importance = score_mask = None
         attr_stats: dict[str, float] = {}
         attr_work: list[tuple[int, float, int]] = []
         if cfg.uses_attribution:
-            with lg.phase("attribution"):
+            with self.phase("attribution", n):
                 attr = compute_importance(self.policy.model, batch, cfg.attribution, vocab_size=vocab,
                                           seq_adv=batch.seq_adv, step=step, tokenizer=self.tokenizer,
                                           sites=sites, teacher=teacher, external_teacher=True,
@@ -185,7 +223,7 @@ class Trainer:
                                generator=self._generator())
         batch.advantages = credit.advantages
 
-        with lg.phase("update"):
+        with self.phase("update", n):
             updates = self.update(batch)
 
         metrics = dict(data.metrics)
@@ -196,30 +234,29 @@ class Trainer:
         metrics["perf/tokens_per_s"] = data.metrics["rollout/gen_tokens"] / (time.perf_counter() - t0)
         return metrics
 
-    def wake_rollout(self):
+    def wake_rollout(self, step: int):
         """Collective: vLLM back on the GPU with the current policy (phases.WAKE): its weights
         first, then the sync into them, then its KV cache, so the sync's buckets never compete
         with the KV cache for memory. Returns the sync's :class:`SyncStats`."""
-        lg = self.logger
-        with lg.phase("wake_weights"):
+        with self.phase("wake_weights", step):
             self.engine.wake_up(["weights"])
-        with lg.phase("sync"):
-            sync = self.engine.sync_weights(self.policy.model)
-        with lg.phase("wake_kv_cache"):
+        with self.phase("sync", step):
+            sync = self.engine.sync_weights(self.policy.model, step=step)
+        with self.phase("wake_kv_cache", step):
             self.engine.wake_up(["kv_cache"])
         return sync
 
     def evaluate(self) -> dict[str, float]:
         """Collective: ``eval/*`` of the current weights (phases.EVAL: vLLM wakes with them,
         evaluates, and sleeps again)."""
-        t, lg = self.cfg.train, self.logger
-        self.wake_rollout()
-        with lg.phase("eval"):
+        t = self.cfg.train
+        self.wake_rollout(self.step)
+        with self.phase("eval", self.step):
             metrics = evaluate(self.engine, self.scorer, self.tokenizer, self.eval_examples,
                                template=self.cfg.data.template, n=t.eval_n,
                                temperature=t.eval_temperature, seed=self.cfg.rollout.seed,
                                group=self.control)
-        with lg.phase("sleep"):
+        with self.phase("sleep", self.step):
             self.engine.sleep()
         return metrics
 
@@ -341,7 +378,7 @@ class Trainer:
         state = {"sampler": self.sampler.state_dict(), "nonfinite_in_row": self.nonfinite_in_row,
                  "nonfinite_total": self.nonfinite_total,
                  "loss_scale_overflows": self.loss_scale_overflows, "credit": self.cfg.credit}
-        with self.logger.phase("checkpoint"):
+        with self.phase("checkpoint", self.step):
             self.last_checkpoint = ckpt.save_checkpoint(
                 self.cfg.checkpoint.dir, self.step, self.policy, state, self.meta, self.hf_files,
                 keep_last=self.cfg.checkpoint.keep_last)
@@ -362,6 +399,7 @@ class Trainer:
     def close(self) -> None:
         """Collective: closes the logger and verifier pool, and the vLLM engine if this trainer
         made it (a shared engine stays up for its owner)."""
+        self.watchdog.close()
         self.logger.close()
         self.scorer.close()
         if self.own_engine:

@@ -24,7 +24,7 @@ G7 = "examples/qwen2.5-7b_oar_g.yaml"
 P7 = "examples/qwen2.5-7b_oar_p.yaml"
 G32 = "examples/qwen2.5-32b_oar_g.yaml"
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "GPUS_PER_NODE", "RESUME",
-               "TORCHRUN", "CONFIG", "OAR_REPO", "DRYRUN")
+               "TORCHRUN", "CONFIG", "OAR_REPO", "DRYRUN", "MAX_RESTARTS", "MAX_REQUEUES", "RDZV_ID")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -50,17 +50,17 @@ def test_scripts_parse(path):
 def test_single_node_dryrun(tmp_path):
     r = _sh("torchrun_single_node.sh", "my.yaml", "train.steps=10", "credit=grpo", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert r.stdout == ("torchrun --standalone --nproc-per-node 8 -m megatron_oar.train "
+    assert r.stdout == ("torchrun --standalone --nproc-per-node 8 --max-restarts 3 -m megatron_oar.train "
                         "--config my.yaml --resume auto train.steps=10 credit=grpo\n")
 
 
 def test_single_node_env_knobs(tmp_path):
     r = _sh("torchrun_single_node.sh", "my.yaml", "rollout.gpu_memory_utilization=0.4",
-            "train.steps=1", cwd=tmp_path, GPUS_PER_NODE="4", RESUME="none")
+            "train.steps=1", cwd=tmp_path, GPUS_PER_NODE="4", RESUME="none", MAX_RESTARTS="0")
     assert r.returncode == 0, r.stderr
     # vLLM's GPU share is a config override like any other, passed on as given
-    assert r.stdout == ("torchrun --standalone --nproc-per-node 4 -m megatron_oar.train --config "
-                        "my.yaml --resume none rollout.gpu_memory_utilization=0.4 train.steps=1\n")
+    assert r.stdout == ("torchrun --standalone --nproc-per-node 4 --max-restarts 0 -m megatron_oar.train "
+                        "--config my.yaml --resume none rollout.gpu_memory_utilization=0.4 train.steps=1\n")
 
 
 def test_no_gpu_memory_variable():
@@ -74,7 +74,7 @@ def test_no_gpu_memory_variable():
 def test_7b_wrappers(wrapper, config, tmp_path):
     r = _sh(wrapper, "train.steps=10", cwd=tmp_path)  # from anywhere: they cd to the repo root
     assert r.returncode == 0, r.stderr
-    assert r.stdout == ("torchrun --standalone --nproc-per-node 8 -m megatron_oar.train "
+    assert r.stdout == ("torchrun --standalone --nproc-per-node 8 --max-restarts 3 -m megatron_oar.train "
                         f"--config {config} --resume auto train.steps=10\n")
     assert (REPO / config).is_file()
 
@@ -86,12 +86,12 @@ def test_usage_without_config():
 
 
 def test_multi_node_from_variables():
-    r = _sh("torchrun_multi_node.sh", "c.yaml", "train.steps=3", MASTER_ADDR="node-0", NNODES="4",
-            NODE_RANK="2")
+    r = _sh("torchrun_multi_node.sh", "c.yaml", "train.steps=3", MASTER_ADDR="node-0", NNODES="4")
     assert r.returncode == 0, r.stderr
-    assert r.stdout == ("torchrun --nnodes 4 --node-rank 2 --master-addr node-0 --master-port 29500 "
-                        "--nproc-per-node 8 -m megatron_oar.train --config c.yaml --resume auto "
-                        "train.steps=3\n")
+    # an elastic rendezvous: a failed node restarts every node's workers (tests/test_faults.py)
+    assert r.stdout == ("torchrun --nnodes 4 --rdzv-backend c10d --rdzv-endpoint node-0:29500 "
+                        "--rdzv-id megatron-oar --max-restarts 3 --nproc-per-node 8 -m megatron_oar.train "
+                        "--config c.yaml --resume auto train.steps=3\n")
 
 
 @pytest.fixture
@@ -111,17 +111,18 @@ def fake_slurm(tmp_path):
 def test_multi_node_from_slurm(fake_slurm):
     r = _sh("torchrun_multi_node.sh", G32, **fake_slurm)
     assert r.returncode == 0, r.stderr
-    assert r.stdout == ("torchrun --nnodes 3 --node-rank 1 --master-addr gpu-07 --master-port 29500 "
-                        f"--nproc-per-node 8 -m megatron_oar.train --config {G32} --resume auto\n")
+    assert r.stdout == ("torchrun --nnodes 3 --rdzv-backend c10d --rdzv-endpoint gpu-07:29500 --rdzv-id 123 "
+                        f"--max-restarts 3 --nproc-per-node 8 -m megatron_oar.train --config {G32} --resume auto\n")
     # a variable that is set wins over Slurm's
-    r = _sh("torchrun_multi_node.sh", G32, **fake_slurm, MASTER_ADDR="10.0.0.1", MASTER_PORT="6000")
-    assert "--master-addr 10.0.0.1 --master-port 6000" in r.stdout
+    r = _sh("torchrun_multi_node.sh", G32, **fake_slurm, MASTER_ADDR="10.0.0.1", MASTER_PORT="6000",
+            RDZV_ID="run7")
+    assert "--rdzv-endpoint 10.0.0.1:6000 --rdzv-id run7 " in r.stdout
 
 
 def test_multi_node_missing_variables():
     r = _sh("torchrun_multi_node.sh", "c.yaml", MASTER_ADDR="node-0")
     assert r.returncode == 2 and not r.stdout
-    assert "NNODES NODE_RANK not set" in r.stderr and "srun" in r.stderr
+    assert "NNODES not set" in r.stderr and "srun" in r.stderr
 
 
 def test_sbatch_dryrun(fake_slurm, tmp_path):
@@ -131,9 +132,21 @@ def test_sbatch_dryrun(fake_slurm, tmp_path):
                         f"launch_scripts/torchrun_multi_node.sh {G32} train.steps=2\n")
     text = (SCRIPTS / "slurm.sbatch").read_text()
     for flag in ("--nodes=", "--ntasks-per-node=1", "--gpus-per-node=8", "--exclusive", "--time=",
-                 "--output="):
+                 "--output=", "--requeue", "--signal=B:USR1@600"):
         assert f"#SBATCH {flag}" in text
     assert "sbatch --nodes 4 --account X" in text
+
+
+def test_one_preemption_grace():
+    """Slurm's warning, torchrun's wait for the workers and the config's grace are one number."""
+    from megatron_oar.config import LaunchConfig
+
+    grace = LaunchConfig().preemption_grace_s
+    assert f"#SBATCH --signal=B:USR1@{grace}\n" in (SCRIPTS / "slurm.sbatch").read_text()
+    env = launch.parse_env_sh()
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(grace)
+    assert "SIGUSR1" in env["PET_SIGNALS_TO_HANDLE"].split(",")
+    assert launch.elastic_env(LaunchConfig())["PET_SIGNALS_TO_HANDLE"] == env["PET_SIGNALS_TO_HANDLE"]
 
 
 # ---------------------------------------------------------------------------------------- env.sh
@@ -213,12 +226,22 @@ def test_launch_gpu_memory_override(capsys, in_repo):
 
 def test_launch_keeps_logging(capsys, in_repo):
     """nemo-run resets the root logger; the in-process caller gets its own back."""
+    import io
     import logging
 
     root = logging.getLogger()
-    before = (root.handlers[:], root.level)
-    assert _launch(capsys, "--config", G7, "--dryrun")[0] == 0
-    assert (root.handlers, root.level) == before
+    mine = logging.StreamHandler(io.StringIO())
+    root.addHandler(mine)
+
+    def ours():  # pytest's own capture handlers come and go with its phases
+        return [h for h in root.handlers if not type(h).__module__.startswith("_pytest")], root.level
+
+    before = ours()
+    try:
+        assert _launch(capsys, "--config", G7, "--dryrun")[0] == 0
+        assert ours() == before and mine in root.handlers
+    finally:
+        root.removeHandler(mine)
 
 
 def test_launch_slurm_dryrun(capsys, in_repo, tmp_path):
@@ -239,6 +262,11 @@ def test_launch_slurm_dryrun(capsys, in_repo, tmp_path):
     assert f"--chdir {tmp_path}/jobs/experiments/qwen2.5-32b_oar_g/" in srun[0]
     assert f"-m megatron_oar.train --config {G32} " in srun[0]
     assert "sbatch --requeue --parsable" in out and f"-> {REPO}" in out
+    # fault tolerance: SIGUSR1 before the time limit, torchrun restarts, requeues after a failure
+    for line in ("#SBATCH --signal=USR1@600", "export PET_MAX_RESTARTS=3",
+                 "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600", "export TORCHX_MAX_RETRIES=3"):
+        assert re.search(f"^{re.escape(line)}$", out, re.M), line
+    assert "scontrol requeue" in out
     assert not (tmp_path / "jobs").exists()
 
 

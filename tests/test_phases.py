@@ -54,7 +54,7 @@ class RecordingEngine:
         self._record(f"wake_up({','.join(tags or ['all'])})")
         self.asleep -= set(tags or self.asleep)
 
-    def sync_weights(self, model):
+    def sync_weights(self, model, *, step=None):
         from megatron_oar.rollout.engine import SyncStats
 
         self._record("sync_weights")
@@ -103,7 +103,8 @@ def _run_worker(hf_dir: str, run_dir: str, out: str) -> None:
         "attribution.probe.warmup_steps=0", r"attribution.probe.answer_pattern=(\d+)",
         "rewards.format_weight=1.0", "rewards.accuracy_weight=0.0",
         "rewards.format_pattern=.*[0-9].*", "checkpoint.export_hf_at_end=false",
-        "log.console=false"])
+        "log.console=false",
+        "rollout.max_logprob_mismatch=null"])  # the fake rollouts' log-probs are made up
     trace: list = []
     engine = RecordingEngine(cfg.rollout, AutoTokenizer.from_pretrained(hf_dir), trace)
     for name in MEGATRON_PASSES:  # each pass records what the engine held while it ran

@@ -38,6 +38,25 @@ export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
 # H100 node; the CPU side is tokenisation, data loading and the optimizer's host work.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 
+# torchrun (torch >= 2.9) forwards SIGUSR1 to the workers as well as SIGTERM/SIGINT/SIGHUP/SIGQUIT:
+# Slurm sends SIGUSR1 ahead of the time limit (slurm.sbatch's --signal), and the workers then
+# finish the step, checkpoint and exit (megatron_oar/training/preemption.py). Without SIGUSR1 in
+# the list torchrun dies of it and the workers' final checkpoint is lost.
+export PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
+
+# How long torchrun waits for the workers after forwarding such a signal before SIGKILL (its
+# default is 30 s, too short to finish a step and write a 72B checkpoint); torch releases that
+# read it use it, older ones keep 30 s. The same 600 s as slurm.sbatch's --signal=B:USR1@600 and
+# the config's launch.preemption_grace_s.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
+
+# A restarted worker group (torchrun --max-restarts) must not read the previous attempt's
+# addresses: with the rendezvous TCPStore shared with the workers (torch's default since 2.5),
+# stale keys make the restarted ranks' init_process_group connect to dead ports (pytorch#135712,
+# #167288; seen here as gloo "connectFullMesh ... Connection refused"). 1: each attempt's rank 0
+# hosts a fresh store.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+
 # Deliberately NOT set here:
 # * vLLM's share of each GPU: that is the config key rollout.gpu_memory_utilization alone (in the
 #   YAML, or as an argument: launch_scripts/qwen2.5-7b_oar_g.sh rollout.gpu_memory_utilization=0.4).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Our dtype names (models.qwen2.DTYPES) -> vLLM's.
@@ -44,6 +45,24 @@ class RolloutConfig:
 
     ``logprobs_mode``: ``raw_logprobs`` (log-softmax of the model's logits, i.e. temperature 1,
     before top-p/top-k) or ``processed_logprobs`` (of the distribution actually sampled from).
+
+    ``max_logprob_mismatch`` (default 0.5; ``null`` disables): every training step compares
+    vLLM's log-probs of the sampled tokens with the policy's (the old-logprob pass, before
+    attribution and the update) and stops the run with ``WeightSyncError`` when the mean
+    |difference| per response token, over all ranks, is above this many nats (or NaN). What it
+    catches is a sync that failed or was partial without raising, i.e. vLLM generating from
+    weights that are not the policy's: random (dummy) or discarded weights, a corrupted or
+    misnamed tensor, a wrong layout. Such a policy is off by several nats per token (3.0 in
+    ``tests/test_sync_faults.py`` with one of two engines' ``lm_head`` corrupted), while a healthy
+    colocated pair differs by rounding only: about 1e-2 nats in bf16 (vLLM's and Megatron's
+    kernels differ), about 1e-7 in fp32 (1.7e-7 in that test); the value is logged every step
+    as ``rollout/logprob_mismatch``. 0.5 sits 50x above bf16 noise and several times below a
+    wrong policy. A policy one update stale (vLLM kept the previous step's weights) is NOT
+    detectable this way: one step moves the log-probs by about as much as bf16 rounding, which
+    is why a sync that raises is caught in
+    :meth:`~megatron_oar.rollout.engine.RolloutEngine.sync_weights` itself. The comparison
+    needs temperature-1 log-probs on both sides: ``raw_logprobs``, or ``processed_logprobs``
+    sampled at temperature 1, top_p 1 and top_k off (other settings must set the limit to null).
     """
 
     tp: int = 1
@@ -58,6 +77,7 @@ class RolloutConfig:
     enable_prefix_caching: bool = True
     bucket_mb: float = 512.0
     sleep_level: int = 2
+    max_logprob_mismatch: float | None = 0.5  # nats per response token, mean over the step; null: off
     logprobs_mode: str = "raw_logprobs"
     # sampling defaults
     n: int = 1
@@ -67,6 +87,18 @@ class RolloutConfig:
     max_new_tokens: int = 1024
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._check_mismatch_limit()
+
+    def _check_mismatch_limit(self) -> None:
+        limit = self.max_logprob_mismatch
+        if limit is None:
+            return
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < math.inf:
+            raise RolloutConfigError(
+                f"rollout.max_logprob_mismatch={limit!r}: must be a number > 0 (nats per token; "
+                "healthy bf16 runs measure ~1e-2, a wrong policy several nats) or null to disable")
 
     def validate(self, world_size: int | None = None) -> None:
         """Raises :class:`RolloutConfigError` naming the field."""
@@ -94,6 +126,14 @@ class RolloutConfig:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise bad("logprobs_mode", f"expected one of {list(LOGPROBS_MODES)}")
         check_sampling(self.temperature, self.top_p, self.top_k, prefix="rollout.")
+        self._check_mismatch_limit()
+        if (self.max_logprob_mismatch is not None and self.logprobs_mode == "processed_logprobs"
+                and not (self.temperature == 1.0 and self.top_p == 1.0 and self.top_k in (0, -1))):
+            raise bad("max_logprob_mismatch",
+                      f"compares vLLM's log-probs with the policy's temperature-1 log-probs, but "
+                      f"rollout.logprobs_mode='processed_logprobs' at temperature={self.temperature}, "
+                      f"top_p={self.top_p}, top_k={self.top_k} reports another distribution's: use "
+                      "rollout.logprobs_mode=raw_logprobs or set rollout.max_logprob_mismatch=null")
 
     @property
     def bucket_bytes(self) -> int:

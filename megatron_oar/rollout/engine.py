@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_oar import faults
 from megatron_oar.models.qwen2 import parse_arch, read_hf_config
 from megatron_oar.rollout.batch import RolloutBatch
 from megatron_oar.rollout.config import VLLM_DTYPES, RolloutConfig, check_sampling
@@ -182,6 +183,7 @@ class RolloutEngine:
         self._warned_sleep = False
         self._calls = 0
         self._weights_loaded = cfg.load_format != "dummy"
+        self._broken: str | None = None  # a failed weight sync's message: weights undefined
         self._llm = self._build(tokenizer)
         log.info("rollout engine on rank %d: platform=%s rollout tp=%d (group %d of %d, ranks %s), "
                  "sleep mode %s", self.rank, self.platform, cfg.tp, self.dp_rank, self.dp_size,
@@ -311,42 +313,92 @@ class RolloutEngine:
 
     # -- weight sync ----------------------------------------------------------------------
 
-    def sync_weights(self, model) -> SyncStats:
+    def sync_weights(self, model, *, step: int | None = None) -> SyncStats:
         """Collective: load Megatron's current weights into vLLM, bucket by bucket.
 
         Wakes the weights first if the engine sleeps (the KV cache stays asleep until
-        :meth:`wake_up` or :meth:`generate`), then resets vLLM's prefix cache.
+        :meth:`wake_up` or :meth:`generate`), then resets vLLM's prefix cache. ``step`` (the
+        training step the weights are for) names the sync in errors and in fault injection
+        (``OAR_FAULTS=error@sync.bucket:step=N``, after the first bucket).
+
+        A failure on any rank (vLLM's reload raising, the gather raising, vLLM stopping early)
+        raises :class:`~megatron_oar.rollout.sync_check.WeightSyncError` on every rank, with the
+        same message: each rank first finishes its share of the gather's collectives, then all
+        ranks exchange what happened (a gloo ``all_gather_object``), so none is left waiting in
+        a collective. vLLM may then hold a mix of old and new weights (or, for layers its
+        in-place reload had not reached, none), so the engine refuses to generate or sync again:
+        the run must stop and resume from its last checkpoint.
         """
+        from megatron_oar.rollout.sync_check import WeightSyncError
+
+        if self._broken is not None:
+            raise WeightSyncError(f"{self._broken} (this engine refuses further weight syncs)")
         if self.is_sleeping:
             self.wake_up(["weights"])
         t0 = time.perf_counter()
         counts = {"bytes": 0, "tensors": 0, "buckets": 0, "max": 0, "done": False}
+        # what this rank was doing, for the error: gathering or loading bucket `index` (from 0),
+        # or finalizing (vLLM's reload after the last tensor)
+        where: dict = {"stage": "gathering", "index": 0, "names": []}
+        gathered = {"all": False}
 
-        def weights():
+        def megatron_buckets():  # the collective part: every rank must exhaust it
             for bucket in iter_hf_buckets(model, self.arch, self.config.bucket_bytes):
                 counts["buckets"] += 1
+                yield bucket
+            gathered["all"] = True
+
+        buckets = megatron_buckets()
+
+        def weights():  # what vLLM reads; a failure here leaves `buckets` to drain
+            for bucket in buckets:
                 counts["bytes"] += bucket.nbytes
                 counts["max"] = max(counts["max"], bucket.nbytes)
                 counts["tensors"] += len(bucket.tensors)
+                where.update(stage="loading", index=counts["buckets"] - 1,
+                             names=[name for name, _ in bucket.tensors])
                 yield from bucket.tensors
                 del bucket
+                if counts["buckets"] == 1:
+                    faults.inject("sync.bucket", step=step)
+                where.update(stage="gathering", index=counts["buckets"], names=[])
             counts["done"] = True
+            where.update(stage="finalizing")
 
-        stream = weights()
+        self._weights_loaded = False  # until this sync has succeeded on every rank
+        error: BaseException | None = None
         try:
             # In-place reload re-runs vLLM's post-load processing (e.g. the CPU backend's packed
             # GEMM weights), which a bare model.load_weights() would leave stale. _build refused
             # a vLLM without it.
             self.llm.collective_rpc("reload_weights", kwargs={
-                "weights_iterator": stream, "is_checkpoint_format": True})
-        except BaseException:
-            for _ in stream:  # finish this rank's share of the collectives, then re-raise
+                "weights_iterator": weights(), "is_checkpoint_format": True})
+            if not counts["done"]:
+                raise RuntimeError("vLLM stopped reading weights before the last bucket")
+        except BaseException as e:  # noqa: BLE001 - reported to every rank below, then raised
+            error = e
+            log.error("rank %d: weight sync%s failed %s: %s: %s", self.rank,
+                      "" if step is None else f" for step {step}", _sync_where(where, None),
+                      type(e).__name__, e)
+        try:
+            for _ in buckets:  # this rank's share of the remaining collectives
                 pass
-            raise
-        if not counts["done"]:
-            for _ in stream:
-                pass
-            raise RuntimeError("vLLM stopped reading weights before the last bucket")
+        except BaseException as e:  # noqa: BLE001 - the gather itself failed while draining
+            if error is None:
+                error = e
+        report = {"rank": self.rank, "buckets": counts["buckets"] if gathered["all"] else None,
+                  "failed": error is not None, "where": dict(where),
+                  "cause": None if error is None else f"{type(error).__name__}: {error}"}
+        reports: list = [None] * self.world_size
+        dist.all_gather_object(reports, report, group=self._world_gloo)
+        failed = [r for r in reports if r["failed"]]
+        if failed:
+            total = max((r["buckets"] for r in reports if r["buckets"] is not None), default=None)
+            message = _sync_failure_message(failed, step, self.world_size, total)
+            self._broken = message
+            if error is not None and not isinstance(error, Exception):
+                raise error  # KeyboardInterrupt, SystemExit: the peers raise WeightSyncError
+            raise WeightSyncError(message) from error
         self.llm.reset_prefix_cache()
         self._weights_loaded = True
         return SyncStats(seconds=time.perf_counter() - t0, bytes=counts["bytes"],
@@ -372,6 +424,10 @@ class RolloutEngine:
         ``max_new_tokens`` may be one budget per prompt (e.g. counterfactual suffixes).
         Unset arguments take the :class:`RolloutConfig` defaults.
         """
+        if self._broken is not None:
+            from megatron_oar.rollout.sync_check import WeightSyncError
+
+            raise WeightSyncError(f"{self._broken} (this engine refuses to generate)")
         if not self._weights_loaded:
             raise RuntimeError("vLLM holds no policy weights yet (load_format='dummy' or after a "
                                "level-2 sleep): call sync_weights(model) first")
@@ -454,6 +510,32 @@ class RolloutEngine:
                 client.shutdown()
         self._llm = None
         gc.collect()
+
+
+def _sync_where(where: dict, total: int | None) -> str:
+    """Where in a weight sync a rank failed, for the error message."""
+    of = "" if total is None else f" of {total}"
+    if where["stage"] == "finalizing":
+        return "in vLLM's reload after the last bucket had been read"
+    names = where["names"]
+    shown = ", ".join(names[:3]) + (f", ... ({len(names)} tensors)" if len(names) > 3 else "")
+    if where["stage"] == "loading":
+        return f"in bucket {where['index'] + 1}{of} (tensors {shown})"
+    return f"while gathering bucket {where['index'] + 1}{of} from Megatron's shards"
+
+
+def _sync_failure_message(failed: list[dict], step: int | None, world_size: int,
+                          total: int | None) -> str:
+    """One message, the same on every rank, for the ranks' failure reports (rank order)."""
+    first = failed[0]
+    ranks = ", ".join(str(r["rank"]) for r in failed)
+    more = "" if len(failed) == 1 else f" (failed on ranks {ranks}; the first shown)"
+    what = "weight sync" if step is None else f"weight sync for step {step}"
+    return (f"{what} failed on rank {first['rank']} of {world_size} {_sync_where(first['where'], total)}"
+            f"{more}: {first['cause']}. Every rank finished its share of the sync's collectives "
+            "and stops here: vLLM may now hold a mix of old and new weights (or none for layers "
+            "not reloaded yet), so the run stops rather than generate from them; resume from the "
+            "last checkpoint")
 
 
 def gather_rollouts(batch: RolloutBatch, engine: RolloutEngine) -> RolloutBatch:

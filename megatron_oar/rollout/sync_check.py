@@ -6,6 +6,8 @@ masked, full-vocabulary logits never gathered).
 :func:`logprob_agreement` compares these with the logprobs vLLM reported for a
 :class:`~megatron_oar.rollout.batch.RolloutBatch`, spreading the sequences over the training
 data-parallel ranks, and returns the mean and max absolute difference over all response tokens.
+:func:`check_policy_agreement` is the trainer's per-step guard on the same quantity, from the
+log-probs the step computes anyway; it and a failed sync raise :class:`WeightSyncError`.
 """
 
 from __future__ import annotations
@@ -95,3 +97,43 @@ def logprob_agreement(model, batch: RolloutBatch, vocab_size: int, *,
     count = int(stats[1].item())
     return LogprobAgreement(mean_abs_diff=float(stats[0] / max(count, 1)),
                             max_abs_diff=float(peak[0]), num_tokens=count)
+
+
+class WeightSyncError(RuntimeError):
+    """vLLM does not hold the policy being trained: a weight sync failed (raised on some rank,
+    see :meth:`~megatron_oar.rollout.engine.RolloutEngine.sync_weights`) or its result disagrees
+    with the policy (:func:`check_policy_agreement`). The run must stop: resume from the last
+    checkpoint."""
+
+
+def check_policy_agreement(rollout_logprobs: torch.Tensor, policy_logprobs: torch.Tensor,
+                           mask: torch.Tensor, *, limit: float | None, step: int, group=None) -> float:
+    """Collective over ``group`` (every rank of it, whatever ``limit``): the mean |vLLM - policy|
+    log-prob per response token of the step, over the whole group; raises
+    :class:`WeightSyncError` on every rank when it is above ``limit`` or not a number
+    (``limit=None``: measure only).
+
+    ``rollout_logprobs``, ``policy_logprobs`` and ``mask`` are ``[B, L]`` for this rank's rows.
+    Masked-out positions count for nothing, even when they hold NaN or inf. Ranks that hold the
+    same rows (the tensor- and pipeline-parallel ranks of one data-parallel shard: the trainer's
+    old-logprob pass returns the log-probs on every stage) count them as often as every other
+    shard is counted, ``tp * pp`` times, which leaves the mean unchanged. Every rank computes
+    the same reduced numbers, so all raise or none does.
+    """
+    mask = mask.bool()
+    diff = (rollout_logprobs.double() - policy_logprobs.double()).abs()
+    diff = torch.where(mask, diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
+    stats = torch.stack([diff.sum(), mask.sum().double()]).cpu()
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+    mean = float(stats[0]) / max(float(stats[1]), 1.0)
+    if limit is not None and not mean <= limit:
+        raise WeightSyncError(
+            f"step {step}: vLLM's log-probs of the sampled tokens differ from the policy's by "
+            f"{mean:.4g} nats per response token on average, above "
+            f"rollout.max_logprob_mismatch={limit} (healthy runs: ~1e-2 in bf16, ~1e-7 in fp32): "
+            "vLLM did not generate with the policy being trained (a failed or partial weight "
+            "sync?). The run stops before updating on these rollouts (the policy's weights are "
+            "those of the previous step); resume from the last checkpoint, or set "
+            "rollout.max_logprob_mismatch=null to turn the check off")
+    return mean

@@ -1,4 +1,4 @@
-"""Training checkpoints: everything a bit-exact resume needs, written atomically.
+"""Training checkpoints: everything a bit-exact resume needs, written atomically, verified on resume.
 
 Layout (``checkpoint.dir``)::
 
@@ -8,13 +8,36 @@ Layout (``checkpoint.dir``)::
       optim/                megatron dist checkpoint of the optimizer (Adam moments, fp32 masters)
       hf/                   config.json and tokenizer files (for HF export)
       rng/rank_00000.pt     python / numpy / torch / megatron-tracker RNG states, one per rank
-      trainer_state.json    step, LR scheduler, prompt sampler position, guard counters, layout
-    latest                  the name of the newest complete step directory
+      trainer_state.json    step, LR scheduler, prompt sampler position, guard counters, layout,
+                            and the integrity manifest; written last, it marks the save complete
+    latest                  the name of the newest saved step directory
 
-A save goes to ``.step_XXXXXXXX.tmp`` and is renamed into place only when every rank has
-finished and ``trainer_state.json`` (written last) is there, so a crash mid-save leaves the
-previous checkpoints untouched; ``find_latest`` only ever returns complete directories. After a
-successful save all but the newest ``keep_last`` are deleted.
+Saving. A save goes to ``.step_XXXXXXXX.tmp``. Once every rank has written its shards and RNG
+state, the ranks CRC32 the files in parallel (rank r takes files i with i % world == r, the
+results are all-gathered) and rank 0 writes ``trainer_state.json`` with the manifest
+(``{"model/__0_0.distcp": {"size": 4096, "crc32": "1a2b3c4d"}, ...}``: every other file of the
+checkpoint), renames the directory into place and updates ``latest``. The save's phases end in
+an agreement (an all_gather of each rank's error, if any), so a rank that fails outside a
+collective does not leave the others waiting: if any rank failed (no space left, an I/O error,
+an ``OAR_FAULTS`` fault), the temp directory is removed and every rank raises the same
+:class:`CheckpointWriteError`; ``latest`` and the earlier checkpoints are untouched. A rank
+killed mid-save leaves the ``.tmp`` directory, which nothing resumes from and the next save
+removes. Re-saving an existing step (a run resumed from an earlier one) first moves the old
+directory to ``.step_XXXXXXXX.old``: at every instant one of the two is complete,
+:func:`complete_checkpoints` lists the ``.old`` one while the step directory is missing, and the
+next save puts it back or deletes it. ``keep_last`` prunes the checkpoints older than the one
+just saved (newer ones, left by a run that resumed from an earlier step, are left alone),
+renaming each away before deleting it so that a half-deleted checkpoint is never listed.
+
+Resuming. :func:`resolve_resume` verifies before it chooses (:func:`verify_checkpoint`:
+``trainer_state.json`` parses and every file of the manifest is there with its size and CRC32;
+collective when torch.distributed is initialised: ranks check disjoint files and agree on the
+result). ``auto`` takes the newest checkpoint that verifies, logging a warning naming the file
+and the fault for each newer one that does not; an explicit path that does not verify is an
+error. A checkpoint saved before manifests existed is accepted, unverified, if its
+``trainer_state.json`` parses. After a torchrun restart (``restarted``) the run's own newest
+verified checkpoint wins over ``checkpoint.resume``. Loading is not retried on older checkpoints:
+a chosen checkpoint that fails to load is an error.
 
 The optimizer is saved in megatron's ``dp_reshardable`` format (fully parallel, no gathers):
 it reloads at the same TP/PP and any DP. Weights reload at any layout; with a different world
@@ -29,12 +52,16 @@ import os
 import random
 import re
 import shutil
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
+from megatron_oar import faults
 from megatron_oar.fileio import atomic_write_text
 from megatron_oar.models.model_checkpoint import (
     HF_DIR,
@@ -51,9 +78,23 @@ log = logging.getLogger(__name__)
 OPTIM_DIR = "optim"
 RNG_DIR = "rng"
 STATE_FILE = "trainer_state.json"
+MANIFEST_KEY = "manifest"  # in trainer_state.json
 LATEST_FILE = "latest"
 OPTIM_SHARDING = "dp_reshardable"
+_CRC_CHUNK = 16 << 20
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_OLD_DIR = re.compile(r"^\.(step_\d{8})\.old$")  # a step being re-saved (see _commit)
+_LEFTOVER = re.compile(r"^\.step_\d{8}\.(tmp|deleting)$")  # an interrupted save or prune
+
+
+class CheckpointWriteError(OSError):
+    """A save failed on some rank; every rank raises it, after the partial save is removed.
+
+    An ``OSError`` (with the ``errno`` of the failure when there was one), not a
+    :class:`CheckpointError`: nothing is wrong with any checkpoint on disk (the previous one is
+    kept); the filesystem or a rank failed, and code that handles disk errors with
+    ``except OSError`` should see it.
+    """
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -61,34 +102,200 @@ def step_dir(root: str | Path, step: int) -> Path:
 
 
 def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """``(step, dir)`` of every complete checkpoint under ``root``, oldest first."""
+    """``(step, dir)`` of every complete checkpoint under ``root`` (``trainer_state.json`` there),
+    oldest first. Unverified: a listing, cheap enough for ``oar eval`` to pick the newest.
+
+    A step whose directory is not complete but whose ``.step_XXXXXXXX.old`` is (a crash while that
+    step was being re-saved) is listed with the ``.old`` directory.
+    """
     root = Path(root)
     if not root.is_dir():
         return []
     found = []
     for p in root.iterdir():
         m = _STEP_DIR.match(p.name)
+        old = _OLD_DIR.match(p.name)
+        if old and not (root / old.group(1) / STATE_FILE).is_file():
+            m = _STEP_DIR.match(old.group(1))
         if m and (p / STATE_FILE).is_file():
             found.append((int(m.group(1)), p))
     return sorted(found)
 
 
 def find_latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (unverified), or None."""
     found = complete_checkpoints(root)
     return found[-1][1] if found else None
 
 
-def resolve_resume(resume: str, root: str | Path) -> Path | None:
-    """``checkpoint.resume``: ``auto`` (newest complete one under ``root``, if any), ``none``, or a
-    path to a step directory."""
+# ------------------------------------------------------------------------ collectives
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _all_gather(obj) -> list:
+    """Every rank's ``obj``, in rank order (``[obj]`` without a process group)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _from_rank0(obj):
+    """Rank 0's ``obj`` on every rank."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# -------------------------------------------------------------------- manifest, verify
+
+def _crc32(path: Path) -> tuple[int, str]:
+    """``(size, CRC32 as 8 hex digits)`` of a file, read in 16 MiB chunks."""
+    buf = bytearray(_CRC_CHUNK)
+    view = memoryview(buf)
+    crc = size = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return size, f"{crc:08x}"
+
+
+def _list_files(ckpt: Path) -> list[str]:
+    """Every file of a checkpoint but ``trainer_state.json``, as sorted relative POSIX paths."""
+    return sorted(rel for p in ckpt.rglob("*") if p.is_file()
+                  and (rel := p.relative_to(ckpt).as_posix()) != STATE_FILE)
+
+
+def _checksums(ckpt: Path, files: list[str]) -> dict[str, dict]:
+    out = {}
+    for rel in files:
+        size, crc = _crc32(ckpt / rel)
+        out[rel] = {"size": size, "crc32": crc}
+    return out
+
+
+def _check_file(ckpt: Path, rel: str, entry: dict) -> str | None:
+    """What is wrong with one manifest file (``"step_.../rel: ..."``), or None."""
+    where = f"{ckpt.name}/{rel}"
+    try:
+        size = (ckpt / rel).stat().st_size
+        if size != entry["size"]:
+            return f"{where}: {size} bytes, the manifest says {entry['size']}"
+        _, crc = _crc32(ckpt / rel)
+    except FileNotFoundError:
+        return f"{where}: missing (the manifest lists it with {entry['size']} bytes)"
+    except OSError as e:
+        return f"{where}: unreadable ({e})"
+    if crc != entry["crc32"]:
+        return f"{where}: CRC32 {crc}, the manifest says {entry['crc32']} (same size: corrupted bytes)"
+    return None
+
+
+def _read_state(ckpt: Path) -> tuple[dict | None, str | None]:
+    """``(trainer state, None)`` or ``(None, what is wrong with trainer_state.json)``."""
+    where = f"{ckpt.name}/{STATE_FILE}"
+    try:
+        state = json.loads((ckpt / STATE_FILE).read_text())
+    except FileNotFoundError:
+        return None, f"{where}: missing (not a complete training checkpoint)"
+    except (OSError, ValueError) as e:
+        return None, f"{where}: unreadable ({e})"
+    if not isinstance(state, dict) or "step" not in state:
+        return None, f"{where}: not a trainer state (no step)"
+    manifest = state.get(MANIFEST_KEY)
+    if manifest is not None and not (isinstance(manifest, dict) and all(
+            isinstance(e, dict) and {"size", "crc32"} <= e.keys() for e in manifest.values())):
+        return None, f"{where}: malformed manifest"
+    return state, None
+
+
+def verify_checkpoint(path: str | Path) -> list[str]:
+    """What is wrong with the checkpoint at ``path``, one line per fault, e.g.
+    ``"step_00000004/optim/__1_0.distcp: 812 bytes, the manifest says 4096"``; empty if it verifies.
+
+    Verifies means: ``trainer_state.json`` parses and every file in its manifest is present with
+    the recorded size and CRC32. Collective when torch.distributed is initialised (call it on
+    every rank with the same path): rank r checks manifest files i with i % world == r, and every
+    rank returns the same list. A checkpoint without a manifest (saved before manifests existed)
+    verifies if ``trainer_state.json`` parses; that is logged at INFO.
+    """
+    path = Path(path)
+    state, problem = _read_state(path)
+    mine = [problem] if problem else []
+    manifest = (state or {}).get(MANIFEST_KEY)
+    files = sorted(manifest or {})
+    mine += [p for rel in files[rank()::_world()] if (p := _check_file(path, rel, manifest[rel]))]
+    problems = sorted({p for part in _all_gather(mine) for p in part})
+    if not problems and manifest is None and rank() == 0:
+        log.info("%s has no integrity manifest (saved before manifests existed): accepted unverified, "
+                 "its %s parses", path, STATE_FILE)
+    return problems
+
+
+def _summary(problems: list[str]) -> str:
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return "; ".join(problems[:3]) + more
+
+
+def _newest_verified(root: str | Path) -> Path | None:
+    """Collective: the newest checkpoint under ``root`` that verifies, None if there is none.
+
+    Each newer one that does not verify is logged (WARNING, naming the file and the fault).
+    Raises :class:`CheckpointError` when there are checkpoints but none verifies.
+    """
+    found = _from_rank0([str(p) for _, p in complete_checkpoints(root)] if rank() == 0 else None)
+    skipped = []
+    for path in map(Path, reversed(found)):
+        problems = verify_checkpoint(path)
+        if not problems:
+            if skipped and rank() == 0:
+                log.warning("resuming from %s, the newest checkpoint that verifies (skipped: %s)",
+                            path, ", ".join(skipped))
+            return path
+        skipped.append(path.name)
+        if rank() == 0:
+            log.warning("checkpoint %s fails verification, falling back to an older one: %s",
+                        path, _summary(problems))
+    if found:
+        raise CheckpointError(f"{root}: none of its {len(found)} checkpoints verifies (see the warnings "
+                              f"above); delete the damaged ones or start afresh with checkpoint.resume=none")
+    return None
+
+
+def resolve_resume(resume: str, root: str | Path, *, restarted: bool = False) -> Path | None:
+    """The checkpoint to resume from, verified (:func:`verify_checkpoint`), or None to start afresh.
+
+    ``resume`` (``checkpoint.resume``): ``auto``, the newest checkpoint under ``root`` that
+    verifies (each newer one that does not is skipped with a WARNING naming the file and the
+    fault; None if ``root`` has none; :class:`CheckpointError` if it has some but none verifies);
+    ``none``; or a step directory, which must verify (:class:`CheckpointError` naming the file
+    otherwise). ``restarted`` (torchrun restarted the group): the newest verified checkpoint under
+    ``root`` is used whatever ``resume`` says, so a run started afresh or from another run's
+    checkpoint continues from its own progress; ``resume`` applies only when ``root`` has none.
+    Collective when torch.distributed is initialised: every rank gets the same answer.
+    """
+    if restarted:
+        path = _newest_verified(root)
+        if path is not None:
+            if rank() == 0:
+                log.info("torchrun restart: resuming from this run's newest verified checkpoint %s "
+                         "(checkpoint.resume=%s applies to a fresh start only)", path, resume)
+            return path
     if resume == "none":
         return None
     if resume == "auto":
-        return find_latest(root)
+        return None if restarted else _newest_verified(root)
     path = Path(resume)
-    if not (path / STATE_FILE).is_file():
-        raise CheckpointError(f"checkpoint.resume={resume}: not a complete training checkpoint "
-                              f"({STATE_FILE} missing)")
+    problems = verify_checkpoint(path)
+    if problems:
+        raise CheckpointError(f"checkpoint.resume={resume}: the checkpoint fails verification: "
+                              f"{_summary(problems)}")
     return path
 
 
@@ -116,42 +323,174 @@ def _set_rng_state(state: dict) -> None:
 
 # ----------------------------------------------------------------------------------- save
 
-def save_checkpoint(root: str | Path, step: int, policy, trainer_state: dict, meta: CheckpointMeta,
-                    hf_files_from: str | Path, keep_last: int = 0) -> Path:
-    """Collective: writes ``step_{step}`` under ``root`` atomically; returns its path."""
+def _describe(error: BaseException, what: str) -> list[tuple[str, bool]]:
+    """``("rank R, WHAT: Type: message", has the cause)`` lines for one rank's failure.
+
+    Megatron's shard writes run in forked processes; a failed write comes back as a
+    ``CheckpointException`` whose details only the coordinator has (the other ranks get an empty
+    one, which says no more than "failed elsewhere": ``False``).
+    """
+    if isinstance(error, CheckpointException):
+        lines = [(f"rank {r}, {what}: {type(e).__name__}: {e}", True)
+                 for r, (e, _) in sorted(error.failures.items())]
+        return lines or [(f"rank {rank()}, {what}: the shard write failed on another rank", False)]
+    return [(f"rank {rank()}, {what}: {type(error).__name__}: {error}", True)]
+
+
+def _write_error(root: Path, step: int, lines: list[tuple[str, bool]]) -> CheckpointWriteError:
+    """The error every rank raises; the same text on every rank."""
+    causes = list(dict.fromkeys(text for text, cause in lines if cause)) or [text for text, _ in lines]
+    code = next((int(m.group(1)) for t in causes if (m := re.search(r"\[Errno (\d+)\]", t))), None)
+    previous = find_latest(root)
+    kept = (f"the previous checkpoint {previous.name} is kept and {LATEST_FILE} is unchanged" if previous
+            else f"there is no earlier checkpoint under {root}")
+    reason = os.strerror(code) if code is not None else "a rank failed"
+    err = CheckpointWriteError(
+        f"checkpoint step {step} was not saved to {step_dir(root, step)}: {reason} ({'; '.join(causes)}). "
+        f"The partial save {_tmp_dir(root, step).name} was removed; {kept}")
+    err.errno = code  # not strerror: OSError's str() would become "[Errno N] strerror"
+    return err
+
+
+def _phase(root: Path, step: int, what: str, fn: Callable[[], object]) -> list:
+    """Collective: runs ``fn`` on every rank and returns every rank's result, in rank order.
+
+    If ``fn`` raised on any rank, rank 0 removes the temp directory and every rank raises the
+    same :class:`CheckpointWriteError` (the ranks agree through an all_gather here, so a rank that
+    failed outside a collective does not leave the others waiting in one).
+    """
+    result = error = None
+    try:
+        result = fn()
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        error = e
+    reports = _all_gather((result, None if error is None else _describe(error, what)))
+    failed = [line for _, lines in reports if lines for line in lines]
+    if not failed:
+        return [r for r, _ in reports]
+    if rank() == 0:
+        shutil.rmtree(_tmp_dir(root, step), ignore_errors=True)
+    barrier()
+    raise _write_error(root, step, failed) from error
+
+
+def _tmp_dir(root: Path, step: int) -> Path:
+    return root / f".{step_dir(root, step).name}.tmp"
+
+
+def _clean_leftovers(root: Path) -> None:
+    """Rank 0, before a save: removes the ``.tmp`` / ``.deleting`` directories of interrupted saves
+    and prunes, and settles a ``.old`` one (put back in place if its step directory is not
+    complete, deleted otherwise)."""
+    for p in sorted(root.iterdir()):
+        old = _OLD_DIR.match(p.name)
+        if old and (p / STATE_FILE).is_file() and not (root / old.group(1) / STATE_FILE).is_file():
+            log.warning("restoring %s from %s, left by a save interrupted while replacing it",
+                        old.group(1), p.name)
+            shutil.rmtree(root / old.group(1), ignore_errors=True)
+            os.replace(p, root / old.group(1))
+        elif old or _LEFTOVER.match(p.name):
+            log.info("removing %s, left by an interrupted save", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _prepare(root: Path, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    _clean_leftovers(root)
+    for sub in (MODEL_DIR, OPTIM_DIR, RNG_DIR):
+        (tmp / sub).mkdir(parents=True)
+
+
+def _save_model(policy, tmp: Path, step: int) -> None:
     from megatron.core import dist_checkpointing
 
-    root = Path(root)
-    final = step_dir(root, step)
-    tmp = root / f".{final.name}.tmp"
-    if rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for sub in (MODEL_DIR, OPTIM_DIR, RNG_DIR):
-            (tmp / sub).mkdir(parents=True)
-    barrier()
-    model_sd = policy.gpt.sharded_state_dict()
-    dist_checkpointing.save(model_sd, str(tmp / MODEL_DIR))
+    dist_checkpointing.save(policy.gpt.sharded_state_dict(), str(tmp / MODEL_DIR))
+    faults.inject("checkpoint.shards", step=step)  # tests: a kill / ENOSPC between the shard saves
+
+
+def _save_optimizer(policy, tmp: Path) -> None:
+    from megatron.core import dist_checkpointing
+
     optim_sd = policy.optimizer.sharded_state_dict(
         policy.gpt.sharded_state_dict(), metadata={"distrib_optim_sharding_type": OPTIM_SHARDING})
     dist_checkpointing.save(optim_sd, str(tmp / OPTIM_DIR))
+
+
+def _save_rng_and_side_files(tmp: Path, meta: CheckpointMeta, hf_files_from: str | Path) -> None:
     torch.save(_rng_state(), tmp / RNG_DIR / f"rank_{rank():05d}.pt")
-    barrier()
     if rank() == 0:
         copy_hf_side_files(hf_files_from, tmp / HF_DIR)
         meta.write(tmp)
-        state = {**trainer_state, "step": step, "world_size": dist.get_world_size(),
-                 "optim_sharding": OPTIM_SHARDING,
-                 "scheduler": policy.scheduler.state_dict()}
-        atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=1) + "\n")
-        old = root / f".{final.name}.old"
-        if final.exists():  # a run resumed from an earlier step reaches this step again
-            os.replace(final, old)
+
+
+def _commit(tmp: Path, final: Path, state: dict) -> None:
+    """Rank 0: writes ``trainer_state.json`` (the completeness marker) and renames ``tmp`` to ``final``.
+
+    An existing ``final`` (a run resumed from an earlier step reaches this step again) is moved to
+    ``.old`` first, put back if the rename fails, and deleted after it: a crash between the renames
+    leaves a complete ``.old``, which :func:`complete_checkpoints` lists and the next save restores.
+    """
+    atomic_write_text(tmp / STATE_FILE, json.dumps(state, indent=1) + "\n")
+    old = final.parent / f".{final.name}.old"
+    if final.exists():
+        os.replace(final, old)
+    try:
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        if old.exists() and not final.exists():
+            os.replace(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _publish(root: Path, final: Path, step: int, keep_last: int) -> None:
+    """Rank 0, after the commit: points ``latest`` at ``final`` and prunes to ``keep_last``
+    checkpoints up to ``step`` (each renamed away before it is deleted). Never raises: the new
+    checkpoint is saved whatever happens here, and resume finds checkpoints by listing."""
+    found = complete_checkpoints(root)
+    older = [(s, p) for s, p in found if s < step]
+    try:
         atomic_write_text(root / LATEST_FILE, final.name + "\n")
-        if keep_last > 0:
-            for _, path in complete_checkpoints(root)[:-keep_last]:
-                shutil.rmtree(path, ignore_errors=True)
+        for s, path in older[:max(len(older) - keep_last + 1, 0)] if keep_last > 0 else []:
+            gone = root / f".{step_dir(root, s).name}.deleting"
+            os.replace(path, gone)
+            shutil.rmtree(gone, ignore_errors=True)
+    except OSError as e:
+        log.warning("%s is saved, but updating %s or pruning older checkpoints failed: %s", final, LATEST_FILE, e)
+    newer = [p.name for s, p in found if s > step]
+    if newer:
+        log.warning("%s: checkpoints newer than step %d (%s) remain from before this run resumed at an "
+                    "earlier step; resume=auto picks them until this run saves past them",
+                    root, step, ", ".join(newer))
+
+
+def save_checkpoint(root: str | Path, step: int, policy, trainer_state: dict, meta: CheckpointMeta,
+                    hf_files_from: str | Path, keep_last: int = 0) -> Path:
+    """Collective: writes ``step_{step}`` under ``root`` with its manifest, atomically; returns its path.
+
+    Either every rank returns, with the checkpoint complete and ``latest`` naming it, or every
+    rank raises :class:`CheckpointWriteError` with the temp directory removed and ``latest`` and
+    the earlier checkpoints untouched. A rank killed mid-save leaves only a ``.tmp`` directory,
+    which is never resumed from and which the next save removes.
+    """
+    root = Path(root)
+    final, tmp = step_dir(root, step), _tmp_dir(root, step)
+
+    def phase(what: str, fn: Callable[[], object]) -> list:
+        return _phase(root, step, what, fn)
+
+    phase("preparing the directory", lambda: _prepare(root, tmp) if rank() == 0 else None)
+    phase("model shards", lambda: _save_model(policy, tmp, step))
+    phase("optimizer shards", lambda: _save_optimizer(policy, tmp))
+    phase("RNG state and side files", lambda: _save_rng_and_side_files(tmp, meta, hf_files_from))
+    files = phase("listing the files", lambda: _list_files(tmp) if rank() == 0 else None)[0]
+    parts = phase("checksums", lambda: _checksums(tmp, files[rank()::_world()]))
+    manifest = {rel: part[rel] for part in parts for rel in part}
+    state = {**trainer_state, "step": step, "world_size": _world(), "optim_sharding": OPTIM_SHARDING,
+             "scheduler": policy.scheduler.state_dict(), MANIFEST_KEY: dict(sorted(manifest.items()))}
+    phase("trainer_state.json and rename", lambda: _commit(tmp, final, state) if rank() == 0 else None)
+    if rank() == 0:
+        _publish(root, final, step, keep_last)
     barrier()
     return final
 

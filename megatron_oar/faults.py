@@ -1,0 +1,110 @@
+"""Fault injection for the fault-tolerance tests: real faults at named points of a real run.
+
+``OAR_FAULTS`` (environment; unset in normal runs, where :func:`inject` costs one dict lookup)
+holds comma-separated faults ``ACTION@POINT[:key=value...]``::
+
+    OAR_FAULTS="kill@update:step=3:rank=1"            SIGKILL rank 1 inside step 3's update
+    OAR_FAULTS="hang@generate:step=2:rank=1"          sleep forever inside step 2's generation
+    OAR_FAULTS="kill@checkpoint.shards:step=4"        die between the weight and optimizer shards
+    OAR_FAULTS="enospc@checkpoint.shards:step=4"      raise OSError(ENOSPC) there
+    OAR_FAULTS="error@sync.bucket:step=2:rank=0"      raise RuntimeError inside the weight sync
+    OAR_FAULTS="term-launcher@update:step=3:rank=0"   SIGTERM to the parent (torchrun) process
+
+Points are the trainer's phases (``training/phases.py``: ``generate``, ``update``, ...) and
+finer ones inside them (``checkpoint.shards``, ``sync.bucket``). ``step`` is the step being
+computed, numbered as the logs and checkpoints number it (the first step is 1; the evaluation
+before it is step 0). Filters: ``step``, ``rank`` (global), ``attempt`` (torchrun's
+``TORCHELASTIC_RESTART_COUNT``; default 0, so a restarted group runs clean). A fault fires at
+most once per process.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+ENV = "OAR_FAULTS"
+ACTIONS = ("kill", "hang", "enospc", "error", "term-launcher")
+
+
+@dataclass
+class Fault:
+    action: str
+    point: str
+    when: dict[str, int] = field(default_factory=dict)  # step / rank / attempt
+    fired: bool = False
+
+    def matches(self, point: str, step: int | None) -> bool:
+        if self.fired or point != self.point:
+            return False
+        now = {"step": step, "rank": _env_int("RANK", 0),
+               "attempt": _env_int("TORCHELASTIC_RESTART_COUNT", 0)}
+        wanted = {"attempt": 0, **self.when}
+        return all(now[k] == v for k, v in wanted.items())
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip() else default
+
+
+def parse(text: str) -> list[Fault]:
+    """``OAR_FAULTS`` -> faults; a malformed entry raises ``ValueError`` naming it."""
+    faults = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        head, *filters = item.split(":")
+        action, _, point = head.partition("@")
+        if action not in ACTIONS or not point:
+            raise ValueError(f"{ENV}: {item!r}: expected ACTION@POINT[:key=value...] with ACTION "
+                             f"one of {', '.join(ACTIONS)}")
+        when = {}
+        for f in filters:
+            key, _, value = f.partition("=")
+            if key not in ("step", "rank", "attempt") or not value.lstrip("-").isdigit():
+                raise ValueError(f"{ENV}: {item!r}: filter {f!r} is not step=N, rank=N or attempt=N")
+            when[key] = int(value)
+        faults.append(Fault(action, point, when))
+    return faults
+
+
+_FAULTS: list[Fault] | None = None
+
+
+def _faults() -> list[Fault]:
+    global _FAULTS
+    if _FAULTS is None:
+        _FAULTS = parse(os.environ.get(ENV, ""))
+    return _FAULTS
+
+
+def reset() -> None:
+    """Forgets the parsed ``OAR_FAULTS`` (tests that change it within one process)."""
+    global _FAULTS
+    _FAULTS = None
+
+
+def inject(point: str, *, step: int | None = None) -> None:
+    """Carries out the fault registered for ``point`` at ``step`` on this rank, if any."""
+    for fault in _faults():
+        if fault.matches(point, step):
+            fault.fired = True
+            _fire(fault, step)
+
+
+def _fire(fault: Fault, step: int | None) -> None:
+    where = f"{fault.point} (step {step}, rank {_env_int('RANK', 0)})"
+    print(f"[{ENV}] injecting {fault.action} at {where}", flush=True)
+    if fault.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.action == "hang":
+        while True:
+            time.sleep(3600)
+    elif fault.action == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"<{ENV} at {where}>")
+    elif fault.action == "error":
+        raise RuntimeError(f"{ENV}: injected error at {where}")
+    elif fault.action == "term-launcher":
+        os.kill(os.getppid(), signal.SIGTERM)

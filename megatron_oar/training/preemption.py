@@ -1,0 +1,65 @@
+"""Preemption: SIGTERM or SIGUSR1 makes every rank finish the step, checkpoint, and exit.
+
+Slurm sends SIGUSR1 ahead of the time limit (``--signal=USR1@<grace>``, see
+``launch_scripts/slurm.sbatch``) and SIGTERM when it preempts or cancels a job; Kubernetes sends
+SIGTERM. torchrun forwards the signals it handles to the workers (``PET_SIGNALS_TO_HANDLE`` in
+``env.sh`` adds SIGUSR1) and waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds for them before
+SIGKILL.
+
+The handler only records the signal. At the end of each step the ranks agree
+(:meth:`Preemption.requested`, a max over a gloo group), so they stop after the same step even
+when the signal reached some of them later; the trainer then saves a checkpoint of that step and
+exits with :data:`EXIT_PREEMPTED`, a failure status, so schedulers that retry failed jobs retry
+this one and it resumes from that checkpoint. A repeated signal is only logged: torchrun and
+Slurm often deliver the same one twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped early on request; run it again to continue
+
+
+class Preemption:
+    """Records SIGTERM/SIGUSR1 from :meth:`install` until :meth:`uninstall`."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> Preemption:
+        for sig in SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. a trainer inside a test thread)
+                log.warning("preemption signals not handled: the trainer is not on the main thread")
+                break
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            log.warning("received %s: finishing this step, then checkpointing and exiting",
+                        signal.Signals(signum).name)
+        else:
+            log.info("received %s again; already stopping after this step", signal.Signals(signum).name)
+
+    def requested(self, group=None) -> bool:
+        """Collective over ``group`` (the world if None): did any rank receive a signal?"""
+        flag = torch.tensor([0 if self.received is None else 1], dtype=torch.int32)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())

