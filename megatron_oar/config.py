@@ -568,6 +568,7 @@ def _check_optimizer_and_run(cfg: Config) -> None:
     _at_least(cfg, "log.interval")
     _at_least(cfg, "launch.nodes launch.gpus_per_node")
     _at_least(cfg, "launch.max_restarts launch.preemption_grace_s train.phase_timeout_s", 0)
+    _at_least(cfg, "parallel.timeout_minutes")
     _need(cfg.launch.slurm.max_requeues >= 0,
           f"launch.slurm.max_requeues={cfg.launch.slurm.max_requeues}: must be >= 0")
     _need(cfg.launch.gpu_mem_gib > 0, f"launch.gpu_mem_gib={cfg.launch.gpu_mem_gib}: must be > 0")

@@ -11,13 +11,16 @@ One step (the phases of ``training/phases.py``, one logger phase and console lin
     prompts --rollout (vLLM)--> completions --verify--> rewards;  vLLM sleeps
       --Eq. 2--> A_i
       --old-logprob pass--> log-probs, entropy, probe teacher P0   (one Megatron forward)
+      (vLLM's log-probs must agree with these: rollout.max_logprob_mismatch)
       --attribution (oar_g / oar_p)--> importance I_t              (only rows with A_i != 0)
       --credit (Eqs. 14-17 / random / entropy)--> A_t
       --PPO-clip updates (mini-batches x epochs, megatron optimizer)--> theta
-    [eval every train.eval_interval: vLLM wakes, syncs, evaluates, sleeps];  log;  checkpoint
+    [eval every train.eval_interval: vLLM wakes, syncs, evaluates, sleeps];
+    checkpoint (every checkpoint.interval, or when a rank got SIGTERM / SIGUSR1: then stop);  log
 
 Every rank runs the same code on the same step data; each DP rank trains on its rows
-``d, d + DP, ...`` of the step's ``prompts_per_step * group_size`` completions.
+``d, d + DP, ...`` of the step's ``prompts_per_step * group_size`` completions. Each phase runs
+under the hang watchdog (``train.phase_timeout_s``); docs/running-for-days.md has the faults.
 """
 
 from __future__ import annotations

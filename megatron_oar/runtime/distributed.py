@@ -31,7 +31,7 @@ class ParallelConfig:
     pp: int = 1
     sequence_parallel: bool = False
     seed: int = 1234
-    timeout_minutes: int = 30
+    timeout_minutes: int = 30  # a collective waiting longer fails (ends its process on NCCL)
 
 
 @dataclass(frozen=True)
