@@ -144,10 +144,8 @@ def test_oar_train_refuses_a_bad_config_before_torchrun(capsys, monkeypatch):
 
 
 def test_oar_train_starts_torchrun_with_the_restart_budget(monkeypatch):
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    for key in ("PET_MAX_RESTARTS", "PET_SIGNALS_TO_HANDLE", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
-        monkeypatch.delenv(key, raising=False)
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK" and not k.startswith(("PET_", "TORCH_"))}
+    monkeypatch.setattr(os, "environ", env)  # what oar train sets stays in this copy
     started = {}
 
     def execv(path, argv):
@@ -161,6 +159,6 @@ def test_oar_train_starts_torchrun_with_the_restart_budget(monkeypatch):
     argv = started["argv"]
     assert argv[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                          "--max-restarts=5"]
-    assert os.environ["PET_SIGNALS_TO_HANDLE"].endswith(",SIGUSR1")
-    assert os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "300"
-    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert env["PET_SIGNALS_TO_HANDLE"].endswith(",SIGUSR1") and env["PET_MAX_RESTARTS"] == "5"
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "300"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"

@@ -98,8 +98,15 @@ def _stream(cmd: list[str], run_dir: Path, env: dict, timeout: float, on_line=No
     return Run(proc.returncode, lines, run_dir)
 
 
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                 "MASTER_PORT")
+
+
 def _env(faults: str = "", **extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PET_"))}
+    """This environment as a new shell would have it (no torchrun, Slurm or earlier test's
+    variables: a LOCAL_RANK left by an in-process test would make ``oar train`` skip torchrun)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "PET_", "TORCH_ELASTIC_")) and k not in TORCHRUN_VARS}
     env.update(OAR_FAULTS=faults, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
     return env
 
