@@ -54,12 +54,12 @@ class PhaseWatchdog:
         """Arms the deadline for the block (nested blocks keep the outer one). When it ends, the
         time until the next phase starts has its own deadline (named after the phase before), so
         no code between phases (a collective, say) runs unwatched; :meth:`close` ends it."""
-        if self._thread is None or self._depth:
-            self._depth += 1 if self._thread is not None else 0
+        if self._thread is None or self._depth:  # off, or nested: the outer deadline holds
+            self._depth += 1
             try:
                 yield
             finally:
-                self._depth -= 1 if self._thread is not None else 0
+                self._depth -= 1
             return
         self._depth = 1
         self._arm(name, step)
