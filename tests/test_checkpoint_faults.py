@@ -331,13 +331,20 @@ def _no_space_in_shard_writes() -> None:
 
 
 def _failed_save(root: str, step: int, policy, model: str) -> dict:
+    """The error of a save expected to fail, and what it left under ``root``. Every rank looks before
+    any rank goes on (rank 0's next save would otherwise create its ``.tmp`` directory while rank 1
+    is still listing)."""
+    import torch.distributed as dist
+
+    result = {"message": None}
     try:
         _save(root, step, policy, model)
     except ckpt.CheckpointWriteError as e:
-        return {"message": str(e), "errno": e.errno,
-                "left": sorted(p.name for p in Path(root).iterdir()),
-                "latest": (Path(root) / "latest").read_text().strip()}
-    return {"message": None}
+        result = {"message": str(e), "errno": e.errno,
+                  "left": sorted(p.name for p in Path(root).iterdir()),
+                  "latest": (Path(root) / "latest").read_text().strip()}
+    dist.barrier()
+    return result
 
 
 def _enospc_worker(model: str, root: str, out: str) -> None:
