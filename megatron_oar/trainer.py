@@ -208,8 +208,8 @@ class Trainer:
                 self.policy.model, batch, vocab, mbs, sites=sites, **grouping)
             if self.reference is not None:
                 batch.ref_logprobs = reference_logprobs(self.reference, batch, vocab, mbs, **grouping)
-        check_policy_agreement(batch.rollout_logprobs, batch.old_logprobs, batch.loss_mask,
-                               limit=cfg.rollout.max_logprob_mismatch, step=n, group=self.control)
+        mismatch = check_policy_agreement(batch.rollout_logprobs, batch.old_logprobs, batch.loss_mask,
+                                          limit=cfg.rollout.max_logprob_mismatch, step=n, group=self.control)
 
         importance = score_mask = None
         attr_stats: dict[str, float] = {}
@@ -231,6 +231,7 @@ class Trainer:
 
         metrics = dict(data.metrics)
         metrics.update(self.batch_metrics(batch, credit, updates, attr_stats, attr_work))
+        metrics["rollout/logprob_mismatch"] = mismatch  # the number the check above compared
         metrics.update(self.throughput(metrics["perf/model_tflop"]))
         metrics["rollout/sync_seconds"] = sync.seconds
         metrics["perf/dp_token_imbalance"] = token_imbalance(lengths, split)
@@ -298,13 +299,12 @@ class Trainer:
 
     def batch_metrics(self, batch: TrainBatch, credit, updates: list, attr_stats: dict,
                       attr_work: list[tuple[int, float, int]]) -> dict:
-        """Credit, entropy, mismatch and loss metrics, averaged over DP ranks (counts summed)."""
+        """Credit, entropy and loss metrics, averaged over DP ranks (counts summed)."""
         mask = batch.loss_mask
         tokens = mask.sum().clamp_min(1)
         cm = credit_metrics(credit.weights, credit.advantages, mask, batch.seq_adv)
         local = {
             "policy/entropy": (batch.entropy * mask).sum() / tokens,
-            "rollout/logprob_mismatch": ((batch.rollout_logprobs - batch.old_logprobs).abs() * mask).sum() / tokens,
             **{f"credit/{k}": v for k, v in cm.items()},
             **{f"attribution/{k}": torch.tensor(v) for k, v in attr_stats.items()},
             "tokens/action": mask.sum().float(),  # response tokens with loss
