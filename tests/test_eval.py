@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -46,6 +45,7 @@ from megatron_oar.eval.run_eval import (
     render_markdown,
     reward_config,
 )
+from megatron_oar.runtime import env_without_launcher
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -440,7 +440,6 @@ def test_markdown_table_layout():
 # ------------------------------------------------------------------------------ end to end (vLLM)
 
 N, KS = 4, (1, 4)
-_TORCHRUN_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
 E2E_YAML = f"""\
@@ -469,9 +468,8 @@ def e2e_config(tmp_path_factory) -> Path:
 def _eval(config: Path, *argv: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "megatron_oar.eval.run_eval", "--config", str(config), *argv]
     # a fresh process: no torchrun variables (an in-process converter run sets RANK, MASTER_PORT...)
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                       env={**env, "PYTHONWARNINGS": "ignore"})
+                       env={**env_without_launcher(), "PYTHONWARNINGS": "ignore"})
     print(r.stdout[-3000:], r.stderr[-5000:])
     return r
 

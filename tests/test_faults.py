@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_oar.runtime import env_without_launcher
 from tests.distributed import free_port
 from tests.test_trainer import TINY
 from tests.tiny import make_tiny_qwen2
@@ -98,15 +99,10 @@ def _stream(cmd: list[str], run_dir: Path, env: dict, timeout: float, on_line=No
     return Run(proc.returncode, lines, run_dir)
 
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                 "MASTER_PORT")
-
-
 def _env(faults: str = "", **extra: str) -> dict:
     """This environment as a new shell would have it (no torchrun, Slurm or earlier test's
     variables: a LOCAL_RANK left by an in-process test would make ``oar train`` skip torchrun)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "PET_", "TORCH_ELASTIC_")) and k not in TORCHRUN_VARS}
+    env = {k: v for k, v in env_without_launcher().items() if not k.startswith(("SLURM_", "PET_", "TORCH_ELASTIC_"))}
     env.update(OAR_FAULTS=faults, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
     return env
 

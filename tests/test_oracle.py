@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -90,7 +89,7 @@ def warm_model(tmp_path_factory):
 
 def _oracle(model: Path, work: Path, nproc: int = 1) -> subprocess.CompletedProcess:
     """`oar analyze oracle` on the tiny config, one process or ``nproc`` under torchrun (DP)."""
-    from megatron_oar.training.policy import _LAUNCHER_VARS
+    from megatron_oar.runtime import env_without_launcher
 
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable])
@@ -99,8 +98,7 @@ def _oracle(model: Path, work: Path, nproc: int = 1) -> subprocess.CompletedProc
            "--samples-per-prompt", "4", "--k-percents", "10,20,50", "--out", str(work / "oracle"),
            "parallel.tp=1", f"run_dir={work / 'run'}"]
     # a fresh world: no torchrun variables (an earlier test's MASTER_PORT may be taken)
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
-    return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=work, env=env_without_launcher(), capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,10 @@ from megatron_oar.runtime.distributed import (
     ParallelConfig,
     RuntimeInfo,
     destroy_runtime,
+    env_without_launcher,
     init_runtime,
     validate_layout,
 )
 
-__all__ = ["ParallelConfig", "RuntimeInfo", "init_runtime", "destroy_runtime", "validate_layout"]
+__all__ = ["ParallelConfig", "RuntimeInfo", "init_runtime", "destroy_runtime", "env_without_launcher",
+           "validate_layout"]

@@ -47,6 +47,16 @@ class RuntimeInfo:
 
 
 _SET_BY_US: set[str] = set()  # torchrun variables init_runtime set for a one-process world
+# torchrun's variables; a child process that saw them would try to join this world (and hang)
+LAUNCHER_VARS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                           "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+                           "MASTER_PORT"})
+
+
+def env_without_launcher() -> dict[str, str]:
+    """This process's environment without torchrun's variables (``LAUNCHER_VARS``, ``TORCHELASTIC_*``):
+    for a child process that starts a world of its own."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
 
 
 def _free_port() -> int:

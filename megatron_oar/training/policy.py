@@ -10,7 +10,6 @@ in a child process, into ``{run_dir}/init_checkpoint`` (reused by later runs and
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_oar.models.model_checkpoint import META_FILE, load_model
 from megatron_oar.models.qwen2 import DTYPES, build_gpt_model
+from megatron_oar.runtime.distributed import env_without_launcher
 
 if TYPE_CHECKING:  # megatron-core's optimizer and DDP modules load only when a policy is built
     from megatron.core.distributed import DistributedDataParallel
@@ -33,10 +33,6 @@ if TYPE_CHECKING:  # megatron-core's optimizer and DDP modules load only when a 
 log = logging.getLogger(__name__)
 
 INIT_CHECKPOINT = "init_checkpoint"
-# torchrun's variables; a child that saw them would try to join this world (and hang)
-_LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
-                  "MASTER_PORT"}
 
 
 @dataclass
@@ -59,8 +55,7 @@ def init_checkpoint(model_path: str | Path, run_dir: str | Path, dtype: str) -> 
     if dist.get_rank() == 0 and not (out / META_FILE).is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         # The converter runs as its own one-process megatron world, so not in this torchrun rank.
-        env = {k: v for k, v in os.environ.items()
-               if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+        env = env_without_launcher()
         log.info("converting %s -> %s (once; later runs reuse it)", path, out)
         done = subprocess.run([sys.executable, "-m", "checkpoints_convert.cli", "hf-to-megatron",
                                "--hf", str(path), "--out", str(out), "--dtype", dtype,
