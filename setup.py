@@ -24,7 +24,7 @@ setup(
         # Upper bound: training/policy_passes.py splits megatron's optimizer.step() into its internals
         # (prepare_grads, get_grad_norm, step_with_ready_grads, chained_optimizers,
         # is_stub_optimizer, clip_grad_by_total_norm_fp32(use_decoupled_grad=...)) and
-        # models/qwen2.py passes TransformerBlockSubmodules; read in 0.16.1 (tested) and 0.19.2.
+        # models/builder.py passes TransformerBlockSubmodules; read in 0.16.1 (tested) and 0.19.2.
         "megatron-core>=0.16.1,<0.20",
         "transformers>=4.51",
         "safetensors>=0.4",

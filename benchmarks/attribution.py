@@ -6,7 +6,7 @@
                           [--config CONFIG.yaml] [--nproc-per-node N]
                           [--out runs/bench/attribution] [--update-benchmarks] [key=value ...]
 
-Each method is a short training run of the real trainer (``megatron_oar.trainer.Trainer``, under
+Each method is a short training run of the real trainer (``megatron_oar.training.trainer.Trainer``, under
 torchrun like ``oar train``), with the same config, model, seeds, batch and lengths; only
 ``credit`` (and ``attribution.serial=true`` for the serial OAR-P baseline) differs. The trainer
 already times every phase and counts the step's work into ``RUN_DIR/logs/metrics.jsonl``
@@ -259,7 +259,7 @@ def prepare_model(args, out: Path) -> tuple[Path, dict]:
         hf = Path(args.model)
         cfg = json.loads((hf / "config.json").read_text())
         return hf, {"source": f"`{hf}`", "arch": _arch_of(cfg)}
-    from megatron_oar import demo_model
+    from megatron_oar.repro import demo_model
 
     arch = {}
     if args.hidden:
@@ -284,7 +284,7 @@ def prepare_model(args, out: Path) -> tuple[Path, dict]:
         info = {"built": want, "sft": sft}
         stamp.write_text(json.dumps(info, indent=2))
     cfg = json.loads((hf / "config.json").read_text())
-    return hf, {"source": "the demo model (`megatron_oar.demo_model`) built by the suite",
+    return hf, {"source": "the demo model (`megatron_oar.repro.demo_model`) built by the suite",
                 "arch": _arch_of(cfg), "sft_steps": args.sft_steps,
                 "sft_final_loss": info.get("sft", {}).get("final_loss")}
 
@@ -345,9 +345,9 @@ def run_method(name: str, method: Method, *, config: str, hf: Path, run_dir: Pat
                 "log": None, "seconds": 0.0, "overrides": ov}
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", "-m", "megatron_oar.train"]
+               f"--nproc-per-node={nproc}", "-m", "megatron_oar.commands.train"]
     else:
-        cmd = [sys.executable, "-m", "megatron_oar.train"]
+        cmd = [sys.executable, "-m", "megatron_oar.commands.train"]
     cmd += ["--config", config, *ov]
     t0 = time.perf_counter()
     with open(log, "w") as f:
@@ -398,7 +398,9 @@ def _model_line(model: dict, cfg, nproc: int, steps: list[dict], n_steps: int, w
     return (f"{shape}; {src}; config `{config}`{f' with `{over}`' if over else ''}: "
             f"{t.prompts_per_step} prompts x {t.group_size} completions per step, at most "
             f"{r.max_new_tokens} new tokens{lengths}; {t.mini_batches} mini-batch(es) x "
-            f"{t.ppo_epochs} PPO epoch(s), micro-batch {t.micro_batch_size}; Megatron TP"
+            f"{t.ppo_epochs} PPO epoch(s), micro-batches of "
+            f"{f'{t.micro_batch_size} rows' if t.batching == 'padded' else f'{cfg.micro_batch_tokens} tokens'}"
+            f"; Megatron TP"
             f"{cfg.parallel.tp} PP{cfg.parallel.pp} DP{dp} over {nproc} process(es) (gloo on CPU), "
             f"vLLM rollout TP{r.tp} in the same processes ({r.dtype}); {n_steps} steps per run, the "
             f"first {warmup} dropped as warm-up, {repeats} run(s) per method")

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from benchmarks.random_model import add_model_args, describe, random_batch, random_policy
+from megatron_oar.config import DEFAULT_BUDGET_ROWS
 
 SUITE = "attribution_flops"
 METHODS = ("grpo", "oar_g", "oar_p_screened", "oar_p")
@@ -71,25 +72,26 @@ def _sweep(policy, batch, sites, method: str, args, seq_adv) -> dict:
     from megatron_oar.attribution import AttributionConfig, ProbeConfig, compute_importance
     from megatron_oar.training.policy_passes import old_logprob_pass, update_step
 
-    budget = args.micro_batch_size * (args.prompt + args.max_response)
+    budget = args.max_tokens_per_micro_batch
     kw = {"batching": "token_budget", "max_tokens": budget}
+    rows = 1  # rows per micro-batch: batching=padded only, unused here
     times = {}
     t = time.perf_counter()
     batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(
-        policy.model, batch, args.vocab, args.micro_batch_size, sites=sites, **kw)
+        policy.model, batch, args.vocab, rows, sites=sites, **kw)
     times["logprob"] = time.perf_counter() - t
     stats = {}
     t = time.perf_counter()
     if method != "grpo":
-        cfg = AttributionConfig(method=method, probe=ProbeConfig(kind="last_token"), pad_id=0,
-                                micro_batch_size=args.micro_batch_size)
+        cfg = AttributionConfig(method=method, probe=ProbeConfig(kind="last_token"), pad_id=0).resolve(
+            batching="token_budget", max_tokens=budget)  # null keys: the training budget, as the trainer's
         attr = compute_importance(policy.model, batch, cfg, vocab_size=args.vocab, seq_adv=seq_adv,
                                   sites=sites, teacher=teacher, external_teacher=True)
         stats = {**attr.stats, "work": attr.work}
     times["attribution"] = time.perf_counter() - t
     batch.advantages = batch.seq_adv[:, None] * batch.loss_mask
     t = time.perf_counter()
-    update_step(policy, batch, PolicyLossConfig(), args.vocab, args.micro_batch_size, **kw)
+    update_step(policy, batch, PolicyLossConfig(), args.vocab, rows, **kw)
     times["update"] = time.perf_counter() - t
     return {"seconds": times, "stats": stats}
 
@@ -162,8 +164,8 @@ def render(res: dict, args) -> str:
              f"prompt and a response drawn log-normal (median {args.median_response}, sigma {args.length_sigma}) "
              f"clipped to [{args.min_response}, {args.max_response}]: {min(r)}-{max(r)} tokens, mean "
              f"{sum(r) / len(r):.0f}; {res['tokens']} tokens, {res['scored_tokens']} scored (last_token "
-             f"probe). Token-budget micro-batches of {args.micro_batch_size * (args.prompt + args.max_response)} "
-             f"tokens (attribution: its defaults). Median of {args.repeats} run(s) per method, round-robin over "
+             f"probe). Token-budget micro-batches of {args.max_tokens_per_micro_batch} "
+             f"tokens (attribution: the same). Median of {args.repeats} run(s) per method, round-robin over "
              "the methods, after one warm-up sweep.", "",
              "| method | sweep s | logprob s | attribution s | update s | sweep ratio | forward-equivalent floor "
              "| FLOP floor | ratio / FLOP floor |",
@@ -205,13 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length-sigma", type=float, default=0.4)
     p.add_argument("--min-response", type=int, default=128)
     p.add_argument("--max-response", type=int, default=512)
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
+                   help="token budget of every pass's micro-batches (default: as the trainer's null, "
+                        "4 x (--prompt + --max-response))")
     p.add_argument("--oar-p-rows", type=int, default=2, help="rows exact OAR-P scores (its time is scaled)")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--update-benchmarks", action="store_true", help="rewrite BENCHMARKS.md's section")
     args = p.parse_args(argv)
+    args.max_tokens_per_micro_batch = (args.max_tokens_per_micro_batch
+                                       or DEFAULT_BUDGET_ROWS * (args.prompt + args.max_response))
     args.methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown or "grpo" not in args.methods:

@@ -40,7 +40,7 @@ def measure(args) -> dict:
         params = sum(p.numel() for p in policy.gpt.parameters())
         batch = random_batch(args.prompt, responses, args.vocab, seed=1)
         lengths = batch.lengths.tolist()
-        budget = args.micro_batch_size * (args.prompt + args.max_response)
+        budget = args.max_tokens_per_micro_batch or args.micro_batch_size * (args.prompt + args.max_response)
         mbs = args.micro_batch_size
         out = {"params": params, "tokens": sum(lengths), "budget": budget, "modes": {}}
         for mode in ("padded", "token_budget"):
@@ -90,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--min-response", type=int, default=128)
     p.add_argument("--max-response", type=int, default=512)
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--micro-batch-size", type=int, default=4, help="rows per micro-batch (padded)")
+    p.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
+                   help="tokens per micro-batch (token_budget; default: --micro-batch-size rows of "
+                        "--prompt + --max-response tokens, the padded micro-batch's largest)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--update-benchmarks", action="store_true", help="rewrite BENCHMARKS.md's section")

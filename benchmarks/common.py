@@ -191,7 +191,7 @@ def write_outputs(out: Path, name: str, raw: dict, markdown: str) -> tuple[Path,
 
 def subprocess_env(threads: int | None = None, default_threads: int | None = 1) -> dict[str, str]:
     """The environment for a suite's worker processes: the packages importable (:data:`IMPORT_ROOT`
-    first on PYTHONPATH, so ``python -m benchmarks.<suite>`` and ``-m megatron_oar.train`` work from
+    first on PYTHONPATH, so ``python -m benchmarks.<suite>`` and ``-m megatron_oar.commands.train`` work from
     any directory, checkout or install) and ``OMP_NUM_THREADS``: ``threads`` if
     given, else as already set, else ``default_threads`` (1: one thread per process, like
     ``oar demo``'s two processes on two cores; None: torch's default)."""

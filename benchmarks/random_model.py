@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,16 +30,14 @@ def describe(args, params: int) -> str:
 def random_policy(args, max_positions: int, optimizer_steps: int) -> Iterator:
     """``(policy, arch)``: the policy (``training.policy.build_policy``, local spec, TP1/PP1) of a
     random Qwen2 of ``args``' shape, converted through the HF checkpoint path as a user's model
-    would be, and its :class:`~megatron_oar.models.qwen2.QwenArch`."""
+    would be, and its :class:`~megatron_oar.models.arch.QwenArch`."""
     from checkpoints_convert.convert import hf_to_megatron
     from megatron_oar.config import ModelConfig, OptimConfig
-    from megatron_oar.models.qwen2 import parse_arch, read_hf_config
+    from megatron_oar.models import parse_arch, read_hf_config
     from megatron_oar.models.tiny import make_tiny_qwen2
     from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
     from megatron_oar.training.policy import build_policy
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", "29531"))
     with tempfile.TemporaryDirectory() as tmp:
         hf = make_tiny_qwen2(Path(tmp) / "hf", vocab_size=args.vocab, hidden_size=args.hidden,
                              intermediate_size=args.ffn, num_hidden_layers=args.layers,

@@ -63,12 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_oar.log_setup import quiet_backend_notices
+
+    quiet_backend_notices()  # megatron-core's TE/Apex fallbacks, DCP's single-process notice
     from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
     from checkpoints_convert.convert import ConversionError
     from checkpoints_convert.hf_io import HFCheckpointError
+    from megatron_oar.models import ModelConfigError
     from megatron_oar.models.model_checkpoint import CheckpointError
-    from megatron_oar.models.qwen2 import ModelConfigError
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

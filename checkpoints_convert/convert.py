@@ -20,22 +20,22 @@ import torch
 from tqdm import tqdm
 
 from checkpoints_convert.hf_io import HFReader, ShardedSafetensorsWriter
-from megatron_oar.models import hf_mapping
+from megatron_oar.models import (
+    DTYPES,
+    ModelOptions,
+    QwenArch,
+    build_gpt_model,
+    check_layout,
+    hf_mapping,
+    parse_arch,
+    read_hf_config,
+)
 from megatron_oar.models.model_checkpoint import (
     HF_DIR,
     MODEL_DIR,
     CheckpointMeta,
     copy_hf_side_files,
     model_dir,
-)
-from megatron_oar.models.qwen2 import (
-    DTYPES,
-    ModelOptions,
-    QwenArch,
-    build_gpt_model,
-    check_layout,
-    parse_arch,
-    read_hf_config,
 )
 
 log = logging.getLogger(__name__)

@@ -64,10 +64,9 @@ def verify(hf_dir: str | Path, ckpt: str | Path, *, tp: int = 1, pp: int = 1, dt
     from transformers import AutoModelForCausalLM
 
     from checkpoints_convert.convert import ConversionError
-    from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
+    from megatron_oar.models import DTYPES, ModelOptions, build_gpt_model, read_hf_config
     from megatron_oar.models.forward import forward_logits
     from megatron_oar.models.model_checkpoint import HF_DIR, load_model
-    from megatron_oar.models.qwen2 import DTYPES
     from megatron_oar.runtime import ParallelConfig, init_runtime
 
     if dtype not in DTYPES:

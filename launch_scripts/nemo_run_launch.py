@@ -2,6 +2,6 @@
 python launch_scripts/nemo_run_launch.py --config X.yaml [--executor slurm] [--dryrun] [key=value ...]"""
 import sys
 
-from megatron_oar.launch import main
+from megatron_oar.commands.launch import main
 
 sys.exit(main(sys.argv[1:]))

@@ -53,7 +53,7 @@ fi
 
 cmd=("${TORCHRUN:-torchrun}" --nnodes "$NNODES" --rdzv-backend c10d
      --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-megatron-oar}"
-     --max-restarts "${MAX_RESTARTS:-3}" --nproc-per-node "$GPUS_PER_NODE" -m megatron_oar.train --config "$config" --resume "${RESUME:-auto}" "$@")
+     --max-restarts "${MAX_RESTARTS:-3}" --nproc-per-node "$GPUS_PER_NODE" -m megatron_oar.commands.train --config "$config" --resume "${RESUME:-auto}" "$@")
 
 if [[ "${DRYRUN:-0}" == 1 ]]; then
     printf "%q" "${cmd[0]}"; printf " %q" "${cmd[@]:1}"; echo

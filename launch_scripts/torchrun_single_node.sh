@@ -23,7 +23,7 @@ config="$1"; shift
 source "$here/env.sh"
 
 cmd=("${TORCHRUN:-torchrun}" --standalone --nproc-per-node "${GPUS_PER_NODE:-8}"
-     --max-restarts "${MAX_RESTARTS:-3}" -m megatron_oar.train --config "$config" --resume "${RESUME:-auto}" "$@")
+     --max-restarts "${MAX_RESTARTS:-3}" -m megatron_oar.commands.train --config "$config" --resume "${RESUME:-auto}" "$@")
 
 if [[ "${DRYRUN:-0}" == 1 ]]; then
     printf "%q" "${cmd[0]}"; printf " %q" "${cmd[@]:1}"; echo

@@ -34,30 +34,32 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_oar.log_setup import backend_notices, quiet_backend_notices
+
 # `oar bench SUITE`: the module in benchmarks/ (results in BENCHMARKS.md)
 BENCH_SUITES = {"attribution": "attribution", "rollout": "rollout", "screening": "screening",
                 "convert": "convert_memory", "batching": "batching", "attribution-flops": "attribution_flops"}
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from megatron_oar.demo import run_demo
+    from megatron_oar.commands.demo import run_demo
 
     return run_demo(args.out, steps=args.steps, sft_steps=args.sft_steps)
 
 
 def _train(args: argparse.Namespace) -> int:
-    """Runs megatron_oar.train in this process (inside torchrun, or one process), or becomes
+    """Runs megatron_oar.commands.train in this process (inside torchrun, or one process), or becomes
     torchrun with ``--nproc-per-node`` processes and the config's restart budget
     (``launch.max_restarts``; each restart resumes from the newest checkpoint)."""
     import os
 
-    from megatron_oar import train
+    from megatron_oar.commands import train
 
     argv = ["--config", str(args.config), *(["--resume", args.resume] if args.resume else []),
             *args.overrides]
     if args.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        from megatron_oar.commands.launch import elastic_env
         from megatron_oar.config import ConfigError
-        from megatron_oar.launch import elastic_env
 
         try:  # a config error stops here, not once per restart
             cfg = train.config_from_args(train.parse_args(argv))
@@ -68,7 +70,7 @@ def _train(args: argparse.Namespace) -> int:
             os.environ.setdefault(key, value)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={args.nproc_per_node}", f"--max-restarts={cfg.launch.max_restarts}",
-               "-m", "megatron_oar.train", *argv]
+               "-m", "megatron_oar.commands.train", *argv]
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, cmd)  # signals (SIGTERM, SIGUSR1) go straight to torchrun
@@ -90,10 +92,16 @@ def _info() -> int:
     print(f"megatron-oar {megatron_oar.__version__}, torch {torch.__version__}, "
           f"megatron-core {mcore}")
     print(kernel_report().line())
+    notices = backend_notices()  # the other commands filter them (log_setup.quiet_backend_notices)
+    if notices:
+        print("megatron-core fallbacks (hidden from the other commands):")
+        for notice in notices:
+            print(f"  {notice}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_backend_notices()  # before anything imports megatron-core (oar info lists them)
     parser = argparse.ArgumentParser(prog="oar", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("overrides", nargs="*", help="key=value config overrides")
     # these hand every argument, --flags included, to their module's own main()
     forwarded = {
-        "launch": ("megatron_oar.launch", "validate a config for its cluster, start it via nemo-run"),
-        "plan": ("megatron_oar.plan", "memory per GPU and step time of a config on its cluster"),
+        "launch": ("megatron_oar.commands.launch", "validate a config for its cluster, start it via nemo-run"),
+        "plan": ("megatron_oar.commands.plan", "memory per GPU and step time of a config on its cluster"),
         "eval": ("megatron_oar.eval.run_eval", "pass@k on AIME24/25, AMC23, MATH500, GSM8K (Table 1)"),
         "viz": ("megatron_oar.eval.viz", "token-importance maps (HTML + PNG) from oracle records"),
         "repro": ("megatron_oar.repro.runner", "the paper's tables and figures in miniature on CPU"),
@@ -143,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return importlib.import_module(forwarded[args.command][0]).main(args.args)
     if args.command == "plot":
-        from megatron_oar import plot
+        from megatron_oar.commands import plot
 
         return plot.main(args.args)
     if args.command == "bench":

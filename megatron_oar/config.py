@@ -35,18 +35,10 @@ from megatron_oar.eval_config import EvalConfig
 from megatron_oar.fileio import atomic_write_text
 from megatron_oar.log_setup import LEVELS as LOG_LEVELS
 from megatron_oar.methods import ATTRIBUTION_METHODS, CREDIT_METHODS, shaping_scheme
+from megatron_oar.models import DTYPES, ModelConfigError, ModelOptions, check_layout, parse_arch
+from megatron_oar.models.builder import check_fp8_recipe_device, check_spec_features, resolve_spec
 from megatron_oar.models.micro_batches import BATCHINGS
 from megatron_oar.models.model_checkpoint import HF_DIR, META_FILE
-from megatron_oar.models.qwen2 import (
-    DTYPES,
-    ModelConfigError,
-    ModelOptions,
-    check_fp8_recipe_device,
-    check_layout,
-    check_spec_features,
-    parse_arch,
-    resolve_spec,
-)
 from megatron_oar.rewards import RewardConfig
 from megatron_oar.rollout.config import RolloutConfig
 from megatron_oar.runtime.distributed import ParallelConfig
@@ -57,6 +49,9 @@ log = logging.getLogger(__name__)
 DERIVED = {"model.sequence_parallel": "parallel.sequence_parallel", "shaping.scheme": "credit",
            "attribution.method": "credit", "rollout.n": "train.group_size"}
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+# train.max_tokens_per_micro_batch=null: this many rows of the longest possible length
+# (data.max_prompt_tokens + rollout.max_new_tokens), the padded path's default micro-batch
+DEFAULT_BUDGET_ROWS = 4
 LR_SCHEDULES = ("constant", "cosine", "linear")
 EXECUTORS = ("local", "slurm")
 _ABSENT = object()
@@ -145,10 +140,11 @@ class TrainConfig:
     steps: int = 100                # policy-update steps (one rollout batch each)
     prompts_per_step: int = 64      # prompts per step; each gets group_size completions
     group_size: int = 8             # G completions per prompt (copied into rollout.n)
-    micro_batch_size: int = 4       # sequences per micro-batch per DP rank (batching=padded)
-    batching: str = "token_budget"  # token_budget | padded: how the logprob and update passes group rows
-    max_tokens_per_micro_batch: int | None = None  # token_budget's padded tokens per micro-batch;
-    #                                 null: micro_batch_size x (data.max_prompt_tokens + rollout.max_new_tokens)
+    batching: str = "token_budget"  # token_budget | packed | padded: how the logprob and update passes group rows
+    micro_batch_size: int = 4       # rows per micro-batch per DP rank; batching=padded only (else ignored)
+    max_tokens_per_micro_batch: int | None = None  # padded tokens per micro-batch per DP rank;
+    #                                 batching=token_budget/packed only (else ignored); null: four
+    #                                 full-length rows, 4 x (data.max_prompt_tokens + rollout.max_new_tokens)
     mini_batches: int = 1           # optimizer steps per PPO epoch (the step's samples split evenly)
     balance_dp_tokens: bool = True  # give DP ranks equal tokens per mini-batch (else samples d, d+DP, ...)
     peak_tflops: float | None = None  # per GPU, for perf/mfu; null: by the GPU's name (models/flops.py)
@@ -268,10 +264,19 @@ class Config:
 
     @property
     def micro_batch_tokens(self) -> int:
-        """The token budget of a micro-batch (``train.batching=token_budget``)."""
-        t = self.train
-        return t.max_tokens_per_micro_batch or t.micro_batch_size * (
+        """The token budget of a micro-batch (``train.batching=token_budget`` or ``packed``):
+        ``train.max_tokens_per_micro_batch``, or :data:`DEFAULT_BUDGET_ROWS` full-length rows."""
+        return self.train.max_tokens_per_micro_batch or DEFAULT_BUDGET_ROWS * (
             self.data.max_prompt_tokens + self.rollout.max_new_tokens)
+
+    def attribution_config(self) -> AttributionConfig:
+        """``attribution`` with its null batching keys filled from the training ones:
+        ``batching`` from ``train.batching`` (``packed``: ``token_budget``, attribution does not
+        pack), ``micro_batch_size`` from ``train.micro_batch_size``, both token budgets from
+        :attr:`micro_batch_tokens`. What the attribution passes run with."""
+        return self.attribution.resolve(batching=self.train.batching,
+                                        micro_batch_size=self.train.micro_batch_size,
+                                        max_tokens=self.micro_batch_tokens)
 
 
 # ----------------------------------------------------------------------------------- loading
@@ -472,7 +477,7 @@ def _check_batches(cfg: Config, dp: int) -> None:
     """train.*: the step's samples divide into mini-batches and micro-batches over DP."""
     t = cfg.train
     _at_least(cfg, "train.steps train.prompts_per_step train.micro_batch_size train.mini_batches "
-                   "train.ppo_epochs train.max_nonfinite_steps")
+                   "train.ppo_epochs train.max_nonfinite_steps")  # micro_batch_size: any batching
     _at_least(cfg, "train.group_size", 2)  # a group of one always has zero advantage
     _one_of("train.batching", t.batching, BATCHINGS)
     if t.batching == "packed":  # THD sequences run through TE's attention; the local spec's refuses them
@@ -495,10 +500,14 @@ def _check_batches(cfg: Config, dp: int) -> None:
     _need(samples % t.mini_batches == 0, f"train.mini_batches={t.mini_batches} does not divide "
                                          f"train.prompts_per_step*train.group_size = {samples}")
     mini = samples // t.mini_batches
-    _need(mini % (t.micro_batch_size * dp) == 0,
-          f"train.prompts_per_step*train.group_size = {samples} samples per step"
-          + (f" in {t.mini_batches} mini-batches of {mini}" if t.mini_batches > 1 else "")
-          + f" is not divisible by train.micro_batch_size*DP = {t.micro_batch_size}*{dp}")
+    where = (f"train.prompts_per_step*train.group_size = {samples} samples per step"
+             + (f" in {t.mini_batches} mini-batches of {mini}" if t.mini_batches > 1 else ""))
+    if t.batching == "padded":  # micro-batches of micro_batch_size rows on each DP rank
+        _need(mini % (t.micro_batch_size * dp) == 0,
+              f"{where} is not divisible by train.micro_batch_size*DP = {t.micro_batch_size}*{dp} "
+              "(train.batching=padded)")
+    else:  # token budgets take any number of rows; each DP rank gets the same number
+        _need(mini % dp == 0, f"{where} is not divisible by the data-parallel size {dp}")
 
 
 def _check_data(cfg: Config) -> None:
@@ -577,8 +586,39 @@ def _check_optimizer_and_run(cfg: Config) -> None:
           f"launch.slurm.time={cfg.launch.slurm.time!r}: expected HH:MM:SS or D-HH:MM:SS")
 
 
+def _ignored_batching_keys(cfg: Config) -> list[str]:
+    """Batching keys set (away from their defaults) under a batching that does not read them:
+    each key means one thing, rows (``*micro_batch_size``, ``padded`` only) or tokens
+    (``max_tokens_*``, ``token_budget``/``packed`` only), so the other one is ignored, as verl
+    ignores ``ppo_micro_batch_size_per_gpu`` under ``use_dynamic_bsz``."""
+    t, at = cfg.train, cfg.attribution
+    out = []
+    if t.batching == "padded" and t.max_tokens_per_micro_batch is not None:
+        out.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} (tokens; "
+                   "train.batching=padded runs train.micro_batch_size rows)")
+    if t.batching != "padded" and t.micro_batch_size != TrainConfig.micro_batch_size:
+        out.append(f"train.micro_batch_size={t.micro_batch_size} (rows; train.batching={t.batching} "
+                   f"runs train.max_tokens_per_micro_batch tokens, here {cfg.micro_batch_tokens})")
+    if cfg.uses_attribution:
+        batching = cfg.attribution_config().batching
+        via = f"attribution.batching={batching}" + (f", from train.batching={t.batching}"
+                                                     if at.batching is None else "")
+        if batching == "padded":
+            out += [f"attribution.{k}={getattr(at, k)} (tokens; {via})"
+                    for k in ("max_tokens_per_micro_batch", "max_tokens_per_copy_micro_batch")
+                    if getattr(at, k) is not None]
+        else:
+            if at.micro_batch_size is not None:
+                out.append(f"attribution.micro_batch_size={at.micro_batch_size} (rows; {via})")
+            if at.perturb_micro_batch_size != AttributionConfig.perturb_micro_batch_size:
+                out.append(f"attribution.perturb_micro_batch_size={at.perturb_micro_batch_size} (rows; {via})")
+    return out
+
+
 def _warn_mismatches(cfg: Config) -> None:
     """Legal but probably unintended combinations (logged, not raised)."""
+    for key in _ignored_batching_keys(cfg):
+        log.warning("%s is ignored", key)
     boxed = cfg.data.template == "boxed"
     if boxed and cfg.uses_attribution and cfg.attribution.probe.answer_pattern != "boxed":
         log.warning("data.template=boxed but attribution.probe.answer_pattern looks for <answer> tags")

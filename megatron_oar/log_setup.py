@@ -5,22 +5,73 @@
 
 Rank 0 logs at INFO (DEBUG with ``log.level=debug``), the other ranks at WARNING. vLLM logs every
 weight reload and prefix-cache reset at INFO, which would interleave with the progress lines, so
-it stays at WARNING unless ``log.level=debug``; a ``VLLM_LOGGING_LEVEL`` set in the environment
-wins (vLLM reads it when it is imported, in this process and in its engine processes).
+it stays at WARNING unless ``log.level=debug`` (so do megatron-core's Megatron-FSDP backend
+lines, :data:`QUIET_MEGATRON`); a ``VLLM_LOGGING_LEVEL`` set in the environment wins (vLLM reads
+it when it is imported, in this process and in its engine processes).
+
+    quiet_backend_notices()               # first thing in oar's and oar-convert's main(), and in
+                                          # setup_logging (the train, eval and oracle entry points)
+
+megatron-core warns at import that Transformer Engine / Apex are missing and it falls back to
+torch implementations (four UserWarnings from its optimizer and FSDP modules, one more from its
+layer specs), and torch's distributed checkpointing warns on every single-process save or load
+(the converter's, by design). They said the same thing before every command's output;
+:func:`quiet_backend_notices` filters exactly those messages (:data:`BACKEND_NOTICES`), every
+other warning still shows, and ``oar info`` lists them (:func:`backend_notices`) next to its
+``kernels available`` line, which says the same in one line.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import warnings
 
 LEVELS = ("info", "debug")
 QUIET_LIBRARIES = ("vllm",)
+# megatron-core loggers whose INFO lines (FSDP's backend detection, logged at import) show only at
+# log.level=debug
+QUIET_MEGATRON = ("megatron.core.distributed.fsdp",)
+# (message regex, category) of the notices quiet_backend_notices() filters; nothing else
+BACKEND_NOTICES = (
+    (r"Transformer Engine and Apex are not installed\. Falling back to ", UserWarning),
+    (r"Apex is not installed\. Falling back to Torch Norm", UserWarning),
+    (r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
+     r"(save|load) in a single process", UserWarning),
+)
+# the megatron-core modules whose import warns (backend_notices() imports them)
+_NOTICE_MODULES = ("megatron.core.optimizer", "megatron.core.distributed", "megatron.core.models.backends")
+
+
+def quiet_backend_notices() -> None:
+    """Filters :data:`BACKEND_NOTICES` (and only those) in this process; idempotent."""
+    for pattern, category in BACKEND_NOTICES:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
+
+
+def backend_notices() -> list[str]:
+    """The fallback notices megatron-core's import gives on this install (``oar info``), once
+    each; empty where Transformer Engine or Apex is installed, or where megatron is already
+    imported in this process (its modules warn once, at import)."""
+    import importlib
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for module in _NOTICE_MODULES:
+            try:
+                importlib.import_module(module)
+            except ImportError:  # pragma: no cover - megatron-core is a dependency
+                pass
+    wanted = [re.compile(pattern) for pattern, _ in BACKEND_NOTICES]
+    notices = [str(w.message) for w in caught if any(p.match(str(w.message)) for p in wanted)]
+    return list(dict.fromkeys(notices))
 
 
 def setup_logging(rank: int = 0, level: str = "info") -> None:
     if level not in LEVELS:
         raise ValueError(f"log.level must be one of {', '.join(LEVELS)}, got {level!r}")
+    quiet_backend_notices()
     debug = level == "debug"
     ours = (logging.DEBUG if debug else logging.INFO) if rank == 0 else logging.WARNING
     logging.basicConfig(level=ours, format=f"[rank{rank}] %(asctime)s %(name)s: %(message)s",
@@ -30,3 +81,5 @@ def setup_logging(rank: int = 0, level: str = "info") -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", library)
     for name in QUIET_LIBRARIES:  # already imported: set the level on its logger too
         logging.getLogger(name).setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    for name in QUIET_MEGATRON:  # "Using Megatron-FSDP without Transformer Engine." at every start
+        logging.getLogger(name).setLevel(library)

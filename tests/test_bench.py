@@ -325,8 +325,8 @@ def test_attribution_flops_suite_end_to_end(tmp_path):
     assert m["oar_p"]["floor"] == pytest.approx(af.floor_ratio(res["tokens"], 0, m["oar_p"]["copy_tokens"]))
     assert all(x["sweep"] > 0 and x["seconds"]["update"] > 0 for x in m.values())
     # the FLOP floor: OAR-G a forward and an input-gradient backward per row, logits at its probe
+    from megatron_oar.models import QwenArch
     from megatron_oar.models.flops import forward_flops
-    from megatron_oar.models.qwen2 import QwenArch
 
     arch = QwenArch(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
                     num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e4,

@@ -67,7 +67,7 @@ def _in_process_write_results() -> None:
 def _policy(model: str):
     """Collective: the runtime (gloo, DP=world) and a policy with the distributed optimizer."""
     from megatron_oar.config import ModelConfig, OptimConfig
-    from megatron_oar.models.qwen2 import read_hf_config
+    from megatron_oar.models import read_hf_config
     from megatron_oar.runtime import ParallelConfig, init_runtime
     from megatron_oar.training.policy import build_policy
 
@@ -272,7 +272,7 @@ def test_fallback_loads_the_weights_of_that_step(saved_run):
 def _kill_worker(model: str, root: str) -> None:
     import torch.distributed as dist
 
-    from megatron_oar import faults
+    from megatron_oar.testing import faults
 
     os.environ[faults.ENV] = "kill@checkpoint.shards:step=2:rank=1"
     faults.reset()
@@ -351,7 +351,7 @@ def _enospc_worker(model: str, root: str, out: str) -> None:
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megatron_oar import faults
+    from megatron_oar.testing import faults
 
     ckpts = f"{root}/ckpts"
     policy = _policy(model)

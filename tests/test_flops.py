@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_oar.models import parse_arch
 from megatron_oar.models.flops import forward_flops, matmul_params, peak_tflops
-from megatron_oar.models.qwen2 import parse_arch
 from tests.tiny import make_tiny_qwen2
 
 

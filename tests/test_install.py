@@ -120,7 +120,7 @@ def test_installed_copy_reads_its_own_files(installed):
     repo-relative read finds its file inside it."""
     code = ("import json, megatron_oar, benchmarks.common as common\n"
             "from benchmarks import attribution\n"
-            "from megatron_oar import demo, launch\n"
+            "from megatron_oar.commands import demo, launch\n"
             "from megatron_oar.repro import runner\n"
             "print(json.dumps({'package': megatron_oar.__file__, 'env_sh': str(launch.ENV_SH),\n"
             "    'env': launch.parse_env_sh(), 'demo': str(demo.EXAMPLE), 'task': demo.demo_task().task,\n"
@@ -155,6 +155,6 @@ def test_installed_oar_launch_dryrun(installed):
              "rollout.gpu_memory_utilization=0.4")
     assert r.stdout.startswith("# oar launch --dryrun: nemo-run would run")
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1\n" in r.stdout
-    assert (f"-m megatron_oar.train --config {config} rollout.gpu_memory_utilization=0.4"
+    assert (f"-m megatron_oar.commands.train --config {config} rollout.gpu_memory_utilization=0.4"
             in r.stdout)
     assert list(installed["work"].iterdir()) == []

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_oar import cli, launch
+from megatron_oar import cli
+from megatron_oar.commands import launch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "launch_scripts"
@@ -50,7 +51,7 @@ def test_scripts_parse(path):
 def test_single_node_dryrun(tmp_path):
     r = _sh("torchrun_single_node.sh", "my.yaml", "train.steps=10", "credit=grpo", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert r.stdout == ("torchrun --standalone --nproc-per-node 8 --max-restarts 3 -m megatron_oar.train "
+    assert r.stdout == ("torchrun --standalone --nproc-per-node 8 --max-restarts 3 -m megatron_oar.commands.train "
                         "--config my.yaml --resume auto train.steps=10 credit=grpo\n")
 
 
@@ -59,7 +60,7 @@ def test_single_node_env_knobs(tmp_path):
             "train.steps=1", cwd=tmp_path, GPUS_PER_NODE="4", RESUME="none", MAX_RESTARTS="0")
     assert r.returncode == 0, r.stderr
     # vLLM's GPU share is a config override like any other, passed on as given
-    assert r.stdout == ("torchrun --standalone --nproc-per-node 4 --max-restarts 0 -m megatron_oar.train "
+    assert r.stdout == ("torchrun --standalone --nproc-per-node 4 --max-restarts 0 -m megatron_oar.commands.train "
                         "--config my.yaml --resume none rollout.gpu_memory_utilization=0.4 train.steps=1\n")
 
 
@@ -74,7 +75,7 @@ def test_no_gpu_memory_variable():
 def test_7b_wrappers(wrapper, config, tmp_path):
     r = _sh(wrapper, "train.steps=10", cwd=tmp_path)  # from anywhere: they cd to the repo root
     assert r.returncode == 0, r.stderr
-    assert r.stdout == ("torchrun --standalone --nproc-per-node 8 --max-restarts 3 -m megatron_oar.train "
+    assert r.stdout == ("torchrun --standalone --nproc-per-node 8 --max-restarts 3 -m megatron_oar.commands.train "
                         f"--config {config} --resume auto train.steps=10\n")
     assert (REPO / config).is_file()
 
@@ -90,7 +91,7 @@ def test_multi_node_from_variables():
     assert r.returncode == 0, r.stderr
     # an elastic rendezvous: a failed node restarts every node's workers (tests/test_faults.py)
     assert r.stdout == ("torchrun --nnodes 4 --rdzv-backend c10d --rdzv-endpoint node-0:29500 "
-                        "--rdzv-id megatron-oar --max-restarts 3 --nproc-per-node 8 -m megatron_oar.train "
+                        "--rdzv-id megatron-oar --max-restarts 3 --nproc-per-node 8 -m megatron_oar.commands.train "
                         "--config c.yaml --resume auto train.steps=3\n")
 
 
@@ -112,7 +113,8 @@ def test_multi_node_from_slurm(fake_slurm):
     r = _sh("torchrun_multi_node.sh", G32, **fake_slurm)
     assert r.returncode == 0, r.stderr
     assert r.stdout == ("torchrun --nnodes 3 --rdzv-backend c10d --rdzv-endpoint gpu-07:29500 --rdzv-id 123 "
-                        f"--max-restarts 3 --nproc-per-node 8 -m megatron_oar.train --config {G32} --resume auto\n")
+                        "--max-restarts 3 --nproc-per-node 8 -m megatron_oar.commands.train "
+                        f"--config {G32} --resume auto\n")
     # a variable that is set wins over Slurm's
     r = _sh("torchrun_multi_node.sh", G32, **fake_slurm, MASTER_ADDR="10.0.0.1", MASTER_PORT="6000",
             RDZV_ID="run7")
@@ -163,7 +165,7 @@ def test_env_sh_parse():
 def test_env_sh_is_one_file():
     """``oar launch`` reads the package's env.sh (there after a non-editable install); the file the
     scripts source is a symlink to it, not a copy that could drift."""
-    assert launch.ENV_SH == Path(launch.__file__).parent / "resources" / "env.sh"
+    assert launch.ENV_SH == Path(launch.__file__).parents[1] / "resources" / "env.sh"
     assert (SCRIPTS / "env.sh").is_symlink()
     assert (SCRIPTS / "env.sh").resolve() == launch.ENV_SH.resolve()
 
@@ -207,7 +209,7 @@ def test_launch_local_dryrun(capsys, in_repo, tmp_path):
     torchrun = [line for line in out.splitlines() if line.startswith("torchrun ")]
     assert len(torchrun) == 1
     assert "--nnodes 1 --nproc-per-node 8 " in torchrun[0]
-    assert torchrun[0].endswith(f"-m megatron_oar.train --config {G7} --resume none "
+    assert torchrun[0].endswith(f"-m megatron_oar.commands.train --config {G7} --resume none "
                                 f"train.steps=10 credit=grpo launch.slurm.job_dir={tmp_path}/jobs")
     assert not (tmp_path / "jobs").exists()  # a dry run writes only to a temporary directory
 
@@ -260,7 +262,7 @@ def test_launch_slurm_dryrun(capsys, in_repo, tmp_path):
     assert len(srun) == 1
     assert "torchrun " in srun[0] and "--nnodes 4 --nproc-per-node 8 " in srun[0]
     assert f"--chdir {tmp_path}/jobs/experiments/qwen2.5-32b_oar_g/" in srun[0]
-    assert f"-m megatron_oar.train --config {G32} " in srun[0]
+    assert f"-m megatron_oar.commands.train --config {G32} " in srun[0]
     assert "sbatch --requeue --parsable" in out and f"-> {REPO}" in out
     # fault tolerance: SIGUSR1 before the time limit, torchrun restarts, requeues after a failure
     for line in ("#SBATCH --signal=USR1@600", "export PET_MAX_RESTARTS=3",
@@ -298,8 +300,9 @@ def test_shim_writes_nothing(tmp_path):
     (["parallel.pp=5"], "parallel.pp"),                           # 28 layers
     (["--gpus-per-node", "5", "parallel.tp=1", "parallel.pp=5"],
      "parallel.pp=5 does not divide num_hidden_layers=28"),
-    (["train.micro_batch_size=3"], "train.micro_batch_size"),     # 512 samples, DP 4
-    (["train.prompts_per_step=63"], "train.micro_batch_size*DP"),
+    (["train.batching=padded", "train.micro_batch_size=3"], "train.micro_batch_size"),  # 512, DP 4
+    (["train.batching=padded", "train.prompts_per_step=63"], "train.micro_batch_size*DP"),
+    (["train.group_size=5", "train.prompts_per_step=63"], "not divisible by the data-parallel size 4"),
     (["--nodes", "2"], "launch.nodes=2: the local executor runs on this node only"),
     (["--arch", "qwen2.5-9b"], "--arch 'qwen2.5-9b': unknown"),
     (["train.stepz=1"], "unknown key 'train.stepz'"),

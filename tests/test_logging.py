@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_oar import plot
+from megatron_oar.commands import plot
 from megatron_oar.config import LogConfig
 from megatron_oar.training import logger as logger_mod
 from megatron_oar.training.logger import MetricsLogger, read_metrics
@@ -297,3 +297,34 @@ def test_log_level_is_checked_with_the_key():
 
     with pytest.raises(ConfigError, match="log.level='verbose': must be one of info, debug"):
         load_config(None, ["log.level=verbose"])
+
+
+def test_oar_plan_help_prints_no_backend_notices():
+    """megatron-core's "Transformer Engine and Apex are not installed" UserWarnings (at import)
+    and DCP's single-process notice are filtered by every entry point; `oar info` lists them."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    done = subprocess.run([sys.executable, "-m", "megatron_oar.cli", "plan", "--help"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "usage: oar plan" in done.stdout, done.stderr[-2000:]
+    for text in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                 "UserWarning", "torch.distributed is"):
+        assert text not in done.stderr, done.stderr[-2000:]
+
+
+def test_quiet_backend_notices_filters_only_those():
+    import warnings
+
+    from megatron_oar.log_setup import quiet_backend_notices
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_backend_notices()
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
+        warnings.warn("Apex is not installed. Falling back to Torch Norm")
+        warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming the intent "
+                      "is to load in a single process.")
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to ...",
+                      DeprecationWarning)  # another category: shown
+        warnings.warn("something else")  # shown
+    assert [(str(w.message)[:14], w.category) for w in caught] == [
+        ("Transformer En", DeprecationWarning), ("something else", UserWarning)]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_oar.models import hf_mapping
-from megatron_oar.models.qwen2 import QwenArch
+from megatron_oar.models import QwenArch, hf_mapping
 
 
 def _arch(heads=8, groups=2, head_dim=4, layers=4, vocab=50, inter=24, tied=False) -> QwenArch:

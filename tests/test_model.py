@@ -7,15 +7,8 @@ import json
 import pytest
 import torch
 
-from megatron_oar.models.qwen2 import (
-    ModelConfigError,
-    ModelOptions,
-    check_layout,
-    mask_padded_vocab,
-    parse_arch,
-    read_hf_config,
-    transformer_config,
-)
+from megatron_oar.models import ModelConfigError, ModelOptions, check_layout, parse_arch, read_hf_config
+from megatron_oar.models.builder import mask_padded_vocab, transformer_config
 
 QWEN25_7B = {  # the fields of Qwen2.5-7B's config.json that matter
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
@@ -74,6 +67,23 @@ def test_unsupported_configs(patch, msg):
         parse_arch({**QWEN25_7B, **patch})
 
 
+def test_family_registry():
+    """Each registered family parses its own config (by ``architectures``, else ``model_type``)
+    into an arch that names it, and the 'unsupported' message lists the registry."""
+    from megatron_oar.models import FAMILIES, SUPPORTED_ARCHITECTURES
+    from megatron_oar.models.families import family_for_config, family_of
+
+    assert SUPPORTED_ARCHITECTURES == tuple(f.architecture for f in FAMILIES)
+    for family in FAMILIES:
+        hf = {**QWEN25_7B, "architectures": [family.architecture], "model_type": family.model_type}
+        assert family_for_config(hf) is family
+        assert family_for_config({**hf, "architectures": None}) is family
+        assert family_of(parse_arch(hf)) is family
+    with pytest.raises(ModelConfigError) as e:
+        parse_arch({**QWEN25_7B, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    assert all(f"{f.architecture} (model_type {f.model_type!r})" in str(e.value) for f in FAMILIES)
+
+
 def test_missing_field_named():
     cfg = dict(QWEN25_7B)
     del cfg["hidden_size"]
@@ -107,9 +117,9 @@ def test_te_spec_and_fp8_need_transformer_engine_on_cpu():
 
 def test_fp8_options_reach_transformer_config(monkeypatch):
     """FP8 settings are taken from the model options (TE presence faked: config only)."""
-    from megatron_oar.models import qwen2
+    from megatron_oar.models import builder
 
-    monkeypatch.setattr(qwen2, "resolve_spec", lambda opts: "te")
+    monkeypatch.setattr(builder, "resolve_spec", lambda opts: "te")
     cfg = transformer_config(parse_arch(QWEN25_7B),
                              ModelOptions(spec="te", fp8="hybrid", fp8_recipe="tensorwise",
                                           fp8_amax_history_len=16, dtype="bf16"), tp=1, pp=1)
@@ -134,9 +144,9 @@ def test_sequence_parallel_needs_the_te_spec():
 
 
 def test_mxfp8_is_refused_before_blackwell(monkeypatch):
-    from megatron_oar.models import qwen2
+    from megatron_oar.models import builder
 
-    monkeypatch.setattr(qwen2, "resolve_spec", lambda opts: "te")  # TE faked: config only
+    monkeypatch.setattr(builder, "resolve_spec", lambda opts: "te")  # TE faked: config only
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
@@ -144,11 +154,11 @@ def test_mxfp8_is_refused_before_blackwell(monkeypatch):
     with pytest.raises(ModelConfigError, match=r"model.fp8_recipe='mxfp8' needs a Blackwell GPU.*sm_90"):
         transformer_config(parse_arch(QWEN25_7B), opts, tp=1, pp=1)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
-    assert qwen2.check_fp8_recipe_device(opts)
+    assert builder.check_fp8_recipe_device(opts)
 
 
 def _build_tiny(opts: ModelOptions):
-    from megatron_oar.models.qwen2 import build_gpt_model
+    from megatron_oar.models import build_gpt_model
     from megatron_oar.runtime import destroy_runtime, init_runtime
 
     hf = {**QWEN25_7B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -80,7 +80,7 @@ def test_records_roundtrip_and_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def warm_model(tmp_path_factory):
-    from megatron_oar.demo_model import make_demo_model, sft_warmup
+    from megatron_oar.repro.demo_model import make_demo_model, sft_warmup
 
     d = make_demo_model(tmp_path_factory.mktemp("oracle") / "tiny")
     sft_warmup(d, steps=300)

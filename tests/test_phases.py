@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_oar.training.phases import ASLEEP, CHECKPOINT, EVAL, STEP
+from megatron_oar.training.phases import CHECKPOINT, EVAL, NOTHING, STEP
 from tests.distributed import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,15 +90,15 @@ class RecordingEngine:
 def _run_worker(hf_dir: str, run_dir: str, out: str) -> None:
     from transformers import AutoTokenizer
 
-    import megatron_oar.trainer as trainer_mod
+    import megatron_oar.training.trainer as trainer_mod
+    from megatron_oar.commands.plan import trainer_phases
     from megatron_oar.config import load_config
-    from megatron_oar.plan import trainer_phases
-    from megatron_oar.trainer import Trainer
+    from megatron_oar.training.trainer import Trainer
 
     cfg = load_config(EXAMPLE, [
         f"model.path={hf_dir}", f"run_dir={run_dir}", "parallel.tp=1", "rollout.tp=1",
         "train.steps=2", "train.prompts_per_step=2", "train.group_size=4", "train.mini_batches=1",
-        "train.micro_batch_size=2", "train.eval_interval=1", "train.eval_max_prompts=2",
+        "train.max_tokens_per_micro_batch=112", "train.eval_interval=1", "train.eval_max_prompts=2",
         "train.dynamic_sampling=false", "credit=oar_g", "loss.kl_coef=0.01",
         "attribution.probe.warmup_steps=0", r"attribution.probe.answer_pattern=(\d+)",
         "rewards.format_weight=1.0", "rewards.accuracy_weight=0.0",
@@ -154,7 +154,7 @@ def test_megatron_passes_run_while_vllm_sleeps(run):
     assert held["generate"] == {()}  # generation only with weights and KV cache awake
     assert held["sync_weights"] == {("kv_cache",)}  # weights awake, KV cache not yet
     for name, phase in [(p.name, p) for p in STEP + EVAL + CHECKPOINT]:
-        if phase.vllm == ASLEEP:
+        if phase.vllm_holds == NOTHING:
             assert held[f"phase:{name}"] == {("kv_cache", "weights")}, name
 
 
@@ -169,8 +169,8 @@ def test_trainer_phases_are_the_plans(run):
 
 
 def test_plan_phases_follow_the_config():
+    from megatron_oar.commands.plan import trainer_phases
     from megatron_oar.config import load_config
-    from megatron_oar.plan import trainer_phases
 
     cfg = load_config(EXAMPLE, ["credit=grpo", "train.eval_interval=0"])
     assert [p.name for p in trainer_phases(cfg)] == [
@@ -183,9 +183,9 @@ def test_plan_phases_follow_the_config():
 def test_plan_budgets_every_phase_and_vllm_asleep_for_megatron():
     """The 7B example: every phase has a budget; Megatron's phases count vLLM asleep, and
     with vLLM never sleeping (sleep_level 0) the training phase needs its awake share too."""
+    from megatron_oar.commands.plan import Hardware, make_plan, trainer_phases
     from megatron_oar.config import load_config
     from megatron_oar.models.presets import resolve_hf_config
-    from megatron_oar.plan import Hardware, make_plan, trainer_phases
 
     path = ROOT / "examples" / "qwen2.5-7b_oar_g.yaml"
     plans = {}

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_oar import plan as P
+from megatron_oar.commands import plan as P
 from megatron_oar.config import ConfigError, load_config, validate
-from megatron_oar.demo_model import DEMO_ARCH
+from megatron_oar.models import ModelConfigError, parse_arch
 from megatron_oar.models.presets import PRESETS, preset_name, resolve_hf_config
-from megatron_oar.models.qwen2 import ModelConfigError, parse_arch
+from megatron_oar.repro.demo_model import DEMO_ARCH
 from tests.distributed import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ QWEN3 = dict(PRESETS["qwen3-8b"], num_hidden_layers=2)
 
 
 def _gpt_params(hf: dict) -> int:
-    from megatron_oar.models.qwen2 import ModelOptions, build_gpt_model
+    from megatron_oar.models import ModelOptions, build_gpt_model
 
     with torch.device("meta"):
         model = build_gpt_model(hf, ModelOptions(dtype="bf16"), perform_initialization=False,
@@ -211,6 +211,8 @@ def test_cli_refuses_bad_layouts(capsys):
     assert P.main(["--config", cfg, "--nodes", "1", "--gpus-per-node", "3"]) == 2
     assert "does not divide the world size 3" in capsys.readouterr().err
     assert P.main(["--config", cfg, "--nodes", "3", "--gpus-per-node", "2"]) == 2  # DP 3
+    assert "512 samples per step is not divisible by the data-parallel size 3" in capsys.readouterr().err
+    assert P.main(["--config", cfg, "--nodes", "3", "--gpus-per-node", "2", "train.batching=padded"]) == 2
     assert "is not divisible by train.micro_batch_size*DP = 4*3" in capsys.readouterr().err
     assert P.main(["--config", cfg, "model.path=/nowhere/custom"]) == 2
     assert "pass --arch" in capsys.readouterr().err

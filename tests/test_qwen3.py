@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoints_convert.convert import hf_to_megatron, megatron_to_hf
-from megatron_oar.models import hf_mapping
-from megatron_oar.models.qwen2 import ModelConfigError, ModelOptions, parse_arch, transformer_config
+from megatron_oar.models import ModelConfigError, ModelOptions, hf_mapping, parse_arch
+from megatron_oar.models.builder import transformer_config
 from tests.distributed import launch
 from tests.tiny import hf_logits, make_tiny_qwen3, read_config
 

@@ -1,6 +1,6 @@
 """``oar repro``: intervals, the grid, the report from run directories, resumability.
 
-The runs themselves are ``megatron_oar.train`` (tested in test_trainer.py); here synthetic run
+The runs themselves are ``megatron_oar.commands.train`` (tested in test_trainer.py); here synthetic run
 directories stand in for them, so the report's arithmetic is checked against values written by
 hand. The end-to-end harness on a tiny budget is the slow test at the end.
 """

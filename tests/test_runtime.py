@@ -87,7 +87,8 @@ def test_kernel_report_without_apex(monkeypatch):
 def test_masked_softmax_fusion_follows_its_kernel(monkeypatch):
     """The fusion is on only where megatron's kernel imports (a CUDA bf16 model without it
     crashed in attention): checked on the TransformerConfig the model is built from."""
-    from megatron_oar.models.qwen2 import ModelOptions, parse_arch, transformer_config
+    from megatron_oar.models import ModelOptions, parse_arch
+    from megatron_oar.models.builder import transformer_config
     from tests.test_config import HF
 
     arch = parse_arch(HF["tiny"])

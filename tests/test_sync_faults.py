@@ -58,12 +58,12 @@ def _launch_within(seconds: float, fn, world_size: int, *args) -> None:
 # ---------------------------------------------------------------------------------- end to end
 
 def _faults_worker(ckpt: str, root: str, out: str) -> None:
-    import megatron_oar.trainer as trainer_mod
-    from megatron_oar import faults
+    import megatron_oar.training.trainer as trainer_mod
     from megatron_oar.rollout import engine as engine_mod
     from megatron_oar.rollout.sync_check import WeightSyncError
     from megatron_oar.rollout.weight_sync import WeightBucket
-    from megatron_oar.trainer import Trainer
+    from megatron_oar.testing import faults
+    from megatron_oar.training.trainer import Trainer
 
     rank = int(os.environ["RANK"])
     os.environ.pop(faults.ENV, None)

@@ -12,7 +12,7 @@ Slow tests (spawned ranks, one vLLM engine per rank shared by the runs of a test
 * the non-finite guard skips a NaN step without touching the weights, and aborts after
   ``train.max_nonfinite_steps`` in a row.
 
-Fast tests: config errors stop ``megatron_oar.train`` before any work, naming the key.
+Fast tests: config errors stop ``megatron_oar.commands.train`` before any work, naming the key.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_oar.models import parse_arch
 from megatron_oar.models.flops import matmul_params
-from megatron_oar.models.qwen2 import parse_arch
 from tests.distributed import launch
 from tests.tiny import make_tiny_qwen2
 
@@ -86,7 +86,7 @@ def _records(run_dir: Path) -> list[dict]:
 def _modes_worker(ckpt: str, root: str, out: str) -> None:
     import torch.distributed as dist
 
-    from megatron_oar.trainer import Trainer
+    from megatron_oar.training.trainer import Trainer
 
     results = {}
     engine = None
@@ -152,7 +152,7 @@ def test_every_credit_mode_trains(model, tmp_path):
 def _resume_worker(ckpt: str, root: str, out: str) -> None:
     import torch.distributed as dist
 
-    from megatron_oar.trainer import Trainer
+    from megatron_oar.training.trainer import Trainer
 
     common = ("parallel.tp=1", "optim.use_distributed_optimizer=true", "checkpoint.interval=2",
               "train.steps=4", "train.mini_batches=2", "credit=oar_g", "checkpoint.keep_last=1",
@@ -202,8 +202,8 @@ def test_resume_is_bit_exact(model, tmp_path):
 def _guard_worker(ckpt: str, root: str, out: str) -> None:
     import torch.distributed as dist
 
-    from megatron_oar.trainer import NonFiniteError, Trainer
     from megatron_oar.training import policy_passes
+    from megatron_oar.training.trainer import NonFiniteError, Trainer
 
     real = policy_passes.ppo_clip_loss
     bad_steps: set[int] = set()
@@ -264,7 +264,7 @@ def test_nonfinite_guard_skips_then_aborts(model, tmp_path):
 def _qwen3_worker(ckpt: str, root: str, out: str) -> None:
     import torch.distributed as dist
 
-    from megatron_oar.trainer import Trainer
+    from megatron_oar.training.trainer import Trainer
 
     run_dir = Path(root) / "qwen3"
     cfg = _config(ckpt, str(run_dir), "credit=oar_g", r"attribution.probe.answer_pattern=(\d+)")
@@ -305,11 +305,11 @@ def test_qwen3_trains(tmp_path):
 @pytest.mark.parametrize("overrides,match", [
     (["train.stepz=3"], "unknown key 'train.stepz'"),
     (["parallel.tp=3"], "parallel.tp"),
-    (["train.micro_batch_size=3"], "train.micro_batch_size"),
+    (["train.batching=padded", "train.micro_batch_size=3"], "train.micro_batch_size"),
     (["credit=ppo"], "credit='ppo'"),
 ])
 def test_config_errors_stop_before_any_work(model, tmp_path, capsys, overrides, match):
-    from megatron_oar import train
+    from megatron_oar.commands import train
 
     run_dir = tmp_path / "run"
     rc = train.main(["--config", str(EXAMPLE), f"model.path={model}", f"run_dir={run_dir}",

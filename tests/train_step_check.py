@@ -50,7 +50,7 @@ def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3, adv_scale: float =
         locate_probes,
     )
     from megatron_oar.config import ModelConfig, OptimConfig
-    from megatron_oar.models.qwen2 import read_hf_config
+    from megatron_oar.models import read_hf_config
     from megatron_oar.models.tiny import make_tiny_qwen2
     from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
     from megatron_oar.training.inputs import TrainBatch

@@ -21,7 +21,7 @@ advantages are zero anyway). Importance is returned on every rank of the model-p
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -42,11 +42,15 @@ class AttributionConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     sigma: float = 1e-3  # OAR-G noise std on the scored tokens' embeddings
     seed: int = 0  # OAR-G noise: seeded per (seed, step, sample id)
-    micro_batch_size: int = 4  # sequences per micro-batch of OAR-G and the teacher pass (padded)
-    perturb_micro_batch_size: int = 16  # masked copies per micro-batch of OAR-P (padded)
-    batching: str = "token_budget"  # token_budget | padded (models.micro_batches), as train.batching
-    max_tokens_per_micro_batch: int | None = None  # OAR-G/teacher budget; null: micro_batch_size x longest
-    max_tokens_per_copy_micro_batch: int | None = None  # OAR-P; null: perturb_micro_batch_size x longest
+    # Micro-batching, as the training keys (null: the training one, Config.attribution_config):
+    batching: str | None = None  # token_budget | padded; null: train.batching (packed: token_budget)
+    micro_batch_size: int | None = None  # rows per OAR-G/teacher micro-batch; padded only;
+    #                                      null: train.micro_batch_size
+    perturb_micro_batch_size: int = 16  # masked copies per OAR-P micro-batch; padded only
+    max_tokens_per_micro_batch: int | None = None  # tokens per OAR-G/teacher micro-batch;
+    #                                      token_budget only; null: train.max_tokens_per_micro_batch
+    max_tokens_per_copy_micro_batch: int | None = None  # tokens per OAR-P micro-batch;
+    #                                      token_budget only; null: train.max_tokens_per_micro_batch
     length_bucket: int = 64  # padded: OAR-P copies are padded up to a multiple of this
     serial: bool = False  # OAR-P one copy at a time (only for the paper's cost comparison)
     pad_id: int | None = None  # OAR-P mask token; None: the tokenizer's pad token
@@ -62,12 +66,26 @@ class AttributionConfig:
             raise ValueError(f"attribution.screen_fraction must be in (0, 1], got {self.screen_fraction}")
         if self.sigma <= 0:
             raise ValueError(f"attribution.sigma must be > 0, got {self.sigma}")
-        if self.batching not in BATCHINGS:
-            raise ValueError(f"attribution.batching must be one of {BATCHINGS}, got {self.batching!r}")
+        if self.batching is not None and self.batching not in BATCHINGS:
+            raise ValueError(f"attribution.batching must be one of {BATCHINGS} or null (train.batching), "
+                             f"got {self.batching!r}")
         for name in ("micro_batch_size", "perturb_micro_batch_size", "length_bucket",
                      "max_tokens_per_micro_batch", "max_tokens_per_copy_micro_batch"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"attribution.{name} must be >= 1, got {getattr(self, name)}")
+
+    def resolve(self, *, batching: str = "token_budget", micro_batch_size: int = 4,
+                max_tokens: int | None = None) -> AttributionConfig:
+        """A copy with the null batching keys filled from the training ones (``batching``:
+        ``train.batching``, ``packed`` read as ``token_budget``; ``micro_batch_size``;
+        ``max_tokens``: the training token budget, for both budgets). The defaults serve a config
+        used on its own (tests, benchmarks): token budgets of ``micro_batch_size`` rows of the
+        longest scored row for OAR-G and the teacher, ``perturb_micro_batch_size`` rows of it for
+        OAR-P (``importance_passes``, where a token budget is null)."""
+        return replace(self, batching=self.batching or ("padded" if batching == "padded" else "token_budget"),
+                       micro_batch_size=self.micro_batch_size or micro_batch_size,
+                       max_tokens_per_micro_batch=self.max_tokens_per_micro_batch or max_tokens,
+                       max_tokens_per_copy_micro_batch=self.max_tokens_per_copy_micro_batch or max_tokens)
 
 
 @dataclass
@@ -111,8 +129,12 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
     on (the trainer's old-logprob pass). A caller's teacher of another precision than a
     student's is not used: that student gets a clean teacher pass in its own precision
     (``stats["teacher_passes"]`` counts them).
+
+    ``cfg``'s null batching keys: the trainer passes ``Config.attribution_config()`` (filled from
+    the training keys); a config used on its own gets :meth:`AttributionConfig.resolve`'s defaults.
     """
     start = time.perf_counter()
+    cfg = cfg.resolve()  # no-op for a resolved config
     if sites is None:
         finder = SpanFinder(tokenizer, cfg.probe.answer_pattern) if tokenizer is not None else None
         sites = locate_probes(batch, cfg.probe, step, finder)

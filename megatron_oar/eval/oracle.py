@@ -33,7 +33,7 @@ import logging
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -95,7 +95,6 @@ def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, t
     from megatron.core import parallel_state as ps
 
     from megatron_oar.attribution import (
-        AttributionConfig,
         SequenceBatch,
         compute_importance,
         locate_probes,
@@ -118,7 +117,8 @@ def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, t
     batch = SequenceBatch(tokens, torch.tensor([len(t.prompt_ids) for t in trajs], device=tokens.device),
                           torch.tensor(list(map(len, rows)), device=tokens.device),
                           sample_ids=torch.tensor(ids))
-    mbs = _micro_batch_size(len(rows), cfg.attribution.micro_batch_size)
+    attribution = cfg.attribution_config()  # null batching keys: the training ones
+    mbs = _micro_batch_size(len(rows), attribution.micro_batch_size)
 
     def top2_entropy(logits, _):  # vocab-parallel: the full vocabulary is never gathered
         top = vp.top_k(logits, vocab_size, 2)[1].float()  # ids < 2**24 are exact in float32
@@ -134,9 +134,10 @@ def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, t
     # runs outside FP8 like OAR-P (teacher_fp8=False; an FP8 OAR-G gets its own teacher)
     if wanted:
         scored = sites.scored_rows().nonzero().flatten().tolist()
-        teacher = probe_teacher(model, batch, sites, scored, vocab_size, cfg.attribution.micro_batch_size)
+        teacher = probe_teacher(model, batch, sites, scored, vocab_size, attribution.micro_batch_size,
+                                batching=attribution.batching, max_tokens=attribution.max_tokens_per_micro_batch)
     for m in wanted:
-        acfg = AttributionConfig(**{**vars(cfg.attribution), "method": m})
+        acfg = replace(attribution, method=m)
         importance[m] = compute_importance(model, batch, acfg, vocab_size=vocab_size, step=step,
                                            tokenizer=tokenizer, sites=sites, teacher=teacher,
                                            external_teacher=True, teacher_fp8=False).importance
@@ -265,7 +266,7 @@ def run(cfg, *, trajectories: int, per_prompt: int, methods: list[str], k_percen
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_oar.config import ConfigError, load_config, validate
-    from megatron_oar.models.qwen2 import ModelConfigError, read_hf_config
+    from megatron_oar.models import ModelConfigError, read_hf_config
     from megatron_oar.runtime import destroy_runtime
 
     p = argparse.ArgumentParser(prog="oar analyze oracle", description=__doc__.split("\n\n")[0])

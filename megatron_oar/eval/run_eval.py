@@ -276,8 +276,8 @@ def prepare_job(cfg: Config) -> EvalJob:
     """Rank 0: find and read the benchmarks, check OUT for earlier results, export if needed."""
     from transformers import AutoTokenizer
 
+    from megatron_oar.models import read_hf_config
     from megatron_oar.models.model_checkpoint import HF_DIR
-    from megatron_oar.models.qwen2 import read_hf_config
 
     ev, r, template = cfg.eval, cfg.rollout, cfg.data.template
     n, (temperature, top_p), out = ev.samples, ev.sampling, Path(ev.out)

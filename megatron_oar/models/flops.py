@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from megatron_oar.models.qwen2 import QwenArch
+from megatron_oar.models.arch import QwenArch
 
 # dense bf16 peak TFLOP/s per GPU by device name (NVIDIA datasheets, SXM parts; no sparsity)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,

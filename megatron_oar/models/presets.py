@@ -1,7 +1,7 @@
 """The published Qwen2.5 and Qwen3 (dense) architectures, for planning and validating a layout
 without the weights.
 
-Each entry holds the ``config.json`` fields :func:`~megatron_oar.models.qwen2.parse_arch` reads,
+Each entry holds the ``config.json`` fields :func:`~megatron_oar.models.families.parse_arch` reads,
 copied from the Hugging Face model cards' ``config.json`` (Qwen/Qwen2.5-{0.5B..72B},
 Qwen/Qwen2.5-Math-{1.5B,7B}, Qwen/Qwen3-{0.6B..32B}). A real ``config.json`` always wins: :func:`resolve_hf_config`
 falls back to a preset only when the model directory is not on this machine (e.g. planning a 72B
@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from megatron_oar.models.arch import ModelConfigError, read_hf_config
 from megatron_oar.models.model_checkpoint import HF_DIR
-from megatron_oar.models.qwen2 import ModelConfigError, read_hf_config
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
-from megatron_oar.models.qwen2 import mask_padded_vocab
+from megatron_oar.models.builder import mask_padded_vocab
 
 
 def vocab_slice(local_size: int) -> tuple[int, int]:

@@ -6,7 +6,7 @@
 
 1. One SFT start: a tiny Qwen2 warmed up on the chain task (``demo_model``), shared by every run.
 2. The runs (:func:`grid`): every credit method x seeds, same budget; tau, probe and suppression
-   floor ablations of OAR-G. A run is ``python -m megatron_oar.train`` on one process with the
+   floor ablations of OAR-G. A run is ``python -m megatron_oar.commands.train`` on one process with the
    testbed config, ``model.path`` = the SFT start, its seed in the training, rollout and
    attribution seeds (the same seed means the same prompts and sampling seeds for every method,
    so differences to GRPO are paired). After training, pass@k of the exported model on held-out
@@ -102,7 +102,7 @@ def _baselines(runs: list[RunSpec], g: Grid) -> list[RunSpec]:
 def sft_start(out: Path, config: Path, steps: int | None) -> Path:
     """The shared start (made once): the demo's tiny Qwen2 warmed up on the config's chain task
     (``demo_model.CHAIN_ARCH``, ``CHAIN_SFT``; ``steps`` overrides the warm-up's length)."""
-    from megatron_oar import demo_model
+    from megatron_oar.repro import demo_model
 
     hf = out / "sft"
     if (hf / "sft.json").is_file():
@@ -126,7 +126,7 @@ def pass_at_k(hf_dir: Path, task, *, k: int, n_problems: int, max_new_tokens: in
     temperature 1 (HF sampling of the exported model, the reward verifier)."""
     from transformers.utils import logging as hf_logging
 
-    from megatron_oar import demo_model
+    from megatron_oar.repro import demo_model
     from megatron_oar.rewards import RewardConfig, score_batch
 
     hf_logging.disable_progress_bar()  # one bar per run's model load otherwise
@@ -154,7 +154,7 @@ def train_run(spec: RunSpec, out: Path, sft: Path, config: Path, g: Grid) -> dic
                  f"checkpoint.interval={g.eval_interval}", "checkpoint.keep_last=1",
                  "checkpoint.export_hf_at_end=true", "log.console=false", "log.tensorboard=false",
                  *g.overrides, *spec.overrides]
-    cmd = [sys.executable, "-m", "megatron_oar.train", "--config", str(config), *overrides]
+    cmd = [sys.executable, "-m", "megatron_oar.commands.train", "--config", str(config), *overrides]
     t0 = time.perf_counter()
     _run_one_process(cmd, run_dir / "train.log", f"run {spec.name}")
     exported = sorted((run_dir / "hf").iterdir())[-1]

@@ -6,7 +6,7 @@ installed copy (``pip install .``, a wheel) finds them from any directory:
 * ``tiny_cpu.yaml``: the CPU config of ``oar bench attribution`` (its default ``--config``);
 * ``tiny_chain_cpu.yaml``: the chain-task CPU config of ``oar demo`` and ``oar repro``;
 * ``env.sh``: the launch environment's defaults, read by ``oar launch``
-  (:func:`megatron_oar.launch.parse_env_sh`) and sourced by the bash launch scripts.
+  (:func:`megatron_oar.commands.launch.parse_env_sh`) and sourced by the bash launch scripts.
 
 These are the only copies: in a checkout, ``examples/tiny_cpu.yaml``,
 ``examples/tiny_chain_cpu.yaml`` and ``launch_scripts/env.sh`` are symlinks to them

@@ -1,12 +1,12 @@
 # The environment every megatron-oar launch needs: THE one place for it.
 #
 # This file is megatron_oar/resources/env.sh, shipped inside the package, so that `oar launch`
-# (megatron_oar/launch.py) reads these defaults after any install and adds the config's
+# (megatron_oar/commands/launch.py) reads these defaults after any install and adds the config's
 # `launch.env` on top; launch_scripts/env.sh is a symlink to it, which the launch scripts source.
 # Each line keeps a value that is already exported, so
 # `NCCL_DEBUG=INFO launch_scripts/qwen2.5-7b_oar_g.sh` works.
 # Keep every setting in the form  export NAME="${NAME:-default}"  (one per line, a comment
-# above it): megatron_oar.launch.parse_env_sh reads exactly that form.
+# above it): megatron_oar.commands.launch.parse_env_sh reads exactly that form.
 
 # Megatron-core: one hardware work queue per device, so the async TP / sequence-parallel
 # all-gather is scheduled before the GEMM that overlaps it (megatron/core/tensor_parallel/layers.py

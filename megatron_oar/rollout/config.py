@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# Our dtype names (models.qwen2.DTYPES) -> vLLM's.
+# Our dtype names (models.builder.DTYPES) -> vLLM's.
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 LOAD_FORMATS = ("dummy", "auto", "safetensors")

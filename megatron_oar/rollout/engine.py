@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_oar import faults
-from megatron_oar.models.qwen2 import parse_arch, read_hf_config
+from megatron_oar.models import parse_arch, read_hf_config
 from megatron_oar.rollout.batch import RolloutBatch
 from megatron_oar.rollout.config import VLLM_DTYPES, RolloutConfig, check_sampling
 from megatron_oar.rollout.weight_sync import iter_hf_buckets
 from megatron_oar.seeds import ENGINE, derive_seed
+from megatron_oar.testing import faults
 
 log = logging.getLogger(__name__)
 # The oldest vLLM with every call made here: LLM(logprobs_mode=...) and the worker's in-place

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_oar.models import hf_mapping
-from megatron_oar.models.qwen2 import QwenArch
+from megatron_oar.models import QwenArch, hf_mapping
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""The phases of one training step, in order, and what holds GPU memory in each.
+"""The phases of one training step, in order, and what holds GPU memory in each: what the
+colocated vLLM engine holds (``Phase.vllm_holds``) and which Megatron working set is live
+(``Phase.megatron``).
 
 The trainer opens one logger phase per entry (one console line each), ``oar plan`` budgets the
 memory of each, and ``tests/test_phases.py`` checks that both follow these lists, so the plan
@@ -16,25 +18,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ASLEEP, WEIGHTS, AWAKE = "asleep", "weights", "awake"  # what vLLM holds on the GPU
+# What vLLM holds on the GPU during a phase, with ``rollout.sleep_level >= 1`` (at level 0 it
+# never sleeps and holds its weights and KV cache throughout). "nothing": asleep, its weights
+# discarded (level 2) or in host memory (level 1) and its KV cache freed; only its CUDA context
+# and allocator overhead stay (``oar plan``'s ``VLLM_ASLEEP_GIB``).
+NOTHING, WEIGHTS, WEIGHTS_KV_CACHE = "nothing", "weights", "weights+kv_cache"
 
 
 @dataclass(frozen=True)
 class Phase:
     name: str
-    vllm: str                   # ASLEEP | WEIGHTS | AWAKE during the phase
+    vllm_holds: str              # NOTHING | WEIGHTS | WEIGHTS_KV_CACHE, for the whole phase
     megatron: str | None = None  # the Megatron working set: sync | forward | attribution | update
 
 
-# wake the engine with the current policy; it is awake when the block ends
+# wake the engine with the current policy: its weights, the sync into them, then its KV cache
 WAKE = (Phase("wake_weights", WEIGHTS), Phase("sync", WEIGHTS, "sync"),
-        Phase("wake_kv_cache", AWAKE))
+        Phase("wake_kv_cache", WEIGHTS_KV_CACHE))
+# "sleep" releases vLLM's memory: it holds all of it until the phase ends
 STEP = (*WAKE,
-        Phase("generate", AWAKE),
-        Phase("sleep", AWAKE),
-        Phase("logprob", ASLEEP, "forward"),        # old log-probs (+ reference), probe teacher
-        Phase("attribution", ASLEEP, "attribution"),  # OAR only
-        Phase("update", ASLEEP, "update"))
-EVAL = (*WAKE, Phase("eval", AWAKE), Phase("sleep", AWAKE))
-CHECKPOINT = (Phase("checkpoint", ASLEEP),)
+        Phase("generate", WEIGHTS_KV_CACHE),
+        Phase("sleep", WEIGHTS_KV_CACHE),
+        Phase("logprob", NOTHING, "forward"),        # old log-probs (+ reference), probe teacher
+        Phase("attribution", NOTHING, "attribution"),  # OAR only
+        Phase("update", NOTHING, "update"))
+EVAL = (*WAKE, Phase("eval", WEIGHTS_KV_CACHE), Phase("sleep", WEIGHTS_KV_CACHE))
+CHECKPOINT = (Phase("checkpoint", NOTHING),)
 

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from megatron_oar.models import DTYPES, build_gpt_model
 from megatron_oar.models.model_checkpoint import META_FILE, load_model
-from megatron_oar.models.qwen2 import DTYPES, build_gpt_model
 from megatron_oar.runtime.distributed import env_without_launcher
 
 if TYPE_CHECKING:  # megatron-core's optimizer and DDP modules load only when a policy is built

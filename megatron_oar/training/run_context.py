@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megatron_oar.models.qwen2 import QwenArch, parse_arch, read_hf_config
+from megatron_oar.models import QwenArch, parse_arch, read_hf_config
 from megatron_oar.runtime import RuntimeInfo, init_runtime
 
 

@@ -61,7 +61,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from megatron_oar import faults
 from megatron_oar.fileio import atomic_write_text
 from megatron_oar.models.model_checkpoint import (
     HF_DIR,
@@ -72,6 +71,7 @@ from megatron_oar.models.model_checkpoint import (
     load_model,
 )
 from megatron_oar.models.parallel import barrier, rank
+from megatron_oar.testing import faults
 
 log = logging.getLogger(__name__)
 

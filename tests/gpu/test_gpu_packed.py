@@ -46,7 +46,7 @@ def _passes(ckpt, batching: str, old_logprobs: torch.Tensor | None) -> dict:
     old log-probs, so both batchings take the same step), on CPU tensors."""
     from megatron_oar.algorithms import PolicyLossConfig
     from megatron_oar.config import ModelConfig, OptimConfig
-    from megatron_oar.models.qwen2 import read_hf_config
+    from megatron_oar.models import read_hf_config
     from megatron_oar.training.inputs import TrainBatch
     from megatron_oar.training.policy import build_policy
     from megatron_oar.training.policy_passes import old_logprob_pass, reference_logprobs, update_step

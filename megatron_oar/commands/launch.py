@@ -10,7 +10,7 @@ the config is the one source. The whole config is validated for its world
 the published Qwen2.5 architecture its name or ``--arch`` refers to) before anything is built or
 submitted; a config that cannot work prints ``oar launch: <message naming the key>`` and exits 2.
 
-The task is ``torchrun ... -m megatron_oar.train --config X.yaml [--resume R] [key=value ...]``
+The task is ``torchrun ... -m megatron_oar.commands.train --config X.yaml [--resume R] [key=value ...]``
 with ``launch.gpus_per_node`` processes on each of ``launch.nodes`` nodes:
 
 * ``local``: nemo-run's LocalExecutor on this node (one node only); waits and tails the logs.
@@ -104,8 +104,8 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
 
 def _checked_config(args: argparse.Namespace, overrides: list[str]):
     """The config the job will load, validated for its cluster; raises ConfigError."""
+    from megatron_oar.models import ModelConfigError
     from megatron_oar.models.presets import resolve_hf_config
-    from megatron_oar.models.qwen2 import ModelConfigError
 
     resume = [f"checkpoint.resume={args.resume}"] if args.resume else []
     cfg = load_config(args.config, overrides + resume)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     with _nemo_run_quietly(to_stderr=True):  # its first use may reconfigure logging too
         import nemo_run as run
 
-        script = run.Script(path="megatron_oar.train", m=True, entrypoint="python", args=train_args)
+        script = run.Script(path="megatron_oar.commands.train", m=True, entrypoint="python", args=train_args)
     if args.dryrun:
         with tempfile.TemporaryDirectory(prefix="oar-launch-") as tmp:
             with _nemo_run_quietly(to_stderr=True):

@@ -29,6 +29,7 @@ from pathlib import Path
 from megatron_oar import resources
 
 EXAMPLE = resources.path("tiny_chain_cpu.yaml")  # the package's copy: there after any install
+SFT_PROGRESS_S = 10.0  # warm-up progress line interval when stdout is not a terminal
 
 
 def demo_task(example: Path = EXAMPLE):
@@ -72,7 +73,8 @@ def run_demo(out: Path, *, steps: int | None = None, sft_steps: int | None = Non
     from rich.console import Console
     from rich.table import Table
 
-    from megatron_oar import demo_model, plot
+    from megatron_oar.commands import plot
+    from megatron_oar.repro import demo_model
     from megatron_oar.training.logger import read_metrics
 
     console = Console()
@@ -86,8 +88,10 @@ def run_demo(out: Path, *, steps: int | None = None, sft_steps: int | None = Non
     t = time.perf_counter()
     task = demo_task()
     hf = demo_model.make_demo_model(out / "tiny", task=task, **demo_model.CHAIN_ARCH)
-    sft = demo_model.sft_warmup(hf, task=task, **{**demo_model.CHAIN_SFT,
-                                                  **({"steps": sft_steps} if sft_steps else {})})
+    # a few minutes of work: not silent in a CI log or behind `| tee` (a line every 10 s there)
+    progress_s = None if sys.stdout.isatty() else SFT_PROGRESS_S
+    sft = demo_model.sft_warmup(hf, task=task, progress_s=progress_s,
+                                **{**demo_model.CHAIN_SFT, **({"steps": sft_steps} if sft_steps else {})})
     console.print(f"warm-up: {sft['steps']} steps ({sft['steps'] * demo_model.CHAIN_SFT['batch_size']} "
                   f"fresh problems), final loss {sft['final_loss']:.3f}")
     timings.append(("model + SFT warm-up", time.perf_counter() - t))
@@ -97,7 +101,7 @@ def run_demo(out: Path, *, steps: int | None = None, sft_steps: int | None = Non
     run_dir = out / "run"
     overrides = [f"model.path={hf}", f"run_dir={run_dir}"] + ([f"train.steps={steps}"] if steps else [])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "megatron_oar.train", "--config", str(EXAMPLE), *overrides]
+           "-m", "megatron_oar.commands.train", "--config", str(EXAMPLE), *overrides]
     console.print(" ".join(cmd[2:]))
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     rc = subprocess.call(cmd, env=env)

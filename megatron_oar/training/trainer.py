@@ -36,20 +36,17 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_oar import faults
-from megatron_oar.algorithms import assign_credit, credit_metrics, group_advantages
+from megatron_oar.algorithms import assign_credit, group_advantages
 from megatron_oar.attribution import SpanFinder, compute_importance, locate_probes
 from megatron_oar.config import Config, save_config, validate
-from megatron_oar.models.flops import forward_flops, peak_tflops
-from megatron_oar.models.micro_batches import micro_batches, token_slots
+from megatron_oar.models import read_hf_config
 from megatron_oar.models.model_checkpoint import CheckpointMeta
-from megatron_oar.models.padding import padded_length, sequence_multiple
-from megatron_oar.models.qwen2 import read_hf_config
 from megatron_oar.rollout.sync_check import check_policy_agreement
 from megatron_oar.seeds import RANDOM_CREDIT, derive_seed
+from megatron_oar.testing import faults
 from megatron_oar.training import step_checkpoint as ckpt
 from megatron_oar.training.collect import collect
-from megatron_oar.training.dp_split import dp_assignment, token_imbalance
+from megatron_oar.training.dp_split import dp_assignment
 from megatron_oar.training.evaluate import evaluate, load_eval_examples
 from megatron_oar.training.inputs import TrainBatch, build_train_batch, load_examples
 from megatron_oar.training.logger import MetricsLogger
@@ -57,6 +54,7 @@ from megatron_oar.training.policy import build_policy, build_reference, init_che
 from megatron_oar.training.policy_passes import old_logprob_pass, reference_logprobs, update_step
 from megatron_oar.training.preemption import Preemption
 from megatron_oar.training.run_context import start_run
+from megatron_oar.training.step_metrics import step_metrics
 from megatron_oar.training.watchdog import PhaseWatchdog
 
 log = logging.getLogger(__name__)
@@ -216,7 +214,7 @@ class Trainer:
         attr_work: list[tuple[int, float, int]] = []
         if cfg.uses_attribution:
             with self.phase("attribution", n):
-                attr = compute_importance(self.policy.model, batch, cfg.attribution, vocab_size=vocab,
+                attr = compute_importance(self.policy.model, batch, cfg.attribution_config(), vocab_size=vocab,
                                           seq_adv=batch.seq_adv, step=step, tokenizer=self.tokenizer,
                                           sites=sites, teacher=teacher, external_teacher=True,
                                           teacher_fp8=bool(cfg.model.fp8))  # the logprob pass's
@@ -229,14 +227,9 @@ class Trainer:
         with self.phase("update", n):
             updates = self.update(batch)
 
-        metrics = dict(data.metrics)
-        metrics.update(self.batch_metrics(batch, credit, updates, attr_stats, attr_work))
-        metrics["rollout/logprob_mismatch"] = mismatch  # the number the check above compared
-        metrics.update(self.throughput(metrics["perf/model_tflop"]))
-        metrics["rollout/sync_seconds"] = sync.seconds
-        metrics["perf/dp_token_imbalance"] = token_imbalance(lengths, split)
-        metrics["perf/tokens_per_s"] = data.metrics["rollout/gen_tokens"] / (time.perf_counter() - t0)
-        return metrics
+        return step_metrics(self, data=data, batch=batch, credit=credit, updates=updates,
+                            attr_stats=attr_stats, attr_work=attr_work, mismatch=mismatch,
+                            sync_seconds=sync.seconds, lengths=lengths, split=split, t0=t0)
 
     def wake_rollout(self, step: int):
         """Collective: vLLM back on the GPU with the current policy (phases.WAKE): its weights
@@ -294,86 +287,6 @@ class Trainer:
         """Per-step generator (random credit): reproducible and independent of resumes."""
         seed = derive_seed(RANDOM_CREDIT, self.cfg.train.seed, self.step, ps.get_data_parallel_rank())
         return torch.Generator(device=self.rt.device).manual_seed(seed)
-
-    # ---------------------------------------------------------------------------- metrics
-
-    def batch_metrics(self, batch: TrainBatch, credit, updates: list, attr_stats: dict,
-                      attr_work: list[tuple[int, float, int]]) -> dict:
-        """Credit, entropy and loss metrics, averaged over DP ranks (counts summed)."""
-        mask = batch.loss_mask
-        tokens = mask.sum().clamp_min(1)
-        cm = credit_metrics(credit.weights, credit.advantages, mask, batch.seq_adv)
-        local = {
-            "policy/entropy": (batch.entropy * mask).sum() / tokens,
-            **{f"credit/{k}": v for k, v in cm.items()},
-            **{f"attribution/{k}": torch.tensor(v) for k, v in attr_stats.items()},
-            "tokens/action": mask.sum().float(),  # response tokens with loss
-            "tokens/sequence": batch.lengths.sum().float(),
-            "tokens/response": (batch.lengths - batch.prompt_lens).sum().float(),
-            "tokens/sequences": torch.tensor(float(batch.lengths.numel())),
-            **self.padding_fractions(batch),
-            "perf/model_tflop": torch.tensor(self.model_flops(batch, attr_work) / 1e12),
-        }
-        keys = sorted(local)
-        vec = torch.stack([torch.as_tensor(local[k], dtype=torch.float64).to(mask.device) for k in keys])
-        dist.all_reduce(vec, group=ps.get_data_parallel_group())
-        out = {k: float(v) / ps.get_data_parallel_world_size() for k, v in zip(keys, vec)}
-        summed = ("attribution/", "tokens/", "perf/model_tflop")
-        for k in [k for k in out if k.startswith(summed) and k != "attribution/seconds"]:
-            out[k] *= ps.get_data_parallel_world_size()  # counts: summed over DP, not averaged
-        applied = [r for r in updates if r.applied]
-        for key in (applied[0].stats if applied else {}):
-            out[f"loss/{key}"] = sum(r.stats[key] for r in applied) / len(applied)
-        out["optim/grad_norm"] = sum(r.grad_norm for r in updates) / len(updates)
-        out["optim/lr"] = float(self.policy.optimizer.param_groups[0]["lr"])
-        out["guard/skipped_updates"] = float(sum(not r.applied for r in updates))
-        out["guard/nonfinite_total"] = float(self.nonfinite_total)
-        if self.policy.gpt.config.fp16:
-            out["guard/loss_scale_overflows"] = float(self.loss_scale_overflows)
-        return out
-
-    def model_flops(self, batch: TrainBatch, attr_work: list[tuple[int, float, int]]) -> float:
-        """Model FLOPs of this DP rank's Megatron passes in the step (``models/flops.py``): the
-        old-logprob forward (and the reference's), ``ppo_epochs`` forward + backward, and the
-        attribution passes as ``compute_importance`` counted them (logits at the probes only)."""
-        forwards = 1 + (self.reference is not None) + 3 * self.cfg.train.ppo_epochs
-        return (forwards * forward_flops(self.arch, batch.lengths.tolist())
-                + sum(fe * forward_flops(self.arch, [n], probes) for n, fe, probes in attr_work))
-
-    def throughput(self, model_tflop: float) -> dict[str, float]:
-        """``perf/tflops_per_gpu`` of the step's Megatron passes (logprob, attribution and
-        update phases; model FLOPs over every GPU of the world) and ``perf/mfu`` against
-        ``train.peak_tflops`` (default: the GPU's dense bf16 peak; none on CPU)."""
-        seconds = self.logger.seconds("logprob", "attribution", "update")
-        if seconds <= 0:
-            return {}
-        achieved = model_tflop / seconds / dist.get_world_size()
-        out = {"perf/tflops_per_gpu": achieved}
-        peak = self.cfg.train.peak_tflops or (
-            peak_tflops(torch.cuda.get_device_name()) if self.rt.device.type == "cuda" else None)
-        if peak:
-            out["perf/mfu"] = achieved / peak
-        return out
-
-    def padding_fractions(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
-        """``perf/padding_fraction_{logprob,update}``: the share of the token slots the two passes
-        process that are padding, with the step's micro-batch grouping (``train.batching``)."""
-        t, lengths = self.cfg.train, batch.lengths.tolist()
-        multiple = sequence_multiple(self.policy.gpt.config)
-        kw = {"batching": t.batching, "rows_per_micro": t.micro_batch_size,
-              "max_tokens": self.cfg.micro_batch_tokens, "multiple": multiple}
-
-        def slots(rows: range) -> tuple[int, int]:  # (processed, real)
-            sub = [lengths[i] for i in rows]
-            width = padded_length(max(sub), multiple) if t.batching == "padded" else None
-            return token_slots(sub, micro_batches(sub, **kw), multiple, width, packed=t.batching == "packed")
-
-        per = batch.size // t.mini_batches
-        update = [slots(range(m * per, (m + 1) * per)) for m in range(t.mini_batches)]
-        logprob = slots(range(batch.size))
-        return {"perf/padding_fraction_logprob": torch.tensor(1.0 - logprob[1] / logprob[0]),
-                "perf/padding_fraction_update": torch.tensor(
-                    1.0 - sum(r for _, r in update) / sum(p for p, _ in update))}
 
     # ------------------------------------------------------------------ checkpoints, export
 

@@ -1,4 +1,4 @@
-"""``torchrun --nproc-per-node N -m megatron_oar.train --config X.yaml [key=value ...]``
+"""``torchrun --nproc-per-node N -m megatron_oar.commands.train --config X.yaml [key=value ...]``
 
 Exit status: 0 when ``train.steps`` are done; 2 for a config error; ``EXIT_PREEMPTED`` (75) when
 SIGTERM / SIGUSR1 stopped it after a checkpoint (run it again to continue); ``EXIT_HANG`` (124)
@@ -20,7 +20,7 @@ from megatron_oar.log_setup import setup_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="megatron_oar.train", description=__doc__,
+    p = argparse.ArgumentParser(prog="megatron_oar.commands.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="YAML config (see examples/)")
     p.add_argument("--resume", default=None,
@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         setup_logging(rank, cfg.log.level)
         from megatron_oar.runtime import destroy_runtime
-        from megatron_oar.trainer import Trainer
         from megatron_oar.training.preemption import EXIT_PREEMPTED
+        from megatron_oar.training.trainer import Trainer
 
         try:
             trainer = Trainer(cfg)

@@ -1,10 +1,7 @@
-"""megatron-core ``GPTModel`` for Qwen2 / Qwen2.5 and Qwen3 (dense), built from a Hugging Face
-``config.json``.
+"""megatron-core ``GPTModel`` for any supported family (:mod:`megatron_oar.models.families`),
+built from a Hugging Face ``config.json``: the options, the ``TransformerConfig``, the layer
+spec (local or Transformer Engine) and the layout checks.
 
-Qwen2 is a GPT with GQA, bias on q/k/v only, SwiGLU, RMSNorm and RoPE; 0.5B-3B tie the
-embeddings. Qwen3 dense drops the q/k/v bias and adds a per-head RMSNorm on queries and keys
-(HF ``q_norm`` / ``k_norm``, megatron's ``qk_layernorm``), applied before RoPE, with an explicit
-``head_dim`` that need not be ``hidden_size / num_attention_heads``; 0.6B-4B tie the embeddings.
 The vocabulary is padded to a multiple of ``vocab_multiple`` (128) that does
 not depend on TP, so a checkpoint's embedding shape is the same at every layout; padded
 rows are zero and their logits must be masked by consumers (see :func:`mask_padded_vocab`).
@@ -12,19 +9,16 @@ rows are zero and their logits must be masked by consumers (see :func:`mask_padd
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from megatron_oar.models.arch import ModelConfigError, QwenArch
+from megatron_oar.models.families import family_of, parse_arch
 from megatron_oar.runtime.kernels import kernel_report, log_model_kernels
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -40,123 +34,6 @@ class ModelOptions:
     vocab_multiple: int = 128
     sequence_parallel: bool = False
     recompute: str | None = None  # None | selective | full
-
-
-@dataclass(frozen=True)
-class QwenArch:
-    """The fields of a Qwen2 / Qwen3 config.json that define the network.
-
-    ``qkv_bias``: q/k/v projections carry a bias (Qwen2; Qwen3's ``attention_bias``, false).
-    ``qk_norm``: per-head RMSNorm of size ``head_dim`` on queries and keys before RoPE (Qwen3).
-    """
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool = True
-    qk_norm: bool = False
-
-    def padded_vocab_size(self, multiple: int = 128) -> int:
-        return int(math.ceil(self.vocab_size / multiple) * multiple)
-
-
-class ModelConfigError(ValueError):
-    """A config.json or layout that this model builder cannot serve."""
-
-
-def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """Reads ``config.json`` (a file or the directory holding it) with errors naming the file."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ModelConfigError(f"{path}: no such file (an HF model directory needs config.json)")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelConfigError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(cfg, dict):
-        raise ModelConfigError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
-    return cfg
-
-
-def _family(hf: dict[str, Any]) -> str | None:
-    """``"qwen2"`` or ``"qwen3"`` by ``architectures`` (first supported entry), else ``model_type``."""
-    for a in hf.get("architectures") or []:
-        if a in SUPPORTED_ARCHITECTURES:
-            return SUPPORTED_MODEL_TYPES[SUPPORTED_ARCHITECTURES.index(a)]
-    model_type = hf.get("model_type")
-    return model_type if model_type in SUPPORTED_MODEL_TYPES else None
-
-
-def parse_arch(hf: dict[str, Any], source: str = "config.json") -> QwenArch:
-    archs = hf.get("architectures") or []
-    model_type = hf.get("model_type")
-    family = _family(hf)
-    if family is None:
-        supported = ", ".join(f"{a} (model_type {t!r})"
-                              for a, t in zip(SUPPORTED_ARCHITECTURES, SUPPORTED_MODEL_TYPES))
-        raise ModelConfigError(
-            f"{source}: unsupported architecture {archs or model_type!r}; supported: {supported}"
-        )
-    name = "Qwen3" if family == "qwen3" else "Qwen2"
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "vocab_size"):
-        if key not in hf:
-            raise ModelConfigError(f"{source}: missing field {key!r}")
-    if hf.get("use_sliding_window"):
-        raise ModelConfigError(f"{source}: use_sliding_window=true is not supported")
-    layer_types = set(hf.get("layer_types") or []) - {"full_attention"}
-    if layer_types:
-        raise ModelConfigError(f"{source}: layer_types {sorted(layer_types)} are not supported "
-                               "(only full_attention)")
-    if hf.get("rope_scaling"):
-        raise ModelConfigError(f"{source}: rope_scaling={hf['rope_scaling']!r} is not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ModelConfigError(f"{source}: hidden_act={hf['hidden_act']!r}; {name} uses 'silu'")
-    heads = hf["num_attention_heads"]
-    kv = hf.get("num_key_value_heads") or heads
-    if heads % kv:
-        raise ModelConfigError(f"{source}: num_attention_heads {heads} not divisible by "
-                               f"num_key_value_heads {kv}")
-    rope_theta = hf.get("rope_theta")
-    if rope_theta is None:  # transformers >= 5 nests it
-        rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    if family == "qwen3":
-        # attention_bias puts a bias on o_proj too, which megatron's add_qkv_bias does not cover
-        # (its add_bias_linear would add one to the MLP as well); no released Qwen3 sets it.
-        qkv_bias = bool(hf.get("attention_bias", False))
-        if qkv_bias:
-            raise ModelConfigError(f"{source}: attention_bias=true (bias on q/k/v and o_proj) is not "
-                                   "supported for Qwen3")
-        head_dim = hf.get("head_dim") or 128  # Qwen3Config's default
-        qk_norm = True
-    else:
-        qkv_bias, qk_norm = True, False
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    return QwenArch(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=head_dim,
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope_theta),
-        max_position_embeddings=hf.get("max_position_embeddings", 32768),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        qk_norm=qk_norm,
-    )
 
 
 def check_layout(arch: QwenArch, tp: int, pp: int, vocab_multiple: int = 128,
@@ -290,8 +167,7 @@ def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
+        **family_of(arch).megatron_config(arch),  # add_qkv_bias, qk_layernorm, ...
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,

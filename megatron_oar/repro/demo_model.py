@@ -1,4 +1,5 @@
-"""The demo's policy: a tiny Qwen2 that can do a little arithmetic before RL starts.
+"""The policy of ``oar demo`` and ``oar repro``: a tiny Qwen2 that can do a little arithmetic before RL
+starts.
 
 ``make demo`` has to show the held-out accuracy rising within a few dozen RL steps on a 2-core
 CPU. A random model never produces ``<answer>N</answer>`` (reward 0 everywhere, no signal) and a
@@ -41,6 +42,7 @@ import random
 import shutil
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -179,7 +181,8 @@ def _batch(rows: list[tuple[list[int], int]], pad_id: int):
 def sft_warmup(hf_dir: Path, *, steps: int = SFT_DEFAULTS["steps"], lr: float = SFT_DEFAULTS["lr"],
                batch_size: int = SFT_DEFAULTS["batch_size"], seed: int = 0,
                task: ArithmeticConfig = DEMO_TASK, n_problems: int = SFT_N_PROBLEMS,
-               log_every: int = 0, carry_slip: float = 0.0) -> dict:
+               log_every: int = 0, carry_slip: float = 0.0, progress_s: float | None = None,
+               clock: Callable[[], float] = time.perf_counter) -> dict:
     """Supervised warm-up of the model in ``hf_dir`` on non-held-out ``task`` problems; saves it back.
 
     AdamW (betas 0.9/0.98, no weight decay), 10% linear warm-up then cosine decay to lr/10, loss
@@ -188,12 +191,16 @@ def sft_warmup(hf_dir: Path, *, steps: int = SFT_DEFAULTS["steps"], lr: float = 
     ``steps * batch_size`` fresh problems from its training stream (each seen once, its filler
     drawn anew; ``n_problems`` unused). Deterministic for a given seed and thread count; the
     model is written atomically (to a sibling dir, then swapped in).
+    ``log_every``: a line every that many steps; ``progress_s``: a line (step, loss, elapsed) as
+    soon as that many seconds of ``clock`` have passed since the last one (``oar demo`` when
+    stdout is not a terminal: CI logs, ``| tee``).
     Returns ``{"steps", "final_loss", "first_loss", "seconds"}``; ``final_loss`` is the mean of
     the last 10 steps.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
+    start = last_line = clock()
     hf_dir = Path(hf_dir)
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
@@ -241,6 +248,10 @@ def sft_warmup(hf_dir: Path, *, steps: int = SFT_DEFAULTS["steps"], lr: float = 
         losses.append(loss.item())
         if log_every and (step + 1) % log_every == 0:
             print(f"sft step {step + 1}/{steps} loss {losses[-1]:.4f}", flush=True)
+        elif progress_s is not None and (now := clock()) - last_line >= progress_s:
+            print(f"sft step {step + 1}/{steps} loss {losses[-1]:.4f} elapsed {now - start:.0f}s",
+                  flush=True)
+            last_line = now
 
     tmp = _tmp_dir(hf_dir)
     try:

@@ -24,10 +24,11 @@ preset, :mod:`megatron_oar.models.presets`); nothing is allocated. Per GPU it ad
   - old-logprob and reference passes (forward only): one layer's working set plus the logits.
   - OAR-G: a forward that keeps activations for one backward to the input embeddings. It runs in
     eval mode, where megatron-core does **not** recompute, so it is sized without recompute at
-    ``attribution.micro_batch_size`` rows (or ``max_tokens_per_micro_batch`` tokens; an upper
-    bound: megatron's frozen-weight linears keep no inputs), plus the fp32 input-embedding gradient.
-  - OAR-P: forward only, ``attribution.perturb_micro_batch_size`` masked copies (or
-    ``max_tokens_per_copy_micro_batch`` tokens), one layer at a time.
+    ``attribution.max_tokens_per_micro_batch`` tokens of full-length rows (``padded``:
+    ``attribution.micro_batch_size`` rows; null keys are the training ones, an upper bound:
+    megatron's frozen-weight linears keep no inputs), plus the fp32 input-embedding gradient.
+  - OAR-P: forward only, ``attribution.max_tokens_per_copy_micro_batch`` tokens of masked
+    copies (``padded``: ``attribution.perturb_micro_batch_size`` copies), one layer at a time.
   - screened OAR-P: OAR-G's activations, then OAR-P's (the larger of the two).
 * **vLLM**, colocated: awake during generation it holds ``rollout.gpu_memory_utilization`` of the
   GPU (its weights, rollout-TP sharded, and the KV cache in what is left after ``VLLM_OVERHEAD``);
@@ -39,7 +40,7 @@ preset, :mod:`megatron_oar.models.presets`); nothing is allocated. Per GPU it ad
 Memory is added up for every phase of the trainer's loop (``training/phases.py``: wake weights,
 sync, wake KV cache, generate, sleep, logprob, attribution, update, and the evaluation's), as
 Megatron's resident state + the phase's Megatron working set (a weight-sync bucket, or the pass's
-activations) + what vLLM holds then (asleep, its weights only, or all of it) + reserve; the peak
+activations) + what vLLM holds then (nothing, its weights, or its weights and KV cache) + reserve; the peak
 per GPU is the largest phase.
 
 Time per step, at worst-case lengths unless ``--response-tokens`` says otherwise (padded
@@ -61,9 +62,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megatron_oar.models import QwenArch, parse_arch
+from megatron_oar.models.families import family_of
 from megatron_oar.models.flops import forward_flops, linear_weights, matmul_params
-from megatron_oar.models.qwen2 import QwenArch, parse_arch
-from megatron_oar.training.phases import ASLEEP, AWAKE, CHECKPOINT, EVAL, STEP, WEIGHTS, Phase
+from megatron_oar.training.phases import CHECKPOINT, EVAL, NOTHING, STEP, WEIGHTS, WEIGHTS_KV_CACHE, Phase
 
 GIB = 1024 ** 3
 VLLM_OVERHEAD_GIB = 2.0  # vLLM's activations, sampler and CUDA graphs while awake
@@ -153,7 +155,7 @@ class Plan:
     layout: dict
     memory_gib: dict = field(default_factory=dict)   # per GPU, by component
     phases_gib: dict = field(default_factory=dict)   # per GPU, by phase of the trainer's loop
-    phase_vllm: dict = field(default_factory=dict)   # phase -> what vLLM holds (phases.ASLEEP, ...)
+    phase_vllm_holds: dict = field(default_factory=dict)  # phase -> what vLLM holds (phases.NOTHING, ...)
     vllm: dict = field(default_factory=dict)
     flops: dict = field(default_factory=dict)        # per step, PFLOP
     time_s: dict = field(default_factory=dict)       # per step, by phase
@@ -169,12 +171,12 @@ class Plan:
     @property
     def rollout_peak_gib(self) -> float:
         """The largest phase while vLLM is (partly) awake: waking, syncing, generating."""
-        return max(g for k, g in self.phases_gib.items() if self.phase_vllm[k] != ASLEEP)
+        return max(g for k, g in self.phases_gib.items() if self.phase_vllm_holds[k] != NOTHING)
 
     @property
     def train_peak_gib(self) -> float:
         """The largest phase while vLLM sleeps: the Megatron passes."""
-        return max(g for k, g in self.phases_gib.items() if self.phase_vllm[k] == ASLEEP)
+        return max(g for k, g in self.phases_gib.items() if self.phase_vllm_holds[k] == NOTHING)
 
 
 def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardware,
@@ -201,13 +203,14 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     v = _vllm_memory(cfg, a, hw, world=world, samples=samples)
     # every phase of the trainer's loop (training/phases.py): Megatron's resident state, the
     # phase's Megatron working set, and what vLLM holds on the GPU then
-    vllm_mem = {ASLEEP: v["asleep"], WEIGHTS: min(v["share"], v["asleep"] + v["weights"]), AWAKE: v["share"]}
+    vllm_mem = {NOTHING: v["asleep"], WEIGHTS: min(v["share"], v["asleep"] + v["weights"]),
+                WEIGHTS_KV_CACHE: v["share"]}
     work = {None: 0.0, "sync": 2.0 * r.bucket_bytes,  # a gathered bucket + its TP shards in flight
             "forward": act["old-logprob"], "attribution": act["attribution"], "update": act["update"]}
-    phases = {p.name: resident + work[p.megatron] + vllm_mem[p.vllm] + hw.reserve_gib * GIB
+    phases = {p.name: resident + work[p.megatron] + vllm_mem[p.vllm_holds] + hw.reserve_gib * GIB
               for p in trainer_phases(cfg)}
     plan = Plan(
-        model=f"{'Qwen3' if a.qk_norm else 'Qwen2'}, {a.num_layers} layers, hidden {a.hidden_size}",
+        model=f"{family_of(a).name}, {a.num_layers} layers, hidden {a.hidden_size}",
         source=source, params_b=total_params(a) / 1e9,
         layout={"nodes": nodes, "gpus": world, "tp": par.tp, "pp": par.pp, "dp": dp,
                 "sequence_parallel": par.sequence_parallel, "recompute": m.recompute, "fp8": m.fp8,
@@ -215,7 +218,7 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
                 "micro_batches_per_rank": microbatches},
         memory_gib={k: x / GIB for k, x in mem.items()},
         phases_gib={k: x / GIB for k, x in phases.items()},
-        phase_vllm={p.name: p.vllm for p in trainer_phases(cfg)},
+        phase_vllm_holds={p.name: p.vllm_holds for p in trainer_phases(cfg)},
         vllm={"share_gib": v["share"] / GIB, "weights_gib": v["weights"] / GIB,
               "kv_cache_gib": max(0.0, v["kv_cache"]) / GIB, "kv_tokens": v["kv_tokens"],
               "sequences_per_engine": v["seqs_per_engine"], "concurrent_sequences": v["concurrent"],
@@ -252,7 +255,7 @@ def _activation_memory(cfg, a: QwenArch, *, s: int, dp: int, samples: int,
                        microbatches: int) -> dict[str, float]:
     """Activation bytes per GPU of the passes that run while vLLM sleeps: ``update``,
     ``old-logprob`` and ``attribution``."""
-    m, par, at = cfg.model, cfg.parallel, cfg.attribution
+    m, par, at = cfg.model, cfg.parallel, cfg.attribution_config()  # its nulls: the training keys
     tp, pp, sp = par.tp, par.pp, par.sequence_parallel
     # rows of a full-length micro-batch: token budgets (and packing) hold micro_batch_tokens tokens
     mbs = (cfg.micro_batch_tokens / s if cfg.train.batching != "padded" else cfg.train.micro_batch_size)
@@ -262,12 +265,10 @@ def _activation_memory(cfg, a: QwenArch, *, s: int, dp: int, samples: int,
     update += logits_bytes(a, s, mbs, tp, m.vocab_multiple)
     forward = _layer_act_bytes(a, s, mbs, tp, sp, flash) + logits_bytes(a, s, mbs, tp, m.vocab_multiple)
     attr = 0.0
-    # attribution micro-batches of full-length rows: a set token budget holds budget / s of them
+    # attribution micro-batches of full-length rows: a token budget holds budget / s of them
     budgeted = at.batching == "token_budget"
-    seqs = (at.max_tokens_per_micro_batch / s if budgeted and at.max_tokens_per_micro_batch
-            else at.micro_batch_size)
-    copies = (at.max_tokens_per_copy_micro_batch / s if budgeted and at.max_tokens_per_copy_micro_batch
-              else at.perturb_micro_batch_size)
+    seqs = at.max_tokens_per_micro_batch / s if budgeted else at.micro_batch_size
+    copies = at.max_tokens_per_copy_micro_batch / s if budgeted else at.perturb_micro_batch_size
     if cfg.uses_attribution and at.method in ("oar_g", "oar_p_screened"):
         attr = (_layer_act_bytes(a, s, seqs, tp, sp, flash)
                 * (a.num_layers // pp) * min(pp, max(1, math.ceil(samples / (seqs * dp))))
@@ -328,14 +329,20 @@ def trainer_phases(cfg) -> list[Phase]:
 def _advice(plan, cfg, mem, act_update, act_attr) -> list[str]:
     tips = []
     if plan.train_peak_gib >= plan.rollout_peak_gib:
-        if act_attr >= act_update and cfg.attribution.micro_batch_size > 1:
+        at, s = cfg.attribution_config(), plan.layout["seq_len"]
+        if act_attr >= act_update and at.batching == "padded" and at.micro_batch_size > 1:
             tips.append("attribution runs without recompute: lower attribution.micro_batch_size")
+        if act_attr >= act_update and at.batching == "token_budget" and at.max_tokens_per_micro_batch > s:
+            tips.append("attribution runs without recompute: lower attribution.max_tokens_per_micro_batch "
+                        f"(now {at.max_tokens_per_micro_batch} tokens)")
         if cfg.model.recompute != "full":
             tips.append("model.recompute=full")
         if not cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
             tips.append("parallel.sequence_parallel=true (with model.spec=te)")
-        if cfg.train.micro_batch_size > 1:
+        if cfg.train.batching == "padded" and cfg.train.micro_batch_size > 1:
             tips.append("a smaller train.micro_batch_size")
+        if cfg.train.batching != "padded" and cfg.micro_batch_tokens > s:
+            tips.append(f"a smaller train.max_tokens_per_micro_batch (now {cfg.micro_batch_tokens} tokens)")
     else:
         tips.append("a smaller rollout.gpu_memory_utilization (if the KV cache still holds a "
                     "sequence)")
@@ -350,7 +357,7 @@ def _estimate_time(plan: Plan, cfg, a: QwenArch, hw: Hardware, *, world, samples
     n_mm = matmul_params(a)
     attn_per_token = 2 * a.num_layers * a.num_heads * a.head_dim * s  # causal: mean context s/2
     fwd_token = 2 * n_mm + attn_per_token
-    t, at = cfg.train, cfg.attribution
+    t, at = cfg.train, cfg.attribution_config()
     # padded micro-batches run every sequence at the longest possible length; token budgets
     # (and packing) at its own, up to a few per cent of padding to a micro-batch's longest
     fwd_seq = {"logprob": forward_flops(a, [longest if t.batching == "padded" else s]),
@@ -401,9 +408,9 @@ def render(plan: Plan, name: str) -> str:
     lines += [f"| {k} | {g:.2f} |" for k, g in plan.memory_gib.items() if g > 0]
     lines += [f"| vLLM awake (weights {v['weights_gib']:.1f} + KV cache {v['kv_cache_gib']:.1f} "
               f"+ overhead) | {v['share_gib']:.2f} |",
-              "", "| phase of the loop | vLLM on the GPU | peak GiB |", "|---|---|---:|"]
-    awake = "awake (sleep_level 0)"
-    lines += [f"| {k} | {plan.phase_vllm[k] if L['sleep_level'] else awake} | {g:.1f} |"
+              "", "| phase of the loop | vLLM holds | peak GiB |", "|---|---|---:|"]
+    never_sleeps = f"{WEIGHTS_KV_CACHE} (sleep_level 0)"
+    lines += [f"| {k} | {plan.phase_vllm_holds[k] if L['sleep_level'] else never_sleeps} | {g:.1f} |"
               for k, g in plan.phases_gib.items()]
     lines += [f"| **peak, rollout phases** | | **{plan.rollout_peak_gib:.1f}** |",
               f"| **peak, Megatron passes** | | **{plan.train_peak_gib:.1f}** |", "",
@@ -442,8 +449,8 @@ SUMMARY_HEADER = ("| config | nodes x GPUs | TP/PP/DP | vLLM TP | weights+grads+
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_oar.config import ConfigError, load_config, validate
+    from megatron_oar.models import ModelConfigError
     from megatron_oar.models.presets import resolve_hf_config
-    from megatron_oar.models.qwen2 import ModelConfigError
 
     p = argparse.ArgumentParser(prog="oar plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, nargs="+",

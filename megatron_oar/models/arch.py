@@ -1,0 +1,62 @@
+"""The architecture description every model family parses ``config.json`` into.
+
+:class:`QwenArch` holds the fields that define the network (what the builder, the converter,
+the vLLM weight sync, ``oar plan`` and the FLOPs count read); ``family`` names the family in
+:mod:`megatron_oar.models.families` that parsed it and owns its HF name mapping.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ModelConfigError(ValueError):
+    """A config.json or layout that this model builder cannot serve."""
+
+
+@dataclass(frozen=True)
+class QwenArch:
+    """The fields of a Qwen2 / Qwen3 config.json that define the network.
+
+    ``qkv_bias``: q/k/v projections carry a bias (Qwen2; Qwen3's ``attention_bias``, false).
+    ``qk_norm``: per-head RMSNorm of size ``head_dim`` on queries and keys before RoPE (Qwen3).
+    ``family``: the ``model_type`` of the family that parsed it (see ``models.families``).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = True
+    qk_norm: bool = False
+    family: str = "qwen2"
+
+    def padded_vocab_size(self, multiple: int = 128) -> int:
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """Reads ``config.json`` (a file or the directory holding it) with errors naming the file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ModelConfigError(f"{path}: no such file (an HF model directory needs config.json)")
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelConfigError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
