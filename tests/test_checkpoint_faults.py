@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 
 from megatron_oar.models.model_checkpoint import CheckpointError
 from megatron_oar.training import step_checkpoint as ckpt
-from tests.distributed import launch, launch_and_load, save_gathered
+from tests.distributed import launch, launch_and_load, launch_fresh, save_gathered
 from tests.tiny import make_tiny_qwen2
 
 LOGGER = "megatron_oar.training.step_checkpoint"
@@ -297,7 +297,7 @@ def _after_kill_worker(model: str, root: str, out: str) -> None:
 @pytest.mark.slow
 def test_kill_inside_save_keeps_the_previous_checkpoint(model, tmp_path):
     with pytest.raises((mp.ProcessExitedException, mp.ProcessRaisedException)):
-        launch(_kill_worker, 2, str(model), str(tmp_path))
+        launch_fresh(_kill_worker, 2, str(model), str(tmp_path))  # a rank dies: its own world
     root = tmp_path / "ckpts"
     partial = root / ".step_00000002.tmp"
     assert (partial / "model" / ".metadata").is_file() and not (partial / ckpt.STATE_FILE).exists()

@@ -475,14 +475,9 @@ def _eval(config: Path, *argv: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """The demo model after a short SFT warm-up: right on some held-out sums, wrong on others."""
-    from megatron_oar.repro.demo_model import make_demo_model, sft_warmup
-
-    root = tmp_path_factory.mktemp("eval_e2e")
-    hf = make_demo_model(root / "hf")
-    sft_warmup(hf, steps=200)
-    return hf, _data(root / "data")
+def trained(warm_demo_model, tmp_path_factory):
+    """The warmed-up demo model (conftest): right on some held-out sums, wrong on others."""
+    return warm_demo_model, _data(tmp_path_factory.mktemp("eval_e2e") / "data")
 
 
 @pytest.fixture(scope="module")

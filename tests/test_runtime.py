@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_oar.runtime import ParallelConfig, kernels, validate_layout
-from tests.distributed import launch
+from tests.distributed import launch, launch_fresh
 
 # ----------------------------------------------------------------------- validate_layout
 
@@ -250,7 +250,7 @@ def _cpu_backend_worker(out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_cpu_backend_devices_and_rng_tracker(tmp_path):
-    launch(_cpu_backend_worker, 2, str(tmp_path))
+    launch_fresh(_cpu_backend_worker, 2, str(tmp_path))  # checks a new process's state first
     r = [torch.load(tmp_path / f"rank{i}.pt") for i in (0, 1)]
     for rank, seen in enumerate(r):
         run1, run2, plain, other = seen["run1"], seen["run2"], seen["plain"], seen["other"]

@@ -14,12 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoints_convert.convert import hf_to_megatron
 from megatron_oar.attribution import AttributionConfig, ProbeConfig
 from megatron_oar.attribution.importance_passes import merge_screened, screen_count, screen_positions
 from tests.distributed import launch, save_gathered
 from tests.test_attribution import SEQ_ADV, make_batch, rel_error
-from tests.tiny import make_tiny_qwen2
 
 SIGMA = 1e-2  # as in test_attribution: keeps OAR-G's fp32 rounding floor (~1e-5) below the TP tolerance
 EXACT = dict(perturb_micro_batch_size=4, length_bucket=8)
@@ -65,15 +63,13 @@ def _tp_worker(ckpt: str, tp: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(scaled_checkpoint, tmp_path_factory):
     """(root, checkpoint, TP=1 results): attribution in this process, world size 1."""
     from megatron_oar.runtime import destroy_runtime
 
     root = tmp_path_factory.mktemp("screened")
     # larger weights than HF's default, so masking a token moves the probe well above fp32 rounding
-    hf = make_tiny_qwen2(root / "hf", seed=5, initializer_range=0.3)
-    ckpt = root / "ckpt"
-    hf_to_megatron(hf, ckpt, progress=False)
+    ckpt = scaled_checkpoint
     try:
         results = _compute(str(ckpt), 1, CASES)
     finally:

@@ -29,30 +29,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import _entry, free_port, launch
+from tests.distributed import launch
 from tests.test_trainer import _config, _engine, _weights, model  # noqa: F401 - model: the fixture
 
 LIMIT = 0.5  # RolloutConfig.max_logprob_mismatch's default
 FAULT = "error@sync.bucket:step=2:rank=1"
 CORRUPT_SCALE = 50.0
 DEADLINE_S = 900  # the whole launch (engine builds, four training steps); a hang ends here
-
-
-def _launch_within(seconds: float, fn, world_size: int, *args) -> None:
-    """``tests.distributed.launch`` with a deadline: a rank that hangs fails the test instead
-    of blocking it (the ranks left are killed)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + seconds
-    while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            alive = [p.pid for p in ctx.processes if p.is_alive()]
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"ranks still running after {seconds} s (pids {alive}): a hang")
 
 
 # ---------------------------------------------------------------------------------- end to end
@@ -166,7 +149,7 @@ def runs(model, tmp_path_factory) -> list[dict]:  # noqa: F811 - the imported fi
     root = tmp_path_factory.mktemp("sync_faults")
     out = root / "results.json"
     t0 = time.monotonic()
-    _launch_within(DEADLINE_S, _faults_worker, 2, str(model), str(root), str(out))
+    launch(_faults_worker, 2, str(model), str(root), str(out), deadline_s=DEADLINE_S)
     results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
     print(f"sync-fault cases on 2 ranks: {time.monotonic() - t0:.1f} s")
     for r in results:

@@ -14,16 +14,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from checkpoints_convert.convert import hf_to_megatron
 from megatron_oar.attribution import AttributionConfig, ProbeConfig, SequenceBatch, locate_probes
 from tests.test_attribution import SEQ_ADV, make_batch
-from tests.tiny import make_tiny_qwen2
 
 SIGMAS = (1e-2, 1e-4, 1e-6, 1e-12)
 
 
 @pytest.fixture(scope="module")
-def scores(tmp_path_factory):
+def scores(scaled_checkpoint):
     """Max |importance| per case, computed in this process (world size 1)."""
     from transformers import AutoTokenizer
 
@@ -34,9 +32,7 @@ def scores(tmp_path_factory):
     from megatron_oar.models.model_checkpoint import load_model
     from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
 
-    root = tmp_path_factory.mktemp("teacher")
-    hf = make_tiny_qwen2(root / "hf", seed=5, initializer_range=0.3)
-    hf_to_megatron(hf, root / "ckpt", progress=False)
+    root = scaled_checkpoint.parent  # conftest: seed 5, weights of std 0.3
     out = {}
     try:
         init_runtime(ParallelConfig(tp=1, pp=1))

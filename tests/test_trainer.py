@@ -27,7 +27,6 @@ import torch
 from megatron_oar.models import parse_arch
 from megatron_oar.models.flops import matmul_params
 from tests.distributed import launch
-from tests.tiny import make_tiny_qwen2
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
@@ -42,14 +41,9 @@ SKIP_TIMING = ("time/", "wall_time", "perf/", "rollout/gen_tokens_per_s", "rollo
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    """A converted tiny checkpoint (so runs skip the HF conversion)."""
-    from checkpoints_convert.convert import hf_to_megatron
-
-    root = tmp_path_factory.mktemp("trainer")
-    hf = make_tiny_qwen2(root / "hf", seed=3, **TINY)
-    hf_to_megatron(hf, root / "ckpt", progress=False)
-    return root / "ckpt"
+def model(trainer_checkpoint) -> Path:
+    """The converted tiny checkpoint (conftest; so runs skip the HF conversion)."""
+    return trainer_checkpoint
 
 
 def _config(ckpt: str, run_dir: str, *extra: str):
