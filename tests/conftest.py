@@ -47,6 +47,34 @@ def warm_demo_model(tmp_path_factory):
     return hf
 
 
+@pytest.fixture(autouse=True)
+def _no_world_left_behind():
+    """A test that initialises torch.distributed in the pytest process, or sets torchrun's
+    variables there, must undo it: the next test would join that world (or, as ``oar train``
+    did, see ``LOCAL_RANK`` and skip torchrun). Such a test errors here, naming what it left."""
+    import os
+    import sys
+
+    from megatron_oar.runtime.distributed import LAUNCHER_VARS
+
+    before = {k: os.environ.get(k) for k in LAUNCHER_VARS}
+    yield
+    left = [k for k in sorted(LAUNCHER_VARS) if os.environ.get(k) != before[k]]
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        left.append("an initialised torch.distributed process group")
+    if left:
+        from megatron_oar.runtime import destroy_runtime
+
+        destroy_runtime()
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        pytest.fail(f"the test left {', '.join(left)} in the pytest process (undone now)")
+
+
 # ------------------------------------------------------------------ no process left behind
 #
 # The pytest process becomes a child subreaper (prctl PR_SET_CHILD_SUBREAPER): a process the
@@ -108,11 +136,13 @@ def pytest_sessionfinish(session, exitstatus):
     shutdown_pool()
     if not os.path.isdir("/proc"):
         return
-    # multiprocessing's resource tracker is ours and ends with this process
+    # multiprocessing's resource tracker and forkserver (the reward pool's) serve this process
+    # and end with it (each exits when the pipe from its parent closes)
+    ours = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
     deadline = time.monotonic() + LEFTOVER_GRACE_S
     while True:
         _reap()
-        left = {p: c for p, c in _children().items() if "multiprocessing.resource_tracker" not in c}
+        left = {p: c for p, c in _children().items() if not any(o in c for o in ours)}
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.5)

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import zlib
 from pathlib import Path
 
@@ -473,3 +474,50 @@ def test_crash_between_the_renames_of_a_resave_keeps_a_checkpoint(tmp_path):
     assert ckpt.find_latest(root) == step2
     ckpt._clean_leftovers(root)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]
+
+
+_SAVE_THEN_DIE = """
+import multiprocessing, os, signal, sys
+import torch
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron_oar.models.model_checkpoint import dist_save
+from megatron_oar.runtime import init_runtime
+
+init_runtime()
+dist_save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(8.0), replica_id=0)}, sys.argv[1])
+print(" ".join(str(p.pid) for p in multiprocessing.active_children()), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a node fault would
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_rank_leaves_no_writer_process(tmp_path):
+    """megatron's torch_dist writer keeps a multiprocessing Manager server per process; a rank
+    killed after a save must not leave it running (one per torchrun restart, 270 MB each)."""
+    import subprocess
+    import sys
+
+    from megatron_oar.runtime import env_without_launcher
+
+    (tmp_path / "ckpt").mkdir()
+    out, err = tmp_path / "stdout", tmp_path / "stderr"  # files: a leftover child would hold a pipe open
+    with out.open("w") as o, err.open("w") as e:
+        r = subprocess.run([sys.executable, "-c", _SAVE_THEN_DIE, str(tmp_path / "ckpt")], stdout=o,
+                           stderr=e, timeout=300, env=env_without_launcher())
+    assert r.returncode == -9, err.read_text()[-3000:]
+    helpers = [int(p) for p in out.read_text().split()]
+    assert helpers, out.read_text()  # the writer's Manager server, a child of the killed process
+
+    def running(pid: int) -> bool:  # a zombie (dead, re-parented to pytest, not yet reaped) is not
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(map(running, helpers)):
+        time.sleep(0.2)
+    alive = [p for p in helpers if running(p)]
+    for p in alive:
+        os.kill(p, 9)
+    assert not alive, f"helper processes {alive} outlived the killed rank"

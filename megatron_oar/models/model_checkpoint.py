@@ -72,10 +72,50 @@ def model_dir(ckpt_dir: str | Path) -> Path:
     return path
 
 
-def save_model(model, ckpt_dir: str | Path, meta: CheckpointMeta, hf_files_from: str | Path | None = None) -> None:
-    """Collective: every rank saves its shards of ``model`` into ``ckpt_dir`` atomically."""
+def _die_with_parent() -> None:
+    """In a child process: SIGKILL when the parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent was gone before the call
+        os._exit(0)
+
+
+def _results_queue_dies_with_us() -> None:
+    """megatron-core's torch_dist writer (``FileSystemWriterAsync``, every save here) sends its
+    write results through a ``multiprocessing`` Manager server it spawns on first use
+    (``filesystem_async._get_write_results_queue``, module global ``_results_queue``). A rank that
+    dies by SIGKILL (OOM, a node fault) or ends in ``os._exit`` (the hang watchdog) leaves that
+    server running for good: one 270 MB process per torchrun restart of a days-long run. Start
+    the manager here instead, its server set to die with this process. The module global is
+    megatron-core's internal (0.16-0.19, setup.py's bound); without it nothing is done."""
+    import multiprocessing as mp
+    import sys
+    from multiprocessing.managers import SyncManager
+
+    if not sys.platform.startswith("linux"):
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "missing") is not None:  # set, or not this megatron
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))  # megatron's own is spawn's Manager()
+    manager.start(initializer=_die_with_parent)
+    filesystem_async._results_queue = manager.Queue()
+    filesystem_async._oar_manager = manager  # keeps it alive with the queue
+
+
+def dist_save(sharded_state_dict: dict, directory: str | Path, **kwargs) -> None:
+    """``megatron.core.dist_checkpointing.save`` with its writer's helper process tied to this one."""
     from megatron.core import dist_checkpointing
 
+    _results_queue_dies_with_us()
+    dist_checkpointing.save(sharded_state_dict, str(directory), **kwargs)
+
+
+def save_model(model, ckpt_dir: str | Path, meta: CheckpointMeta, hf_files_from: str | Path | None = None) -> None:
+    """Collective: every rank saves its shards of ``model`` into ``ckpt_dir`` atomically."""
     final = Path(ckpt_dir)
     tmp = final.with_name(final.name + ".tmp")
     if rank() == 0:
@@ -84,7 +124,7 @@ def save_model(model, ckpt_dir: str | Path, meta: CheckpointMeta, hf_files_from:
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / MODEL_DIR).mkdir(parents=True)
     barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(tmp / MODEL_DIR))
+    dist_save(model.sharded_state_dict(), tmp / MODEL_DIR)
     barrier()
     if rank() == 0:
         if hf_files_from is not None:

@@ -68,6 +68,7 @@ from megatron_oar.models.model_checkpoint import (
     CheckpointError,
     CheckpointMeta,
     copy_hf_side_files,
+    dist_save,
     load_model,
 )
 from megatron_oar.models.parallel import barrier, rank
@@ -402,18 +403,14 @@ def _prepare(root: Path, tmp: Path) -> None:
 
 
 def _save_model(policy, tmp: Path, step: int) -> None:
-    from megatron.core import dist_checkpointing
-
-    dist_checkpointing.save(policy.gpt.sharded_state_dict(), str(tmp / MODEL_DIR))
+    dist_save(policy.gpt.sharded_state_dict(), tmp / MODEL_DIR)
     faults.inject("checkpoint.shards", step=step)  # tests: a kill / ENOSPC between the shard saves
 
 
 def _save_optimizer(policy, tmp: Path) -> None:
-    from megatron.core import dist_checkpointing
-
     optim_sd = policy.optimizer.sharded_state_dict(
         policy.gpt.sharded_state_dict(), metadata={"distrib_optim_sharding_type": OPTIM_SHARDING})
-    dist_checkpointing.save(optim_sd, str(tmp / OPTIM_DIR))
+    dist_save(optim_sd, tmp / OPTIM_DIR)
 
 
 def _save_rng_and_side_files(tmp: Path, meta: CheckpointMeta, hf_files_from: str | Path) -> None:
