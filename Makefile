@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
 
-.PHONY: install demo lint test test-fast test-gpu lock clean
+.PHONY: install demo lint test test-fast test-gpu test-stress lock clean
 
 install: $(STAMP)
 
@@ -22,14 +22,19 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# the 30 slowest tests at the end; tests/file_times.py turns a --junitxml report into per-file times
 test: lint
-	$(PYTEST) tests
+	$(PYTEST) --durations=30 tests
 
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow" tests
 
 test-gpu: $(STAMP)
 	$(PYTEST) tests/gpu
+
+# the multi-process tests 3 times under two busy-looping CPU hogs (flakes: docs/testing.md)
+test-stress: $(STAMP)
+	bash tests/stress.sh 3
 
 lock:
 	$(BIN)/pip freeze --exclude-editable | grep -v -E '^(torchvision|torchaudio|torchcodec)==' > requirements/.lock.new
