@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 JOB_DEADLINE_S = 900.0     # pytest.ini's per-test timeout: a job running longer is a hang
 FAILURE_GRACE_S = 10.0     # after one rank fails, how long the others get to report theirs
-RECYCLE_RSS_BYTES = 6 << 30  # a rank grown past this after a job is replaced (vLLM arenas, caches)
+RECYCLE_RSS_BYTES = 3 << 30  # a rank grown past this after a job is replaced (4 ranks in 24 GiB)
 
 
 def free_port() -> int:
