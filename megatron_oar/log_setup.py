@@ -18,7 +18,9 @@ layer specs), and torch's distributed checkpointing warns on every single-proces
 (the converter's, by design). They said the same thing before every command's output;
 :func:`quiet_backend_notices` filters exactly those messages (:data:`BACKEND_NOTICES`), every
 other warning still shows, and ``oar info`` lists them (:func:`backend_notices`) next to its
-``kernels available`` line, which says the same in one line.
+``kernels available`` line, which says the same in one line. It also filters four deprecation
+notices megatron-core, torch and vLLM give about their own defaults at every training start
+(:data:`LIBRARY_DEPRECATIONS`).
 """
 
 from __future__ import annotations
@@ -40,13 +42,22 @@ BACKEND_NOTICES = (
     (r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to "
      r"(save|load) in a single process", UserWarning),
 )
+# deprecation notices the libraries give about their own defaults and internals on every run
+# (nothing a user of megatron-oar can change); filtered with the notices above
+LIBRARY_DEPRECATIONS = (
+    (r"full scope is deprecated\. Use empty cuda_graph_scope", UserWarning),  # megatron's own default
+    (r"`load_state_dict` is deprecated and will be removed", FutureWarning),  # megatron -> torch dcp
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),  # megatron's dist ckpt
+    (r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning),  # vLLM's triton utils
+)
 # the megatron-core modules whose import warns (backend_notices() imports them)
 _NOTICE_MODULES = ("megatron.core.optimizer", "megatron.core.distributed", "megatron.core.models.backends")
 
 
 def quiet_backend_notices() -> None:
-    """Filters :data:`BACKEND_NOTICES` (and only those) in this process; idempotent."""
-    for pattern, category in BACKEND_NOTICES:
+    """Filters :data:`BACKEND_NOTICES` and :data:`LIBRARY_DEPRECATIONS` (and only those) in this
+    process; idempotent."""
+    for pattern, category in (*BACKEND_NOTICES, *LIBRARY_DEPRECATIONS):
         warnings.filterwarnings("ignore", message=pattern, category=category)
 
 
