@@ -4,7 +4,8 @@
     oar repro --out repro_out --grid full       # the paper-style grid (5 seeds, every ablation)
     oar repro --out repro_out --report-only     # tables and figures again from what is there
 
-1. One SFT start: a tiny Qwen2 warmed up on the chain task (``demo_model``), shared by every run.
+1. One SFT start: a tiny Qwen2 warmed up on the chain task (``demo_model``), shared by every run
+   and converted to a Megatron checkpoint once (``sft_megatron``), which every run starts from.
 2. The runs (:func:`grid`): every credit method x seeds, same budget; tau, probe and suppression
    floor ablations of OAR-G. A run is ``python -m megatron_oar.commands.train`` on one process with the
    testbed config, ``model.path`` = the SFT start, its seed in the training, rollout and
@@ -115,6 +116,23 @@ def sft_start(out: Path, config: Path, steps: int | None) -> Path:
     return hf
 
 
+def sft_checkpoint(out: Path, sft: Path, config: Path, overrides: list[str]) -> Path:
+    """The SFT start converted to a Megatron checkpoint once (``oar-convert hf-to-megatron`` in
+    its own process), so that the runs start from it instead of each converting it again
+    (``training/policy.py: init_checkpoint``, a process start-up and a conversion per run)."""
+    from megatron_oar.config import load_config
+    from megatron_oar.models.model_checkpoint import META_FILE
+
+    ckpt = out / "sft_megatron"
+    if (ckpt / META_FILE).is_file():
+        return ckpt
+    dtype = load_config(config, overrides).model.dtype
+    _run_one_process([sys.executable, "-m", "checkpoints_convert.cli", "hf-to-megatron", "--hf", str(sft),
+                      "--out", str(ckpt), "--dtype", dtype, "--no-progress"],
+                     out / "sft_convert.log", "converting the SFT start")
+    return ckpt
+
+
 def _task(config: Path):
     from megatron_oar.config import load_config
 
@@ -141,7 +159,8 @@ def pass_at_k(hf_dir: Path, task, *, k: int, n_problems: int, max_new_tokens: in
 
 
 def train_run(spec: RunSpec, out: Path, sft: Path, config: Path, g: Grid) -> dict:
-    """One run, resumable: training (one process), the HF export, pass@k; ``result.json``."""
+    """One run, resumable: training (one process) from ``sft`` (the SFT start, an HF directory
+    or its Megatron conversion), the HF export, pass@k; ``result.json``."""
     run_dir = out / "runs" / spec.name
     if (run_dir / "result.json").is_file():
         return json.loads((run_dir / "result.json").read_text())
@@ -214,6 +233,7 @@ def run(out: Path, g: Grid, *, config: Path = CONFIG, jobs: int = 2, report_only
         console.rule("[bold]oar repro: SFT start")
         sft = sft_start(out, config, g.sft_steps)
         console.print(f"SFT start: {sft} ({json.loads((sft / 'sft.json').read_text())})")
+        start = sft_checkpoint(out, sft, config, g.overrides)
         specs = grid(g)
         todo = [s for s in specs if not (out / "runs" / s.name / "result.json").is_file()]
         console.rule(f"[bold]{len(specs)} runs ({len(specs) - len(todo)} done), {jobs} at a time")
@@ -221,7 +241,7 @@ def run(out: Path, g: Grid, *, config: Path = CONFIG, jobs: int = 2, report_only
 
         def one(spec: RunSpec) -> None:
             t = time.perf_counter()
-            res = train_run(spec, out, sft, config, g)
+            res = train_run(spec, out, start, config, g)
             done[0] += 1
             elapsed = time.perf_counter() - t_all
             eta = elapsed / done[0] * (len(todo) - done[0])
