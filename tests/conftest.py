@@ -47,19 +47,31 @@ def warm_demo_model(tmp_path_factory):
     return hf
 
 
+HF_BUILD_METHODS = ("init_weights", "tie_weights")  # what transformers swaps while it loads
+
+
 @pytest.fixture(autouse=True)
 def _no_world_left_behind():
     """A test that initialises torch.distributed in the pytest process, or sets torchrun's
     variables there, must undo it: the next test would join that world (or, as ``oar train``
-    did, see ``LOCAL_RANK`` and skip torchrun). Such a test errors here, naming what it left."""
+    did, see ``LOCAL_RANK`` and skip torchrun). Nor may it leave transformers' model-building
+    methods swapped (``from_pretrained`` swaps them process-wide while it loads; two threads
+    loading at once left them swapped, and a tied model built later was saved untied). Such a
+    test errors here, naming what it left."""
     import os
     import sys
 
     from megatron_oar.runtime.distributed import LAUNCHER_VARS
 
     before = {k: os.environ.get(k) for k in LAUNCHER_VARS}
+    hf = sys.modules.get("transformers.modeling_utils")
+    built_by = {m: getattr(hf.PreTrainedModel, m) for m in HF_BUILD_METHODS} if hf else {}
     yield
     left = [k for k in sorted(LAUNCHER_VARS) if os.environ.get(k) != before[k]]
+    swapped = [m for m, f in built_by.items() if getattr(hf.PreTrainedModel, m) is not f]
+    for m in swapped:
+        setattr(hf.PreTrainedModel, m, built_by[m])
+        left.append(f"transformers' PreTrainedModel.{m} swapped")
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         left.append("an initialised torch.distributed process group")

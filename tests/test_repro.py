@@ -127,11 +127,43 @@ def test_finished_runs_are_not_redone(tmp_path, monkeypatch):
     assert res["pass_at_k"] == 0.5
 
 
+def test_pass_at_k_scored_in_threads_matches_one_at_a_time(tmp_path):
+    """``oar repro`` scores its runs in threads. transformers' ``from_pretrained`` swaps
+    ``PreTrainedModel.init_weights`` / ``tie_weights`` process-wide while it loads, and HF
+    ``generate`` samples from torch's global RNG: two threads at once left the swap in place for
+    the rest of the process (a tied model built later was saved untied) and gave samples that
+    depended on timing. Two threads give what one at a time gives, and transformers is intact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers.modeling_utils import PreTrainedModel
+
+    from megatron_oar.models.tiny import make_tiny_qwen2
+    from megatron_oar.repro import demo_model
+
+    hf = make_tiny_qwen2(tmp_path / "hf", tied=True, seed=3)
+    intact = (PreTrainedModel.init_weights, PreTrainedModel.tie_weights)
+    prompts = ["1 + 2 =", "3 + 4 = 7. <answer>"]
+
+    def sample(seed: int) -> list[list[str]]:
+        return demo_model.generate_responses(hf, prompts, samples=3, temperature=1.0,
+                                             max_new_tokens=6, seed=seed)
+
+    alone = [sample(seed) for seed in range(4)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        threaded = list(pool.map(sample, range(4)))
+    assert (PreTrainedModel.init_weights, PreTrainedModel.tie_weights) == intact
+    assert threaded == alone
+
+
 @pytest.mark.slow
 def test_tiny_grid_end_to_end(tmp_path):
     """The whole harness on a tiny budget: SFT start, 2 methods x 2 seeds x 2 steps, the oracle
     with two probes, the report; then a second call redoes nothing."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    intact = (PreTrainedModel.init_weights, PreTrainedModel.tie_weights)
     rep = runner.run(tmp_path, runner.GRIDS["tiny"], jobs=2)
+    assert (PreTrainedModel.init_weights, PreTrainedModel.tie_weights) == intact  # see above
     assert set(rep["table1"]) == {"grpo", "oar_g"} and rep["runs"] == 6
     assert set(rep["oracle"]) == {"answer_mean", "last_token"}
     assert (tmp_path / "repro.md").read_text().startswith("## Table 1")

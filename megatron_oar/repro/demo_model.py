@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import random
 import shutil
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -72,6 +73,15 @@ CHAIN_ARCH = dict(DEMO_ARCH, max_position_embeddings=160)
 # carries, so the warmed-up model gets problems with a carry wrong under greedy decoding.
 CHAIN_SFT = dict(steps=700, lr=3e-3, batch_size=64, carry_slip=0.6)
 CHAIN_MAX_NEW_TOKENS = 80    # rollout.max_new_tokens of the demo's config
+
+# Held by every HF model load and generation here. transformers' ``from_pretrained`` swaps
+# ``PreTrainedModel.init_weights`` and ``tie_weights`` for no-ops process-wide while it loads
+# (``transformers.initialization.no_init_weights`` / ``no_tie_weights``, saving and restoring the
+# class attribute): two threads loading at once can restore each other's no-op, and every model
+# built in the process afterwards is neither initialised nor tied. HF ``generate`` samples from
+# torch's global RNG, so two threads generating at once also make each other's samples depend on
+# timing. ``oar repro`` scores its runs in threads (``repro/runner.py``).
+HF_LOCK = threading.RLock()
 
 
 def response_for(ex: Example, cfg: ArithmeticConfig = DEMO_TASK, rng: random.Random | None = None,
@@ -146,8 +156,9 @@ def make_demo_model(out: Path, *, seed: int = 0, task: ArithmeticConfig = DEMO_T
         cfg = Qwen2Config(**{**DEMO_ARCH, **arch}, vocab_size=len(tok), tie_word_embeddings=False,
                           bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id)
-        torch.manual_seed(seed)
-        Qwen2ForCausalLM(cfg).save_pretrained(str(tmp), safe_serialization=True)
+        with HF_LOCK:  # a build while another thread loads is neither initialised nor tied
+            torch.manual_seed(seed)
+            Qwen2ForCausalLM(cfg).save_pretrained(str(tmp), safe_serialization=True)
         _swap_in(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -204,7 +215,8 @@ def sft_warmup(hf_dir: Path, *, steps: int = SFT_DEFAULTS["steps"], lr: float = 
     hf_dir = Path(hf_dir)
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    with HF_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     model.train()
     rng = random.Random(seed)
     if task.task == "chain":
@@ -276,8 +288,6 @@ def generate_responses(hf_dir: Path, prompts: list[str], *, samples: int, temper
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    torch.manual_seed(seed)
     encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     by_len: dict[int, list[int]] = {}
     for i, ids in enumerate(encoded):
@@ -285,16 +295,19 @@ def generate_responses(hf_dir: Path, prompts: list[str], *, samples: int, temper
     out: list[list[str]] = [[] for _ in prompts]
     sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
         else dict(do_sample=False)
-    for _, idx in sorted(by_len.items()):
-        ids = torch.tensor([encoded[i] for i in idx])
-        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                             max_new_tokens=max_new_tokens, num_return_sequences=samples,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                             **sampling)
-        for k, row in enumerate(gen[:, ids.shape[1]:].tolist()):
-            if tok.eos_token_id in row:
-                row = row[:row.index(tok.eos_token_id) + 1]
-            out[idx[k // samples]].append(tok.decode(row, skip_special_tokens=True))
+    with HF_LOCK:  # the load, the seed and the sampling as one (see HF_LOCK)
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+        torch.manual_seed(seed)
+        for _, idx in sorted(by_len.items()):
+            ids = torch.tensor([encoded[i] for i in idx])
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=max_new_tokens, num_return_sequences=samples,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                 **sampling)
+            for k, row in enumerate(gen[:, ids.shape[1]:].tolist()):
+                if tok.eos_token_id in row:
+                    row = row[:row.index(tok.eos_token_id) + 1]
+                out[idx[k // samples]].append(tok.decode(row, skip_special_tokens=True))
     return out
 
 
