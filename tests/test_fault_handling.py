@@ -134,6 +134,59 @@ def test_preemption_records_signals_once():
     assert signal.getsignal(signal.SIGTERM) is not p._handle
 
 
+_RANK_WITH_HELPERS = textwrap.dedent("""
+    import os, signal, sys, time
+    from megatron_oar.models.model_checkpoint import _results_queue_dies_with_us
+    from megatron_oar.rewards.pool import VerifierPool
+    from megatron_oar.runtime.stop_signals import start_resource_tracker_shielded
+    from megatron_oar.training.preemption import Preemption
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from multiprocessing import resource_tracker
+
+    preemption = Preemption().install()
+    start_resource_tracker_shielded()  # as Trainer() does first
+    pool = VerifierPool(num_workers=1, timeout_s=30.0)
+    _results_queue_dies_with_us()  # megatron's writer Manager, as the first save starts it
+    print("ready", flush=True)
+    while preemption.received is None:
+        time.sleep(0.05)
+    time.sleep(1.0)  # what the group's signal does to the helpers has happened by now
+    assert os.waitpid(resource_tracker._resource_tracker._pid, os.WNOHANG) == (0, 0), "tracker died"
+    queue = filesystem_async._results_queue
+    queue.put("still there")
+    assert queue.get(timeout=10) == "still there"
+    [result] = pool.map([("1", "1")])
+    assert result.status == "ok" and pool.restarts == 0, (result, pool.restarts)
+    pool.close()
+    print("helpers alive", flush=True)
+""")
+
+
+def test_stop_signals_to_the_rank_group_leave_its_helpers_alive():
+    """torchrun forwards SIGTERM / SIGUSR1 to each worker's whole process group (``os.killpg``):
+    the rank records it and finishes its step, and the helpers it started (the resource
+    tracker, the verifier pool's forkserver and worker, megatron's checkpoint-writer Manager)
+    must live on to serve the rank's last checkpoint and scores (``runtime/stop_signals.py``).
+    A subprocess of its own session stands in for the rank (about 8 s: megatron's import)."""
+    proc = subprocess.Popen([sys.executable, "-c", _RANK_WITH_HELPERS], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.strip() == "ready":
+                os.killpg(proc.pid, signal.SIGUSR1)  # what torchrun's agent does with a forwarded
+                os.killpg(proc.pid, signal.SIGTERM)  # signal; Slurm then sends SIGTERM
+                break
+        out = "".join(lines) + proc.stdout.read()
+        assert proc.wait(timeout=120) == 0 and "helpers alive" in out, out[-3000:]
+        assert "died unexpectedly" not in out, out[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 # -------------------------------------------------------------------------------- oar train
 
 def test_oar_train_refuses_a_bad_config_before_torchrun(capsys, monkeypatch):

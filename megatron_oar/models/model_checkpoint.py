@@ -101,7 +101,10 @@ def _results_queue_dies_with_us() -> None:
     if getattr(filesystem_async, "_results_queue", "missing") is not None:  # set, or not this megatron
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))  # megatron's own is spawn's Manager()
-    manager.start(initializer=_die_with_parent)
+    from megatron_oar.runtime.stop_signals import helpers_shielded
+
+    with helpers_shielded():  # a preemption signal to the process group must not end it mid-save
+        manager.start(initializer=_die_with_parent)
     filesystem_async._results_queue = manager.Queue()
     filesystem_async._oar_manager = manager  # keeps it alive with the queue
 

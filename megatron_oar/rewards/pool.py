@@ -7,7 +7,8 @@ reported as ``timeout``. A worker that dies (segfault, out of memory) is replace
 and its task is reported as ``error``. Nothing a task does can hang the caller; ``map(tasks,
 budget_s)`` can also bound a whole call.
 
-Workers ignore SIGINT (the pool shuts them down), can be given an address-space limit
+Workers ignore SIGINT (the pool shuts them down) and never see SIGTERM / SIGUSR1 (torchrun
+sends those to the rank's whole process group: ``runtime/stop_signals.py``), can be given an address-space limit
 (``memory_limit_mb``), and exit by themselves when their parent process goes away.
 ``close()`` (or leaving the ``with`` block) stops every worker and reaps it.
 """
@@ -27,6 +28,7 @@ from functools import partial
 from multiprocessing.connection import wait
 
 from megatron_oar.rewards.extract import AnswerParseError
+from megatron_oar.runtime.stop_signals import helpers_shielded
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +111,8 @@ class _Worker:
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=_worker_main, args=(child, spec, options, memory_limit_mb),
                                 daemon=True, name="oar-verifier")
-        self.proc.start()
+        with helpers_shielded():  # torchrun's SIGTERM/SIGUSR1 reach the whole process group
+            self.proc.start()
         child.close()
         self.ready = False
         self.task = None  # (key, deadline) while busy

@@ -22,9 +22,11 @@ import signal
 import torch
 import torch.distributed as dist
 
+from megatron_oar.runtime.stop_signals import STOP_SIGNALS
+
 log = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = STOP_SIGNALS
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped early on request; run it again to continue
 
 

@@ -42,6 +42,7 @@ from megatron_oar.config import Config, save_config, validate
 from megatron_oar.models import read_hf_config
 from megatron_oar.models.model_checkpoint import CheckpointMeta
 from megatron_oar.rollout.sync_check import check_policy_agreement
+from megatron_oar.runtime.stop_signals import start_resource_tracker_shielded
 from megatron_oar.seeds import RANDOM_CREDIT, derive_seed
 from megatron_oar.testing import faults
 from megatron_oar.training import step_checkpoint as ckpt
@@ -70,6 +71,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, *, engine=None):
         self.cfg = cfg
+        start_resource_tracker_shielded()  # before a library starts it, unshielded (stop_signals.py)
         hf_dir = cfg.model.hf_dir()
         hf_config = read_hf_config(hf_dir / "config.json")
         world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
