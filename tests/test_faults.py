@@ -228,28 +228,35 @@ def fake_slurm(tmp_path) -> dict:
 
 
 def test_sbatch_requeues_on_sigusr1_and_the_requeued_job_finishes(model, reference, tmp_path, fake_slurm):
+    """Slurm's SIGUSR1 ahead of the time limit, in the worst place: during step 3's generation
+    (made 8 s long), just after the end-of-step check of step 2. The ranks stop at the next
+    phase's entry, before step 3's update: step 3 is dropped (not finished and saved), the
+    checkpoint is step 2's with the prompt sampler rewound, the job requeues itself, and the
+    requeued job redoes step 3 and finishes with the uninterrupted run's weights, bit for bit."""
     run_dir = tmp_path / "run"
     args = ["bash", str(ROOT / "launch_scripts" / "slurm.sbatch"), str(EXAMPLE), *COMMON,
             f"model.path={model}", f"run_dir={run_dir}", "checkpoint.interval=0"]
     sent = {}
 
-    def signal_after_step_2(proc, line):
-        if "sent" not in sent and re.search(r"step 2/6 update", line):
+    def signal_in_step_3s_generation(proc, line):
+        if "sent" not in sent and "injecting stall at generate" in line:
             sent["sent"] = time.monotonic()
             os.kill(proc.pid, signal.SIGUSR1)  # what --signal=B:USR1@600 does
 
-    first = _stream(args, run_dir, _env(**fake_slurm, MASTER_PORT=str(free_port())), 900,
-                    signal_after_step_2)
+    first = _stream(args, run_dir, _env("stall@generate:step=3:rank=0:seconds=8", **fake_slurm,
+                                        MASTER_PORT=str(free_port())), 900, signal_in_step_3s_generation)
     log = (tmp_path / "scontrol.log").read_text()
     assert "requeue 4242" in log, (log, first.text[-4000:])
-    assert "stopped on a signal after step" in first.text, first.text[-4000:]
+    assert "stop signal before the update of step 3: the step is dropped" in first.text, first.text[-4000:]
+    assert "stopped on a signal after step 2" in first.text, first.text[-4000:]
+    assert not re.search(r"step 3/6 update", first.text), first.text[-4000:]
     saved = [c for c in checkpoints(first) if c.startswith("step_")]
-    assert len(saved) == 1 and 2 <= int(saved[0][5:]) < STEPS, (saved, first.text[-3000:])
+    assert saved == ["step_00000002"], (saved, first.text[-3000:])
     requeued = _stream(args, run_dir, _env(**fake_slurm, MASTER_PORT=str(free_port()),
                                           SLURM_RESTART_COUNT="1"), 900)
     assert requeued.rc == 0, requeued.text[-4000:]
-    assert requeued.resumed_steps() == [int(saved[0][5:])]
+    assert requeued.resumed_steps() == [2]
     assert_bit_identical(requeued, reference)
-    report("sigusr1-sbatch", stopped_after_step=int(saved[0][5:]),
+    report("sigusr1-sbatch", stopped_after_step=2, dropped_step=3,
            stop_s=f"{first.lines[-1][0] - sent['sent']:.0f}", requeued=True)
 

@@ -9,13 +9,14 @@ holds comma-separated faults ``ACTION@POINT[:key=value...]``::
     OAR_FAULTS="enospc@checkpoint.shards:step=4"      raise OSError(ENOSPC) there
     OAR_FAULTS="error@sync.bucket:step=2:rank=0"      raise RuntimeError inside the weight sync
     OAR_FAULTS="term-launcher@update:step=3:rank=0"   SIGTERM to the parent (torchrun) process
+    OAR_FAULTS="stall@generate:step=3:seconds=8"      a phase that takes 8 s longer (a long one)
 
 Points are the trainer's phases (``training/phases.py``: ``generate``, ``update``, ...) and
 finer ones inside them (``checkpoint.shards``, ``sync.bucket``). ``step`` is the step being
 computed, numbered as the logs and checkpoints number it (the first step is 1; the evaluation
 before it is step 0). Filters: ``step``, ``rank`` (global), ``attempt`` (torchrun's
-``TORCHELASTIC_RESTART_COUNT``; default 0, so a restarted group runs clean). A fault fires at
-most once per process.
+``TORCHELASTIC_RESTART_COUNT``; default 0, so a restarted group runs clean); ``seconds`` is the
+stall's length (default 10). A fault fires at most once per process.
 """
 
 from __future__ import annotations
@@ -27,14 +28,16 @@ import time
 from dataclasses import dataclass, field
 
 ENV = "OAR_FAULTS"
-ACTIONS = ("kill", "hang", "enospc", "error", "term-launcher")
+ACTIONS = ("kill", "hang", "enospc", "error", "term-launcher", "stall")
+FILTERS = ("step", "rank", "attempt")
 
 
 @dataclass
 class Fault:
     action: str
     point: str
-    when: dict[str, int] = field(default_factory=dict)  # step / rank / attempt
+    when: dict[str, int] = field(default_factory=dict)  # FILTERS
+    seconds: int = 10  # a stall's length
     fired: bool = False
 
     def matches(self, point: str, step: int | None) -> bool:
@@ -60,13 +63,17 @@ def parse(text: str) -> list[Fault]:
         if action not in ACTIONS or not point:
             raise ValueError(f"{ENV}: {item!r}: expected ACTION@POINT[:key=value...] with ACTION "
                              f"one of {', '.join(ACTIONS)}")
-        when = {}
+        when, seconds = {}, 10
         for f in filters:
             key, _, value = f.partition("=")
-            if key not in ("step", "rank", "attempt") or not value.lstrip("-").isdigit():
-                raise ValueError(f"{ENV}: {item!r}: filter {f!r} is not step=N, rank=N or attempt=N")
-            when[key] = int(value)
-        faults.append(Fault(action, point, when))
+            if key not in (*FILTERS, "seconds") or not value.lstrip("-").isdigit():
+                raise ValueError(f"{ENV}: {item!r}: filter {f!r} is not step=N, rank=N, attempt=N "
+                                 "or seconds=N")
+            if key == "seconds":
+                seconds = int(value)
+            else:
+                when[key] = int(value)
+        faults.append(Fault(action, point, when, seconds))
     return faults
 
 
@@ -108,3 +115,5 @@ def _fire(fault: Fault, step: int | None) -> None:
         raise RuntimeError(f"{ENV}: injected error at {where}")
     elif fault.action == "term-launcher":
         os.kill(os.getppid(), signal.SIGTERM)
+    elif fault.action == "stall":
+        time.sleep(fault.seconds)

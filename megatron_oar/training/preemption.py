@@ -6,12 +6,16 @@ SIGTERM. torchrun forwards the signals it handles to the workers (``PET_SIGNALS_
 ``env.sh`` adds SIGUSR1) and waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds for them before
 SIGKILL.
 
-The handler only records the signal. At the end of each step the ranks agree
-(:meth:`Preemption.requested`, a max over a gloo group), so they stop after the same step even
-when the signal reached some of them later; the trainer then saves a checkpoint of that step and
-exits with :data:`EXIT_PREEMPTED`, a failure status, so schedulers that retry failed jobs retry
-this one and it resumes from that checkpoint. A repeated signal is only logged: torchrun and
-Slurm often deliver the same one twice.
+The handler only records the signal. The ranks agree (:meth:`Preemption.requested`, a max over a
+gloo group) at the entry of every phase of a step up to its update, and at the end of the step,
+so they stop at the same point even when the signal reached some of them later. Signalled before
+the update, the step is dropped (:class:`StepDropped`; the trainer rewinds the prompt sampler and
+saves the RNG states the step began with, so the resumed run computes that step as if nothing
+had happened); later, the step is finished. Either way the trainer saves a checkpoint and exits
+with :data:`EXIT_PREEMPTED`, a failure status, so schedulers that retry failed jobs retry this
+one and it resumes from that checkpoint. The worst case is one phase (the longest: generation
+or the update) plus the save, instead of a whole step plus the save. A repeated signal is only
+logged: torchrun and Slurm often deliver the same one twice.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ log = logging.getLogger(__name__)
 
 SIGNALS = STOP_SIGNALS
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped early on request; run it again to continue
+
+
+class StepDropped(Exception):
+    """A stop signal came before the step's update: the step is dropped, not finished."""
+
+    def __init__(self, phase: str):
+        super().__init__(f"stop signal before phase {phase!r}")
+        self.phase = phase
 
 
 class Preemption:

@@ -302,7 +302,7 @@ def resolve_resume(resume: str, root: str | Path, *, restarted: bool = False) ->
 
 # ------------------------------------------------------------------------------------ RNG
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     return {"python": random.getstate(), "numpy": np.random.get_state(),
@@ -413,8 +413,9 @@ def _save_optimizer(policy, tmp: Path) -> None:
     dist_save(optim_sd, tmp / OPTIM_DIR)
 
 
-def _save_rng_and_side_files(tmp: Path, meta: CheckpointMeta, hf_files_from: str | Path) -> None:
-    torch.save(_rng_state(), tmp / RNG_DIR / f"rank_{rank():05d}.pt")
+def _save_rng_and_side_files(tmp: Path, meta: CheckpointMeta, hf_files_from: str | Path,
+                             rng: dict | None) -> None:
+    torch.save(rng_state() if rng is None else rng, tmp / RNG_DIR / f"rank_{rank():05d}.pt")
     if rank() == 0:
         copy_hf_side_files(hf_files_from, tmp / HF_DIR)
         meta.write(tmp)
@@ -462,8 +463,9 @@ def _publish(root: Path, final: Path, step: int, keep_last: int) -> None:
 
 
 def save_checkpoint(root: str | Path, step: int, policy, trainer_state: dict, meta: CheckpointMeta,
-                    hf_files_from: str | Path, keep_last: int = 0) -> Path:
+                    hf_files_from: str | Path, keep_last: int = 0, rng: dict | None = None) -> Path:
     """Collective: writes ``step_{step}`` under ``root`` with its manifest, atomically; returns its path.
+    ``rng``: this rank's RNG states to save (:func:`rng_state` taken earlier), instead of now's.
 
     Either every rank returns, with the checkpoint complete and ``latest`` naming it, or every
     rank raises :class:`CheckpointWriteError` with the temp directory removed and ``latest`` and
@@ -479,7 +481,7 @@ def save_checkpoint(root: str | Path, step: int, policy, trainer_state: dict, me
     phase("preparing the directory", lambda: _prepare(root, tmp) if rank() == 0 else None)
     phase("model shards", lambda: _save_model(policy, tmp, step))
     phase("optimizer shards", lambda: _save_optimizer(policy, tmp))
-    phase("RNG state and side files", lambda: _save_rng_and_side_files(tmp, meta, hf_files_from))
+    phase("RNG state and side files", lambda: _save_rng_and_side_files(tmp, meta, hf_files_from, rng))
     files = phase("listing the files", lambda: _list_files(tmp) if rank() == 0 else None)[0]
     parts = phase("checksums", lambda: _checksums(tmp, files[rank()::_world()]))
     manifest = {rel: part[rel] for part in parts for rel in part}

@@ -16,7 +16,8 @@ One step (the phases of ``training/phases.py``, one logger phase and console lin
       --credit (Eqs. 14-17 / random / entropy)--> A_t
       --PPO-clip updates (mini-batches x epochs, megatron optimizer)--> theta
     [eval every train.eval_interval: vLLM wakes, syncs, evaluates, sleeps];
-    checkpoint (every checkpoint.interval, or when a rank got SIGTERM / SIGUSR1: then stop);  log
+    checkpoint (every checkpoint.interval, or when a rank got SIGTERM / SIGUSR1: then stop;
+    signalled before the update, at the next phase's entry, the step is dropped instead);  log
 
 Every rank runs the same code on the same step data; each DP rank trains on its rows
 ``d, d + DP, ...`` of the step's ``prompts_per_step * group_size`` completions. Each phase runs
@@ -29,7 +30,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -53,7 +54,7 @@ from megatron_oar.training.inputs import TrainBatch, build_train_batch, load_exa
 from megatron_oar.training.logger import MetricsLogger
 from megatron_oar.training.policy import build_policy, build_reference, init_checkpoint
 from megatron_oar.training.policy_passes import old_logprob_pass, reference_logprobs, update_step
-from megatron_oar.training.preemption import Preemption
+from megatron_oar.training.preemption import Preemption, StepDropped
 from megatron_oar.training.run_context import start_run
 from megatron_oar.training.step_metrics import step_metrics
 from megatron_oar.training.watchdog import PhaseWatchdog
@@ -63,6 +64,14 @@ log = logging.getLogger(__name__)
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient norm."""
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """What a dropped step rewinds to: the prompt sampler and this rank's RNG states."""
+
+    sampler: dict
+    rng: dict
 
 
 class Trainer:
@@ -134,15 +143,28 @@ class Trainer:
 
     def run(self) -> dict[str, float]:
         """Trains from ``self.step`` to ``train.steps``; returns the last step's metrics. On
-        SIGTERM / SIGUSR1 it stops after the step in progress, with a checkpoint of that step,
-        and sets ``self.preempted`` (``training/preemption.py``)."""
+        SIGTERM / SIGUSR1 it stops with a checkpoint and sets ``self.preempted``
+        (``training/preemption.py``): signalled before the step's update, the step is dropped
+        (the checkpoint is of the step before, the prompt sampler and RNGs as they were when the
+        dropped step began); signalled later, the step is finished and saved."""
         cfg, metrics = self.cfg, {}
         self.preemption.install()
         try:
             if self.step == 0 and cfg.train.eval_interval:
                 self.logger.log(0, self.evaluate())  # the baseline, before any update
             while self.step < cfg.train.steps and not self.preempted:
-                metrics = self.train_step()
+                start = StepStart(self.sampler.state_dict(), ckpt.rng_state())
+                try:
+                    metrics = self.train_step()
+                except StepDropped as e:
+                    self.preempted = True
+                    if self.rank == 0:
+                        log.warning("stop signal before the update of step %d: the step is dropped "
+                                    "(phase %r not started); saving step %d", self.step + 1, e.phase,
+                                    self.step)
+                    self.sampler.load_state_dict(start.sampler)
+                    self.save(rng=start.rng)
+                    break
                 self.step += 1
                 every = cfg.train.eval_interval
                 if every and (self.step % every == 0 or self.step == cfg.train.steps):
@@ -168,7 +190,14 @@ class Trainer:
     @contextlib.contextmanager
     def phase(self, name: str, step: int):
         """One phase of the loop (``training/phases.py``) in step ``step``: its console line and
-        time (the logger), the hang watchdog's deadline, and the test-only fault point ``name``."""
+        time (the logger), the hang watchdog's deadline, and the test-only fault point ``name``.
+
+        Entering a phase of the step in progress (``step`` is ``self.step + 1``: each of them up
+        to and including the update) first asks every rank whether a stop signal came (one
+        small all-reduce); if one did, the step is dropped (:class:`StepDropped`): a signal costs
+        at most one phase, not the rest of the step, before the save starts."""
+        if step == self.step + 1 and self.preemption.requested(self.control):
+            raise StepDropped(name)
         with self.logger.phase(name), self.watchdog.phase(name, step):
             faults.inject(name, step=step)
             yield
@@ -292,14 +321,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints, export
 
-    def save(self) -> Path:
+    def save(self, rng: dict | None = None) -> Path:
+        """Collective: a checkpoint of ``self.step``; ``rng``: the RNG states to save (this
+        rank's, as :func:`step_checkpoint.rng_state` took them), instead of the current ones."""
         state = {"sampler": self.sampler.state_dict(), "nonfinite_in_row": self.nonfinite_in_row,
                  "nonfinite_total": self.nonfinite_total,
                  "loss_scale_overflows": self.loss_scale_overflows, "credit": self.cfg.credit}
         with self.phase("checkpoint", self.step):
             self.last_checkpoint = ckpt.save_checkpoint(
                 self.cfg.checkpoint.dir, self.step, self.policy, state, self.meta, self.hf_files,
-                keep_last=self.cfg.checkpoint.keep_last)
+                keep_last=self.cfg.checkpoint.keep_last, rng=rng)
         return self.last_checkpoint
 
     def export_hf(self, checkpoint: Path) -> Path:
