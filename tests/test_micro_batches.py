@@ -204,3 +204,78 @@ def test_dp_token_balancing_changes_only_rounding(runs):
             firm = grad.abs() > 1e-4 * grad.abs().max()  # as in test_token_budget_equals_padded
             assert _close(got[firm], want[firm]), f"rank {rank}: updated weights"
             assert (got - want).abs().max() <= 2 * LR + TOL, f"rank {rank}: updated weights"
+
+
+# ----------------------------------------------------------------------------- FP8 at DP > 1
+# TE's delayed scaling all-reduces amax over TP x DP at every FP8 autocast exit of a grad-enabled
+# pass (and in its backward): DP ranks running different numbers of micro-batches in the update
+# would pair those collectives wrongly and hang. A CPU model cannot run TE's FP8, so the FP8 run
+# switches the agreement on through ``policy_passes.equal_micro_batches`` (what ``model.fp8`` set
+# decides) and megatron's schedule is wrapped to record each pass's micro-batch count.
+
+def _fp8_worker(ckpt: str, out: str) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megatron_oar.models import forward
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+    from megatron_oar.training import policy_passes
+
+    init_runtime(ParallelConfig(tp=1, pp=1))
+    dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = list(range(d, 5, dp))  # widths 27, 15, 28 and 26, 29: 2 and 1 micro-batches of 60 tokens
+    real_schedule, real_rule = forward.get_forward_backward_func, policy_passes.equal_micro_batches
+    results = {}
+    try:
+        for fp8 in (False, True):
+            calls = []  # (num_microbatches, forward_only, autograd on) per pass
+
+            def recording():
+                schedule = real_schedule()
+
+                def run(**kw):
+                    calls.append((kw["num_microbatches"], kw["forward_only"], torch.is_grad_enabled()))
+                    return schedule(**kw)
+                return run
+
+            forward.get_forward_backward_func = recording
+            policy_passes.equal_micro_batches = lambda config, fp8=fp8: fp8  # model.fp8 set or not
+            results[fp8] = {"calls": calls,
+                            **_passes(ckpt, rows, "token_budget", sharded_optimizer=False)}
+    finally:
+        forward.get_forward_backward_func = real_schedule
+        policy_passes.equal_micro_batches = real_rule
+    save_gathered(results, out)
+
+
+@pytest.fixture(scope="module")
+def fp8_runs(scaled_checkpoint, tmp_path_factory):
+    """Per DP rank (DP2): ``{False: the run as without FP8, True: the run with FP8's agreement}``."""
+    out = tmp_path_factory.mktemp("fp8_micro_batches") / "dp2.pt"
+    return launch_and_load(_fp8_worker, 2, out, str(scaled_checkpoint))
+
+
+def _grad_passes(calls) -> list[int]:
+    return [n for n, forward_only, _ in calls if not forward_only]
+
+
+@pytest.mark.slow
+def test_fp8_update_runs_equal_micro_batch_counts_over_dp(fp8_runs):
+    plain = [_grad_passes(r[False]["calls"]) for r in fp8_runs]
+    assert plain == [[2], [1]], "the test needs DP ranks with different micro-batch counts"
+    assert [_grad_passes(r[True]["calls"]) for r in fp8_runs] == [[2], [2]]
+    for res in fp8_runs:  # old-logprob and reference: under no_grad, where TE reduces no amax
+        for n, forward_only, grad_on in res[True]["calls"]:
+            assert not forward_only or not grad_on, "a forward-only pass ran with autograd on"
+
+
+@pytest.mark.slow
+def test_fp8_filler_micro_batches_change_nothing(fp8_runs):
+    for rank, res in enumerate(fp8_runs):
+        plain, filled = res[False], res[True]
+        assert plain["applied"] and filled["applied"]
+        assert filled["loss"] == pytest.approx(plain["loss"], rel=TOL)
+        assert filled["grad_norm"] == pytest.approx(plain["grad_norm"], rel=TOL)
+        for got, want in zip(filled["grads"], plain["grads"]):  # global: all-reduced over DP
+            assert (got - want).abs().max() <= TOL * want.abs().max(), f"rank {rank}: grads"
+        for got, want in zip(filled["weights"], plain["weights"]):
+            assert _close(got, want), f"rank {rank}: updated weights"

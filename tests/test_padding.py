@@ -1,6 +1,7 @@
 """Padding to the sequence multiple (sequence parallelism, FP8) changes nothing but rounding.
 
-The multiple follows the model's ``TransformerConfig`` (TP with SP, 16 with FP8, their lcm).
+The multiple follows the model's ``TransformerConfig`` (TP with SP, 16 with FP8, 16 x TP with
+both: each rank's FP8 GEMMs see its s / TP share).
 On CPU neither SP nor FP8 runs, so the TP2 and PP2 tests force the multiple to 16 with
 ``force_multiple`` on the tiny batch of tests/test_attribution.py (width 29) and check that
 every Megatron pass ran padded lengths, and that log-probs, entropies, the probe teacher, OAR-G,
@@ -33,10 +34,34 @@ def _config(tp: int = 1, sp: bool = False, fp8: str | None = None):
 
 @pytest.mark.parametrize("tp,sp,fp8,want", [
     (1, False, None, 1), (2, False, None, 1), (2, True, None, 2), (4, True, None, 4),
-    (1, False, "hybrid", 16), (2, False, "e4m3", 16), (2, True, "hybrid", 16), (8, True, "e4m3", 16),
-    (3, True, "hybrid", 48), (32, True, "hybrid", 32)])
+    (1, False, "hybrid", 16), (2, False, "e4m3", 16), (2, True, "hybrid", 32), (8, True, "e4m3", 128),
+    (3, True, "hybrid", 48), (32, True, "hybrid", 512)])
 def test_sequence_multiple_rule(tp, sp, fp8, want):
     assert sequence_multiple(_config(tp, sp, fp8)) == want
+
+
+@pytest.mark.parametrize("tp", [2, 4, 6, 8])
+def test_fp8_with_sequence_parallelism_pads_each_rank_share_to_16(tp):
+    """Under SP each rank's FP8 GEMMs run on s / TP tokens: that share must divide by 16. With
+    lcm(TP, 16) as the multiple, TP 8 let s = 16 k through (s / TP = 2 k, odd for odd k)."""
+    from megatron_oar.models.forward import MicroInput
+
+    config = _config(tp, sp=True, fp8="hybrid")
+    multiple = sequence_multiple(config)
+    assert multiple == 16 * tp
+    for length in range(1, 3 * multiple):
+        share, rest = divmod(padded_length(length, multiple), tp)
+        assert rest == 0 and share % 16 == 0, (length, multiple)
+    # packed sequences: every row padded to the multiple, so T and each row's span are too
+    lengths = [1, 17, 40, 129, 5]
+    inp = MicroInput(torch.ones(len(lengths), max(lengths), dtype=torch.long), multiple, lengths)
+    total = inp.tokens.shape[1]
+    assert total % tp == 0 and (total // tp) % 16 == 0
+    offsets = inp.packed.cu_seqlens_padded.tolist()
+    assert all((b - a) % multiple == 0 for a, b in zip(offsets, offsets[1:]))
+    # the rule's other cases: SP alone needs TP, FP8 alone 16
+    assert sequence_multiple(_config(2, sp=True)) == 2
+    assert sequence_multiple(_config(8, fp8="e4m3")) == 16
 
 
 def test_force_multiple_is_scoped_and_combines_by_lcm():

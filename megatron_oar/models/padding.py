@@ -1,7 +1,9 @@
 """Sequence lengths every Megatron pass can run: padding to the model's multiple, and trimming back.
 
 Sequence parallelism scatters ``[s, b, h]`` along ``s`` over the TP ranks (megatron asserts that
-TP divides ``s``), and TE's FP8 GEMMs need leading dimensions divisible by 16. Every Megatron
+TP divides ``s``), and TE's FP8 GEMMs need leading dimensions divisible by 16: under sequence
+parallelism a rank's GEMMs see its ``s / TP`` tokens, so that share must be a multiple of 16
+(``s`` a multiple of ``16 x TP``, not only of ``lcm(TP, 16)``). Every Megatron
 pass (old log-probs, reference log-probs, attribution, the update step) right-pads its tokens to
 :func:`sequence_multiple` and trims the outputs back. Attention is causal, so the padding never
 changes an earlier position's logits; padded positions never enter a loss, a probe or a score.
@@ -23,11 +25,12 @@ _forced = 1  # see force_multiple
 
 def sequence_multiple(config) -> int:
     """The multiple that sequence lengths are padded to for a megatron ``TransformerConfig``:
-    TP with sequence parallelism, 16 with FP8, their lcm, 1 otherwise (and its lcm with
+    TP with sequence parallelism, 16 with FP8, ``16 x TP`` with both (each rank's FP8 GEMMs
+    run on its ``s / TP`` share, which must itself divide by 16), 1 otherwise (and its lcm with
     :func:`force_multiple`'s value inside that context)."""
     multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
     if config.fp8:
-        multiple = math.lcm(multiple, FP8_MULTIPLE)
+        multiple *= FP8_MULTIPLE
     return math.lcm(multiple, _forced)
 
 

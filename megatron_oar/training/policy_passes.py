@@ -12,6 +12,12 @@ on tokens right-padded to the model's sequence multiple (``models.padding``: seq
 parallelism, FP8) and trim the logits back before anything reads them; with ``batching=packed``
 each micro-batch runs as one THD sequence and the logits are unpacked to its rows instead
 (``models.forward.MicroInput``), so everything after the model is the same as ``token_budget``.
+
+Under FP8 every DP rank runs the same number of micro-batches in the update
+(:func:`equal_micro_batches`): Transformer Engine's delayed scaling all-reduces amax over TP x DP
+at each FP8 autocast exit of a grad-enabled forward and in the backward, so ranks with different
+counts would pair those collectives wrongly and hang. The forward-only passes run with autograd
+off, where TE reduces nothing, so their counts may differ.
 """
 
 from __future__ import annotations
@@ -121,6 +127,29 @@ def _global_counts(mask: torch.Tensor, group) -> tuple[int, int]:
     return int(counts[0]), int(counts[1])
 
 
+def equal_micro_batches(config) -> bool:
+    """Whether the DP ranks must run equally many micro-batches in a grad-enabled pass: under
+    FP8 (any recipe: only ``delayed`` reduces amax over DP, but one all-reduce of a count per
+    update is cheaper than reasoning about each recipe)."""
+    return bool(config.fp8)
+
+
+def _agreed_count(n_micro: int, group, device) -> int:
+    """The most micro-batches any DP rank of ``group`` runs."""
+    n = torch.tensor([n_micro], dtype=torch.int64, device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+    return int(n)
+
+
+def _filler(batch: TrainBatch) -> TrainBatch:
+    """A micro-batch that adds exactly nothing: the shortest row with no loss-mask token, so its
+    loss, its gradients and its token count are 0 (the normalising counts are taken from
+    ``batch``, never from the micro-batches)."""
+    row = batch.select([int(batch.lengths.argmin())])
+    row.loss_mask = torch.zeros_like(row.loss_mask)
+    return row
+
+
 def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_size: int,
                 micro_batch_size: int, *, batching: str = "padded",
                 max_tokens: int | None = None) -> StepResult:
@@ -131,20 +160,25 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
     tokens each, padded to their own longest; ``packed``, grouped alike, each run as one THD
     sequence). The loss is the exact mini-batch loss of Eq. 18
     (token / sequence counts are global over DP), so the grouping and DP change nothing but
-    rounding. Collective over the world.
+    rounding. Under FP8 every DP rank runs as many micro-batches as the one with the most, the
+    others filled with micro-batches that add nothing (:func:`equal_micro_batches`). Collective
+    over the world.
     """
     model, optimizer = policy.model, policy.optimizer
     multiple = sequence_multiple(model.config)
     groups = micro_batches(batch.lengths.tolist(), batching=batching, rows_per_micro=micro_batch_size,
                            max_tokens=max_tokens, multiple=multiple)
     micros = [batch.select(g) for g in groups]  # each trimmed to its own longest row
+    dp_group = ps.get_data_parallel_group()
+    if equal_micro_batches(model.config):  # TE's amax all-reduces pair up across DP
+        agreed = _agreed_count(len(micros), dp_group, batch.tokens.device)
+        micros += [_filler(batch) for _ in range(agreed - len(micros))]
     if batching == "padded":
         width = max(m.tokens.shape[1] for m in micros)
         micros = [_pad_to(m, width) for m in micros]
     n_micro = len(micros)
     inputs = [MicroInput(m.tokens, multiple, m.lengths.tolist() if batching == "packed" else None)
               for m in micros]
-    dp_group = ps.get_data_parallel_group()
     num_tokens, num_seqs = _global_counts(batch.loss_mask, dp_group)
     # megatron's schedule divides each micro-batch loss by n_micro and DDP averages over DP; the
     # loss below is already normalised by the global counts, so undo both.
