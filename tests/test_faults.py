@@ -8,8 +8,10 @@ testing/faults.py``) and every run must end with final weights bit-identical to 
   stack, naming the phase and step), SIGKILL of the other rank between the weight and optimizer
   shards of a checkpoint (the partial save is never used), and SIGTERM to the launcher (every
   rank finishes the step, checkpoints it and exits); the same command then resumes and finishes;
-* SIGUSR1 to the sbatch script (Slurm's warning before the time limit): the script passes it on,
-  the workers checkpoint and exit, the script requeues the job, and the requeued job finishes.
+* SIGUSR1 to the sbatch script (Slurm's warning before the time limit) in the worst place, during
+  a step's generation: the script passes it on, the workers drop that step at the next phase's
+  entry, checkpoint the one before and exit, the script requeues the job, and the requeued job
+  finishes.
 
 Each case prints its figures with ``pytest -s`` (``[fault] ...``): recovery is the time from the
 fault until the step it interrupted has been completed again (a start-up of about a minute on

@@ -154,7 +154,8 @@ def _executor(cfg, name: str, env: dict[str, str], job_dir: Path, workdir: Path)
         setup_lines=None if s.container_image else f'export PATH={shlex.quote(PYTHON_BIN)}:"$PATH"',
         job_name_prefix=f"{name}-",  # unused with job_details.job_name, but nemo-run needs one
         # SIGUSR1 to every process of the job step this long before the time limit: the workers
-        # finish the step and checkpoint (torchrun forwards it too: PET_SIGNALS_TO_HANDLE); the
+        # stop at the next phase boundary and checkpoint (torchrun forwards it too:
+        # PET_SIGNALS_TO_HANDLE); the
         # failed exit makes nemo-run's script requeue the job while retries remain
         signal=f"USR1@{launch.preemption_grace_s}", retries=s.max_requeues,
     )

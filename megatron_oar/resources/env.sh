@@ -40,7 +40,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 
 # torchrun (torch >= 2.9) forwards SIGUSR1 to the workers as well as SIGTERM/SIGINT/SIGHUP/SIGQUIT:
 # Slurm sends SIGUSR1 ahead of the time limit (slurm.sbatch's --signal), and the workers then
-# finish the step, checkpoint and exit (megatron_oar/training/preemption.py). Without SIGUSR1 in
+# stop at the next phase boundary, checkpoint and exit (megatron_oar/training/preemption.py). Without SIGUSR1 in
 # the list torchrun dies of it and the workers' final checkpoint is lost.
 export PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
 

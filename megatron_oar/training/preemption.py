@@ -1,4 +1,4 @@
-"""Preemption: SIGTERM or SIGUSR1 makes every rank finish the step, checkpoint, and exit.
+"""Preemption: SIGTERM or SIGUSR1 makes every rank stop at the next phase boundary, checkpoint, and exit.
 
 Slurm sends SIGUSR1 ahead of the time limit (``--signal=USR1@<grace>``, see
 ``launch_scripts/slurm.sbatch``) and SIGTERM when it preempts or cancels a job; Kubernetes sends
@@ -66,7 +66,7 @@ class Preemption:
     def _handle(self, signum: int, frame) -> None:
         if self.received is None:
             self.received = signum
-            log.warning("received %s: finishing this step, then checkpointing and exiting",
+            log.warning("received %s: stopping at the next phase boundary, then checkpointing and exiting",
                         signal.Signals(signum).name)
         else:
             log.info("received %s again; already stopping after this step", signal.Signals(signum).name)
