@@ -27,6 +27,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from megatron_oar import resources
@@ -236,7 +237,9 @@ def run(out: Path, g: Grid, *, config: Path = CONFIG, jobs: int = 2, report_only
         start = sft_checkpoint(out, sft, config, g.overrides)
         specs = grid(g)
         todo = [s for s in specs if not (out / "runs" / s.name / "result.json").is_file()]
-        console.rule(f"[bold]{len(specs)} runs ({len(specs) - len(todo)} done), {jobs} at a time")
+        probes = ("answer_mean", *g.probes)  # the causal-token oracle on the SFT start, per probe
+        console.rule(f"[bold]{len(specs)} runs ({len(specs) - len(todo)} done) and the oracle with "
+                     f"{len(probes)} probes, {jobs} at a time")
         done = [0]
 
         def one(spec: RunSpec) -> None:
@@ -249,13 +252,15 @@ def run(out: Path, g: Grid, *, config: Path = CONFIG, jobs: int = 2, report_only
                           f"pass@{g.pass_k} {res['pass_at_k']:.1%} · elapsed {elapsed / 60:.1f} min, "
                           f"ETA {eta / 60:.1f} min")
 
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            list(pool.map(one, todo))  # re-raises the first failure
-        console.rule("[bold]causal-token oracle on the SFT start")
-        for probe in ("answer_mean", *g.probes):
+        def oracle(probe: str) -> None:
             t = time.perf_counter()
             oracle_run(probe, out, sft, config, g)
             console.print(f"oracle, probe {probe}: {time.perf_counter() - t:.0f}s")
+
+        # the oracle runs need only the SFT start: they share the pool with the training runs
+        work = [partial(oracle, p) for p in probes] + [partial(one, s) for s in todo]
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(lambda job: job(), work))  # re-raises the first failure
     if not report_only:
         settings["wall_seconds"] += time.perf_counter() - t_all
         atomic_write_text(out / "settings.json", json.dumps(settings, indent=1))
