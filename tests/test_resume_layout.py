@@ -1,10 +1,11 @@
 """Resuming a training checkpoint at another TP / PP (``megatron_oar/training/step_checkpoint.py``).
 
-Slow (about 40 s on 2 CPU cores): one 2-rank job trains a tiny Qwen2 for one update at TP2 and at
-PP2, saves (``fully_reshardable``; at TP2 also ``dp_reshardable``) and runs two more updates; a
-1-rank job loads each checkpoint at TP1 PP1 and runs the same two updates. Their losses must equal
-the uninterrupted runs' to fp32 rounding (the second one depends on the restored Adam moments);
-the ``dp_reshardable`` one must be refused, naming what changed and what may.
+Slow (24 s run alone on 2 CPU cores, the rank pool's start included; it reuses the session's
+tiny Qwen2, ``trainer_checkpoint``): one 2-rank job trains it for one update at TP2 and at PP2,
+saves (``fully_reshardable``; at TP2 also ``dp_reshardable``) and runs two more updates; a 1-rank
+job loads each checkpoint at TP1 PP1 and runs the same two updates. Their losses must equal the
+uninterrupted runs' to fp32 rounding (the second one depends on the restored Adam moments); the
+``dp_reshardable`` one must be refused, naming what changed and what may.
 """
 
 from __future__ import annotations
