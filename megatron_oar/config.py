@@ -54,6 +54,7 @@ FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 DEFAULT_BUDGET_ROWS = 4
 LR_SCHEDULES = ("constant", "cosine", "linear")
 EXECUTORS = ("local", "slurm")
+OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")  # checkpoint.optim_sharding (megatron's names)
 _ABSENT = object()
 
 
@@ -168,6 +169,9 @@ class CheckpointConfig:
     keep_last: int = 2              # checkpoints kept (0: all)
     resume: str | None = "auto"     # auto: latest in dir, if any | none (or null): fresh | a path
     export_hf_at_end: bool = True   # also write an HF model dir after the last step
+    optim_sharding: str = OPTIM_SHARDINGS[0]  # the optimizer's format: dp_reshardable (resume at the
+    #                                 same TP/PP, any DP) | fully_reshardable (any TP/PP/DP; each save
+    #                                 gathers the state over DP in host memory, each load reads it whole)
 
 
 @dataclass
@@ -574,6 +578,7 @@ def _check_optimizer_and_run(cfg: Config) -> None:
         _need(getattr(o, key) >= 0, f"optim.{key}={getattr(o, key)}: must be >= 0")
     _need(o.adam_eps > 0, f"optim.adam_eps={o.adam_eps}: must be > 0")
     _at_least(cfg, "optim.warmup_steps checkpoint.interval checkpoint.keep_last", 0)
+    _one_of("checkpoint.optim_sharding", cfg.checkpoint.optim_sharding, OPTIM_SHARDINGS)
     _at_least(cfg, "log.interval")
     _at_least(cfg, "launch.nodes launch.gpus_per_node")
     _at_least(cfg, "launch.max_restarts launch.preemption_grace_s train.phase_timeout_s", 0)

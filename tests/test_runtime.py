@@ -190,6 +190,36 @@ def test_init_runtime_two_process_gloo(tmp_path, tp, dp):
         assert seen["relaid"] == dict(tp=3 - tp, dp=3 - dp, ps_tp=3 - tp, ps_dp=3 - dp)
 
 
+def _timeouts_worker(model: str, out: str) -> None:
+    """Every process group's timeout, as its gloo backend holds it (what each collective waits)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_oar.config import load_config
+    from megatron_oar.training.run_context import start_run
+
+    cfg = load_config(Path(__file__).parents[1] / "examples" / "tiny_cpu.yaml",
+                      [f"model.path={model}", "parallel.tp=1", "parallel.timeout_minutes=7"])
+    ctx = start_run(cfg)  # init_runtime and the trainer's control group
+    groups = {"world": dist.group.WORLD, "control": ctx.control,
+              "tp": ps.get_tensor_model_parallel_group(), "pp": ps.get_pipeline_model_parallel_group(),
+              "dp": ps.get_data_parallel_group(), "dp_gloo": ps.get_data_parallel_group_gloo(),
+              "dp_cp_gloo": ps.get_data_parallel_group_gloo(with_context_parallel=True)}
+    seen = {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds() / 60
+            for name, g in groups.items()}
+    Path(out, f"timeouts_rank{dist.get_rank()}.json").write_text(json.dumps(seen))
+
+
+@pytest.mark.slow
+def test_every_group_has_the_configured_timeout(trainer_checkpoint, tmp_path):
+    """parallel.timeout_minutes reaches megatron's groups (gloo ones included) and the control
+    group, not only the world's (both got torch's and megatron's 30 minutes). 2 ranks, ~3 s."""
+    launch(_timeouts_worker, 2, str(trainer_checkpoint), str(tmp_path))
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"timeouts_rank{rank}.json").read_text())
+        assert seen == dict.fromkeys(seen, 7.0), seen  # minutes
+
+
 # ------------------------------------------------------------------ CPU backend and RNG
 
 

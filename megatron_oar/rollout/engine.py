@@ -31,6 +31,7 @@ from megatron_oar.models import parse_arch, read_hf_config
 from megatron_oar.rollout.batch import RolloutBatch
 from megatron_oar.rollout.config import VLLM_DTYPES, RolloutConfig, check_sampling
 from megatron_oar.rollout.weight_sync import iter_hf_buckets
+from megatron_oar.runtime import gloo_group
 from megatron_oar.seeds import ENGINE, derive_seed
 from megatron_oar.testing import faults
 
@@ -168,10 +169,10 @@ class RolloutEngine:
         self.is_group_leader = self.rank == self.group_ranks[0]
         # gloo groups for small control messages (inputs, gathered rollouts), whatever the
         # world's backend is; new_group is collective, so every rank creates every group.
-        self._world_gloo = dist.new_group(backend="gloo")
+        self._world_gloo = gloo_group()  # with parallel.timeout_minutes, as init_runtime's groups
         self._group = None
         for k in range(self.dp_size):
-            g = dist.new_group(list(range(k * cfg.tp, (k + 1) * cfg.tp)), backend="gloo")
+            g = gloo_group(list(range(k * cfg.tp, (k + 1) * cfg.tp)))
             if k == self.dp_rank:
                 self._group = g
 

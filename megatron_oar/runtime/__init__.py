@@ -5,9 +5,10 @@ from megatron_oar.runtime.distributed import (
     RuntimeInfo,
     destroy_runtime,
     env_without_launcher,
+    gloo_group,
     init_runtime,
     validate_layout,
 )
 
 __all__ = ["ParallelConfig", "RuntimeInfo", "init_runtime", "destroy_runtime", "env_without_launcher",
-           "validate_layout"]
+           "gloo_group", "validate_layout"]

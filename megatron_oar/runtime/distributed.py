@@ -2,7 +2,9 @@
 
 ``init_runtime`` is the single entry every program (trainer, converter, tests) calls:
 nccl on CUDA, gloo on CPU (with :mod:`.cpu_backend`), TP/PP/DP groups, and seeds that are
-deterministic per rank. Without torchrun variables it starts a one-process world.
+deterministic per rank. Without torchrun variables it starts a one-process world. Every group,
+megatron's (gloo ones included) and those made with :func:`gloo_group`, has the timeout
+``parallel.timeout_minutes``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class RuntimeInfo:
 
 
 _SET_BY_US: set[str] = set()  # torchrun variables init_runtime set for a one-process world
+_timeout = timedelta(minutes=ParallelConfig.timeout_minutes)  # the last init_runtime's
 # torchrun's variables; a child process that saw them would try to join this world (and hang)
 LAUNCHER_VARS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                            "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
@@ -90,11 +93,19 @@ def validate_layout(world_size: int, parallel: ParallelConfig) -> int:
     return world_size // mp
 
 
+def gloo_group(ranks: list[int] | None = None):
+    """Collective: a new gloo group of ``ranks`` (all by default) with ``parallel.timeout_minutes``
+    (torch's ``new_group`` would give it its own default, 30 minutes)."""
+    return dist.new_group(ranks, backend="gloo", timeout=_timeout)
+
+
 def init_runtime(parallel: ParallelConfig | None = None) -> RuntimeInfo:
     """Initialise torch.distributed and megatron's parallel_state (idempotent per layout)."""
     from megatron.core import parallel_state, tensor_parallel
 
+    global _timeout
     parallel = parallel or ParallelConfig()
+    _timeout = timedelta(minutes=parallel.timeout_minutes)
     cuda = torch.cuda.is_available()
     if not cuda:
         cpu_backend.enable()
@@ -121,7 +132,7 @@ def init_runtime(parallel: ParallelConfig | None = None) -> RuntimeInfo:
             backend=backend,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(minutes=parallel.timeout_minutes),
+            timeout=_timeout,
         )
     backend = dist.get_backend()
 
@@ -136,6 +147,7 @@ def init_runtime(parallel: ParallelConfig | None = None) -> RuntimeInfo:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tp,
             pipeline_model_parallel_size=parallel.pp,
+            distributed_timeout_minutes=parallel.timeout_minutes,
         )
 
     # Seeds: data-parallel RNG shared across a model-parallel group's shards but differing per

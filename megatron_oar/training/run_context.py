@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from megatron_oar.models import QwenArch, parse_arch, read_hf_config
-from megatron_oar.runtime import RuntimeInfo, init_runtime
+from megatron_oar.runtime import RuntimeInfo, gloo_group, init_runtime
 
 
 @dataclass
@@ -21,7 +19,7 @@ class RunContext:
     arch: QwenArch
     tokenizer: object     # transformers tokenizer of ``model.tokenizer_dir()``
     pad_id: int           # the tokenizer's pad token, or EOS when it has none
-    control: object       # a gloo process group for small object messages
+    control: object       # a gloo process group for small object messages (parallel.timeout_minutes)
 
 
 def start_run(cfg, hf_config: dict | None = None) -> RunContext:
@@ -35,4 +33,4 @@ def start_run(cfg, hf_config: dict | None = None) -> RunContext:
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.model.tokenizer_dir()))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return RunContext(rt=rt, hf_config=hf_config, arch=parse_arch(hf_config), tokenizer=tokenizer,
-                      pad_id=pad_id, control=dist.new_group(backend="gloo"))
+                      pad_id=pad_id, control=gloo_group())

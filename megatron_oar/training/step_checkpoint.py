@@ -8,8 +8,9 @@ Layout (``checkpoint.dir``)::
       optim/                megatron dist checkpoint of the optimizer (Adam moments, fp32 masters)
       hf/                   config.json and tokenizer files (for HF export)
       rng/rank_00000.pt     python / numpy / torch / megatron-tracker RNG states, one per rank
-      trainer_state.json    step, LR scheduler, prompt sampler position, guard counters, layout,
-                            and the integrity manifest; written last, it marks the save complete
+      trainer_state.json    step, LR scheduler, prompt sampler position, guard counters, the
+                            layout (``tp pp dp world_size distributed_optimizer``), the optimizer
+                            format, and the integrity manifest; written last, it marks the save complete
     latest                  the name of the newest saved step directory
 
 Saving. A save goes to ``.step_XXXXXXXX.tmp``. Once every rank has written its shards and RNG
@@ -39,9 +40,15 @@ error. A checkpoint saved before manifests existed is accepted, unverified, if i
 verified checkpoint wins over ``checkpoint.resume``. Loading is not retried on older checkpoints:
 a chosen checkpoint that fails to load is an error.
 
-The optimizer is saved in megatron's ``dp_reshardable`` format (fully parallel, no gathers):
-it reloads at the same TP/PP and any DP. Weights reload at any layout; with a different world
-size the RNG states cannot be matched rank to rank and are re-seeded (logged).
+Another layout. Weights reload at any layout. The optimizer is saved in one of megatron's
+formats (``checkpoint.optim_sharding``): ``dp_reshardable`` (the default; fully parallel, no
+gathers) reloads at the same TP/PP and any DP; ``fully_reshardable`` gathers each model shard's
+optimizer state over its DP group at the save (in host memory, on every DP rank) and reloads at
+any TP/PP/DP (each rank reads its model shard's whole state, then keeps its DP part). A resume
+that changes TP, PP or the distributed optimizer against a ``dp_reshardable`` checkpoint (or a
+non-distributed optimizer's) is refused before anything loads (:class:`CheckpointError`: what
+changed and what may). RNG states are restored only at the layout they were saved at (same TP,
+PP, DP and world size); otherwise the ranks keep their fresh seeds (logged).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ import re
 import shutil
 import zlib
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +69,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+from megatron_oar.config import OPTIM_SHARDINGS
 from megatron_oar.fileio import atomic_write_text
 from megatron_oar.models.model_checkpoint import (
     HF_DIR,
@@ -81,7 +90,6 @@ RNG_DIR = "rng"
 STATE_FILE = "trainer_state.json"
 MANIFEST_KEY = "manifest"  # in trainer_state.json
 LATEST_FILE = "latest"
-OPTIM_SHARDING = "dp_reshardable"
 _CRC_CHUNK = 16 << 20
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _OLD_DIR = re.compile(r"^\.(step_\d{8})\.old$")  # a step being re-saved (see _commit)
@@ -322,6 +330,41 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+# --------------------------------------------------------------------------------- layout
+
+LAYOUT_KEYS = ("tp", "pp", "dp", "world_size", "distributed_optimizer")  # trainer_state.json's layout
+
+
+def _layout(policy) -> dict:
+    """What decides this run's shard shapes: the parallel sizes and the distributed optimizer."""
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(), "world_size": _world(),
+            "distributed_optimizer": bool(policy.model.ddp_config.use_distributed_optimizer)}
+
+
+def _describe_layout(layout: dict) -> str:
+    return " ".join(f"{k}={layout.get(k, '?')}" for k in LAYOUT_KEYS)
+
+
+def _check_layout(path: Path, saved: dict, now: dict, sharding: str) -> None:
+    """Raises :class:`CheckpointError` when this run's layout cannot load the optimizer state at
+    ``path``, naming what changed and what may change."""
+    fixed = ["distributed_optimizer"]
+    if sharding != "fully_reshardable" or not now["distributed_optimizer"]:
+        fixed += ["tp", "pp"]  # dp_reshardable, or a non-distributed optimizer's state
+    changed = [f"{k} {saved[k]} -> {now[k]}" for k in fixed if k in saved and saved[k] != now[k]]
+    if changed:
+        raise CheckpointError(
+            f"{path}: saved at {_describe_layout(saved)}, this run is {_describe_layout(now)} "
+            f"({', '.join(changed)}): its optimizer state ({OPTIM_DIR}/, {sharding}) reloads only at the "
+            f"same parallel.tp, parallel.pp and optim.use_distributed_optimizer; the data-parallel and "
+            f"world sizes may change. Resume at the saved layout, or resume there once with "
+            f"checkpoint.optim_sharding=fully_reshardable and let it save: that checkpoint reloads at any "
+            f"parallel.tp / parallel.pp (with the distributed optimizer)")
+
+
 # ----------------------------------------------------------------------------------- save
 
 def _describe(error: BaseException, what: str) -> list[tuple[str, bool]]:
@@ -407,18 +450,18 @@ def _save_model(policy, tmp: Path, step: int) -> None:
     faults.inject("checkpoint.shards", step=step)  # tests: a kill / ENOSPC between the shard saves
 
 
-def _save_optimizer(policy, tmp: Path) -> None:
+def _save_optimizer(policy, tmp: Path, sharding: str) -> None:
     optim_sd = policy.optimizer.sharded_state_dict(
-        policy.gpt.sharded_state_dict(), metadata={"distrib_optim_sharding_type": OPTIM_SHARDING})
+        policy.gpt.sharded_state_dict(), metadata={"distrib_optim_sharding_type": sharding})
     dist_save(optim_sd, tmp / OPTIM_DIR)
 
 
 def _save_rng_and_side_files(tmp: Path, meta: CheckpointMeta, hf_files_from: str | Path,
-                             rng: dict | None) -> None:
+                             layout: dict, rng: dict | None) -> None:
     torch.save(rng_state() if rng is None else rng, tmp / RNG_DIR / f"rank_{rank():05d}.pt")
     if rank() == 0:
         copy_hf_side_files(hf_files_from, tmp / HF_DIR)
-        meta.write(tmp)
+        replace(meta, written_tp=layout["tp"], written_pp=layout["pp"]).write(tmp)
 
 
 def _commit(tmp: Path, final: Path, state: dict) -> None:
@@ -463,16 +506,21 @@ def _publish(root: Path, final: Path, step: int, keep_last: int) -> None:
 
 
 def save_checkpoint(root: str | Path, step: int, policy, trainer_state: dict, meta: CheckpointMeta,
-                    hf_files_from: str | Path, keep_last: int = 0, rng: dict | None = None) -> Path:
+                    hf_files_from: str | Path, keep_last: int = 0,
+                    optim_sharding: str = OPTIM_SHARDINGS[0], rng: dict | None = None) -> Path:
     """Collective: writes ``step_{step}`` under ``root`` with its manifest, atomically; returns its path.
     ``rng``: this rank's RNG states to save (:func:`rng_state` taken earlier), instead of now's.
 
     Either every rank returns, with the checkpoint complete and ``latest`` naming it, or every
     rank raises :class:`CheckpointWriteError` with the temp directory removed and ``latest`` and
     the earlier checkpoints untouched. A rank killed mid-save leaves only a ``.tmp`` directory,
-    which is never resumed from and which the next save removes.
+    which is never resumed from and which the next save removes. ``optim_sharding``: megatron's
+    optimizer format (``OPTIM_SHARDINGS``; the module docstring says what each reloads at).
     """
+    if optim_sharding not in OPTIM_SHARDINGS:
+        raise ValueError(f"checkpoint.optim_sharding={optim_sharding!r}: must be one of {OPTIM_SHARDINGS}")
     root = Path(root)
+    layout = _layout(policy)
     final, tmp = step_dir(root, step), _tmp_dir(root, step)
 
     def phase(what: str, fn: Callable[[], object]) -> list:
@@ -480,12 +528,13 @@ def save_checkpoint(root: str | Path, step: int, policy, trainer_state: dict, me
 
     phase("preparing the directory", lambda: _prepare(root, tmp) if rank() == 0 else None)
     phase("model shards", lambda: _save_model(policy, tmp, step))
-    phase("optimizer shards", lambda: _save_optimizer(policy, tmp))
-    phase("RNG state and side files", lambda: _save_rng_and_side_files(tmp, meta, hf_files_from, rng))
+    phase("optimizer shards", lambda: _save_optimizer(policy, tmp, optim_sharding))
+    phase("RNG state and side files",
+          lambda: _save_rng_and_side_files(tmp, meta, hf_files_from, layout, rng))
     files = phase("listing the files", lambda: _list_files(tmp) if rank() == 0 else None)[0]
     parts = phase("checksums", lambda: _checksums(tmp, files[rank()::_world()]))
     manifest = {rel: part[rel] for part in parts for rel in part}
-    state = {**trainer_state, "step": step, "world_size": _world(), "optim_sharding": OPTIM_SHARDING,
+    state = {**trainer_state, "step": step, "layout": layout, "optim_sharding": optim_sharding,
              "scheduler": policy.scheduler.state_dict(), MANIFEST_KEY: dict(sorted(manifest.items()))}
     phase("trainer_state.json and rename", lambda: _commit(tmp, final, state) if rank() == 0 else None)
     if rank() == 0:
@@ -513,7 +562,7 @@ def _restore_adam_steps(optimizer, steps: int) -> None:
     """
     for inner in _torch_adams(optimizer):
         for state in inner.state.values():
-            if "step" in state:
+            if state:
                 state["step"] = torch.tensor(float(steps), dtype=torch.float32)
 
 
@@ -534,27 +583,53 @@ def _init_torch_adam_state(optimizer) -> None:
                                       "exp_avg_sq": torch.zeros_like(p.data)}
 
 
+def _load_optimizer(optimizer, loaded) -> None:
+    """``optimizer.load_state_dict(loaded)``, each distributed optimizer's ``fully_reshardable``
+    parameter state loaded apart: with torch's Adam(W) (no TE or Apex, e.g. on CPU) megatron's
+    ``load_state_dict`` gives every parameter a ``step`` state, which its fully_reshardable loader
+    then expects among the checkpoint's tensors (``KeyError: 'step'``; the format does not save it).
+    The steps are dropped for that load and set afterwards (:func:`_restore_adam_steps`)."""
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [loaded] if len(opts) == 1 else [loaded[i] for i in range(len(opts))]
+    param_states = [sd.pop("param_state") if sd.get("param_state_sharding_type") == "fully_reshardable"
+                    else None for sd in states]
+    optimizer.load_state_dict(loaded)
+    for opt, param_state in zip(opts, param_states):
+        if param_state is not None:
+            for inner in _torch_adams(opt):
+                for state in inner.state.values():
+                    state.pop("step", None)
+            opt.load_parameter_state_from_fully_reshardable(param_state)
+
+
 def load_checkpoint(path: str | Path, policy) -> dict:
     """Collective: restores weights, optimizer, LR schedule and RNG from ``path``; returns the
-    trainer state (``step``, ``sampler``, ...)."""
+    trainer state (``step``, ``sampler``, ...). Raises :class:`CheckpointError`, before loading
+    anything, when this run's layout cannot load the optimizer state (the module docstring says
+    which changes each format allows)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     state = json.loads((path / STATE_FILE).read_text())
+    sharding = state.get("optim_sharding", OPTIM_SHARDINGS[0])
+    saved = state.get("layout") or {"world_size": state.get("world_size")}  # older: the world size only
+    now = _layout(policy)
+    _check_layout(path, saved, now, sharding)
     load_model(policy.gpt, path)
     _init_torch_adam_state(policy.optimizer)
     optim_sd = policy.optimizer.sharded_state_dict(
-        policy.gpt.sharded_state_dict(), is_loading=True,
-        metadata={"distrib_optim_sharding_type": state.get("optim_sharding", OPTIM_SHARDING)})
+        policy.gpt.sharded_state_dict(), is_loading=True, metadata={"distrib_optim_sharding_type": sharding})
     loaded = dist_checkpointing.load(optim_sd, str(path / OPTIM_DIR))
     with torch.no_grad():  # fp32 main params are views of the (grad-requiring) model params
-        policy.optimizer.load_state_dict(loaded)
+        _load_optimizer(policy.optimizer, loaded)
     policy.scheduler.load_state_dict(state["scheduler"])
     _restore_adam_steps(policy.optimizer, policy.scheduler.num_steps)
     rng = path / RNG_DIR / f"rank_{rank():05d}.pt"
-    if state.get("world_size") == dist.get_world_size() and rng.is_file():
+    differ = [k for k in ("tp", "pp", "dp", "world_size") if saved.get(k) != now[k]]
+    if not differ and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))
     elif rank() == 0:
-        log.warning("%s was written by %s ranks, this run has %d: RNG states are not restored",
-                    path, state.get("world_size"), dist.get_world_size())
+        log.warning("%s was saved at %s, this run is %s: RNG states are not restored (%s differ; "
+                    "each rank keeps its fresh seed)", path, _describe_layout(saved), _describe_layout(now),
+                    ", ".join(differ) or f"no {RNG_DIR}/ file")
     return state

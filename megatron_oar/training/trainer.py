@@ -330,7 +330,8 @@ class Trainer:
         with self.phase("checkpoint", self.step):
             self.last_checkpoint = ckpt.save_checkpoint(
                 self.cfg.checkpoint.dir, self.step, self.policy, state, self.meta, self.hf_files,
-                keep_last=self.cfg.checkpoint.keep_last, rng=rng)
+                keep_last=self.cfg.checkpoint.keep_last, optim_sharding=self.cfg.checkpoint.optim_sharding,
+                rng=rng)
         return self.last_checkpoint
 
     def export_hf(self, checkpoint: Path) -> Path:
