@@ -42,6 +42,7 @@ from megatron_oar.config import Config, save_config, validate
 from megatron_oar.models import read_hf_config
 from megatron_oar.models.model_checkpoint import CheckpointMeta
 from megatron_oar.rollout.sync_check import check_policy_agreement
+from megatron_oar.runtime.distributed import on_rank0
 from megatron_oar.seeds import RANDOM_CREDIT, derive_seed
 from megatron_oar.testing import faults
 from megatron_oar.training import step_checkpoint as ckpt
@@ -97,7 +98,8 @@ class Trainer:
         self.eval_examples = load_eval_examples(cfg, self.tokenizer, train_examples)
         t = cfg.train
         self.optimizer_steps_per_step = t.mini_batches * t.ppo_epochs
-        start = init_checkpoint(cfg.model.path, cfg.run_dir, cfg.model.dtype)
+        start = init_checkpoint(cfg.model.path, cfg.run_dir, cfg.model.dtype,
+                                timeout_minutes=cfg.checkpoint.convert_timeout_minutes)
         self.meta = CheckpointMeta.read(start)
         self.policy = build_policy(hf_config, cfg.model, cfg.optim, checkpoint=start,
                                    total_optimizer_steps=t.steps * self.optimizer_steps_per_step)
@@ -301,15 +303,25 @@ class Trainer:
         return self.last_checkpoint
 
     def export_hf(self, checkpoint: Path) -> Path:
-        """Rank 0 writes ``{run_dir}/hf/<step dir>`` (HF safetensors) with the converter."""
+        """Rank 0 writes ``{run_dir}/hf/<step dir>`` (HF safetensors) with the converter, while the
+        others wait up to ``checkpoint.convert_timeout_minutes`` (``runtime.on_rank0``), under a
+        watchdog deadline of that much and a minute (not ``train.phase_timeout_s``)."""
         from checkpoints_convert.convert import megatron_to_hf
 
         out = Path(self.cfg.run_dir) / "hf" / checkpoint.name
-        if self.rank == 0 and not out.exists():
+
+        def export() -> None:
+            if out.exists():
+                return
             out.parent.mkdir(parents=True, exist_ok=True)
             megatron_to_hf(checkpoint, out, progress=False)
             log.info("exported %s -> %s", checkpoint, out)
-        dist.barrier()
+
+        minutes = self.cfg.checkpoint.convert_timeout_minutes
+        limit = (60 * minutes + 60, f"checkpoint.convert_timeout_minutes={minutes:g} min (and a minute)")
+        with self.watchdog.phase("export_hf", self.step, limit=limit):
+            on_rank0(export, timeout_minutes=minutes, setting="checkpoint.convert_timeout_minutes",
+                     what=f"exporting {checkpoint} to {out}")
         return out
 
     def close(self) -> None:
