@@ -224,3 +224,33 @@ def test_wake_up_frees_torch_cache_first(monkeypatch):
     eng.wake_up(["kv_cache"])
     eng.wake_up(["kv_cache"])  # awake already: nothing
     assert calls == ["sleep(2)", "free", "wake_up(['weights'])", "free", "wake_up(['kv_cache'])"]
+
+
+def test_sleep_frees_what_a_partial_wake_left_awake(monkeypatch):
+    """A sync wakes the weights and may fail before the KV cache wakes; sleep() must still free
+    them. The fake follows vLLM 0.32: its allocator sleeps what is awake and skips what sleeps,
+    and its executor ignores a sleep while the weights sleep ("Executor is already sleeping")."""
+    from megatron_oar.rollout import engine as engine_mod
+    from megatron_oar.rollout.config import RolloutConfig
+
+    class LLM:
+        def __init__(self):
+            self.asleep: set[str] = set()
+
+        def sleep(self, level):
+            if "weights" not in self.asleep:
+                self.asleep = {"weights", "kv_cache"}
+
+        def wake_up(self, tags):
+            self.asleep -= set(tags)
+
+    eng = engine_mod.RolloutEngine.__new__(engine_mod.RolloutEngine)
+    eng.config, eng.sleep_supported, eng._asleep, eng._llm = RolloutConfig(), True, set(), LLM()
+    eng._weights_loaded = True
+    monkeypatch.setattr(engine_mod, "free_torch_cache", lambda: None)
+    for woken in (["weights"], ["kv_cache"], ["weights", "kv_cache"]):
+        eng.sleep()
+        eng.wake_up(woken)
+        assert eng.llm.asleep == {"weights", "kv_cache"} - set(woken)
+        eng.sleep()
+        assert eng.llm.asleep == {"weights", "kv_cache"} and eng._asleep == {"weights", "kv_cache"}, woken
