@@ -52,7 +52,7 @@ from megatron_oar.training.evaluate import evaluate, load_eval_examples
 from megatron_oar.training.inputs import TrainBatch, build_train_batch, load_examples
 from megatron_oar.training.logger import MetricsLogger
 from megatron_oar.training.policy import build_policy, build_reference, init_checkpoint
-from megatron_oar.training.policy_passes import old_logprob_pass, reference_logprobs, update_step
+from megatron_oar.training.policy_passes import no_grad_fp8, old_logprob_pass, reference_logprobs, update_step
 from megatron_oar.training.preemption import Preemption
 from megatron_oar.training.run_context import start_run
 from megatron_oar.training.step_metrics import step_metrics
@@ -106,6 +106,7 @@ class Trainer:
         self.reference = build_reference(hf_config, cfg.model, start) if cfg.loss.kl_coef > 0 else None
         self.hf_files = start / "hf" if (start / "hf").is_dir() else hf_dir
         self.step = 0
+        self.updated = False  # no update in this process yet: delayed FP8 scales still TE's initial ones
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
         self.loss_scale_overflows = 0  # fp16 only: skipped updates the dynamic loss scale handles
@@ -203,9 +204,10 @@ class Trainer:
             sites = locate_probes(batch, cfg.attribution.probe, step, self.finder,
                                   eos_ids={self.tokenizer.eos_token_id, *cfg.rollout.stop_token_ids})
         grouping = {"batching": cfg.train.batching, "max_tokens": cfg.micro_batch_tokens}
+        logprob_fp8 = no_grad_fp8(self.policy.model, trained=self.updated)  # bf16 before the first update
         with self.phase("logprob", n):
             batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(
-                self.policy.model, batch, vocab, mbs, sites=sites, **grouping)
+                self.policy.model, batch, vocab, mbs, sites=sites, fp8=logprob_fp8, **grouping)
             if self.reference is not None:
                 batch.ref_logprobs = reference_logprobs(self.reference, batch, vocab, mbs, **grouping)
         mismatch = check_policy_agreement(batch.rollout_logprobs, batch.old_logprobs, batch.loss_mask,
@@ -219,7 +221,7 @@ class Trainer:
                 attr = compute_importance(self.policy.model, batch, cfg.attribution_config(), vocab_size=vocab,
                                           seq_adv=batch.seq_adv, step=step, tokenizer=self.tokenizer,
                                           sites=sites, teacher=teacher, external_teacher=True,
-                                          teacher_fp8=bool(cfg.model.fp8))  # the logprob pass's
+                                          teacher_fp8=logprob_fp8)  # the logprob pass's
             importance, score_mask, attr_stats, attr_work = attr.importance, attr.score_mask, attr.stats, attr.work
         credit = assign_credit(cfg.shaping, batch.seq_adv, batch.loss_mask, importance=importance,
                                entropy=batch.entropy, score_mask=score_mask,
@@ -228,6 +230,7 @@ class Trainer:
 
         with self.phase("update", n):
             updates = self.update(batch)
+            self.updated = True  # its forwards ran under FP8 autocast with grad: scales set
 
         return step_metrics(self, data=data, batch=batch, credit=credit, updates=updates,
                             attr_stats=attr_stats, attr_work=attr_work, mismatch=mismatch,
