@@ -185,6 +185,7 @@ def _init_checkpoint_worker(tmp: str) -> None:
         assert time.monotonic() - t0 < DEFAULT_TIMEOUT_S, rank
 
 
+@pytest.mark.slow
 def test_hf_conversion_waits_on_a_timeout_sized_for_it(tmp_path):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
@@ -223,6 +224,7 @@ def _export_hf_worker(tmp: str) -> None:
         watchdog.close()
 
 
+@pytest.mark.slow
 def test_hf_export_waits_past_the_phase_limit(tmp_path):
     launch(_export_hf_worker, 2, str(tmp_path))
 

@@ -11,6 +11,8 @@ before any update with them too. On CPU there is no TE: the model is a local-spe
 
 from __future__ import annotations
 
+import pytest
+
 from tests.distributed import launch
 
 
@@ -65,5 +67,6 @@ def _passes_worker() -> None:
         assert not no_grad_fp8(model, trained=True)
 
 
+@pytest.mark.slow
 def test_forward_only_passes_under_delayed_fp8_scaling():
     launch(_passes_worker, 1)
