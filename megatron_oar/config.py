@@ -55,6 +55,9 @@ DEFAULT_BUDGET_ROWS = 4
 LR_SCHEDULES = ("constant", "cosine", "linear")
 EXECUTORS = ("local", "slurm")
 OPTIM_SHARDINGS = ("dp_reshardable", "fully_reshardable")  # checkpoint.optim_sharding (megatron's names)
+# Rank 0 converts an HF model.path at the start and exports HF at the end while the others wait:
+# 72B is ~145 GB to read and write, well past the process group's 30 minutes
+CONVERT_TIMEOUT_MINUTES = 180.0
 _ABSENT = object()
 
 
@@ -172,6 +175,8 @@ class CheckpointConfig:
     optim_sharding: str = OPTIM_SHARDINGS[0]  # the optimizer's format: dp_reshardable (resume at the
     #                                 same TP/PP, any DP) | fully_reshardable (any TP/PP/DP; each save
     #                                 gathers the state over DP in host memory, each load reads it whole)
+    convert_timeout_minutes: float = CONVERT_TIMEOUT_MINUTES  # rank 0 converting model.path (HF) at
+    #                                 the start or exporting HF at the end: how long the others wait
 
 
 @dataclass
@@ -583,6 +588,8 @@ def _check_optimizer_and_run(cfg: Config) -> None:
     _at_least(cfg, "launch.nodes launch.gpus_per_node")
     _at_least(cfg, "launch.max_restarts launch.preemption_grace_s train.phase_timeout_s", 0)
     _at_least(cfg, "parallel.timeout_minutes")
+    _need(cfg.checkpoint.convert_timeout_minutes > 0,
+          f"checkpoint.convert_timeout_minutes={cfg.checkpoint.convert_timeout_minutes}: must be > 0")
     _need(cfg.launch.slurm.max_requeues >= 0,
           f"launch.slurm.max_requeues={cfg.launch.slurm.max_requeues}: must be >= 0")
     _need(cfg.launch.gpu_mem_gib > 0, f"launch.gpu_mem_gib={cfg.launch.gpu_mem_gib}: must be > 0")

@@ -397,6 +397,7 @@ def test_lengths():
     (["optim.adam_beta2=1.0"], r"optim.adam_beta2=1.0"),
     (["checkpoint.keep_last=-1"], r"checkpoint.keep_last=-1"),
     (["checkpoint.optim_sharding=dp_zero"], r"checkpoint.optim_sharding='dp_zero'"),
+    (["checkpoint.convert_timeout_minutes=0"], r"checkpoint.convert_timeout_minutes=0.0: must be > 0"),
     (["data.synthetic.eval_n=0"], r"train.eval_interval=10 needs an eval set"),
     (["train.eval_n=4"], r"train.eval_n=4 with train.eval_temperature=0"),
     (["train.eval_temperature=-1"], r"train.eval_temperature=-1"),

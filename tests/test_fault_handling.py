@@ -17,6 +17,7 @@ from megatron_oar import cli
 from megatron_oar.testing import faults
 from megatron_oar.training.preemption import Preemption
 from megatron_oar.training.watchdog import EXIT_HANG
+from tests.distributed import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,6 +119,114 @@ def test_watchdog_off(tmp_path):
         print("done")
     """, timeout=0)
     assert r.returncode == 0 and r.stdout.strip() == "done"
+
+
+def test_watchdog_phase_with_its_own_limit(tmp_path):
+    """The HF export at the end has its own deadline (checkpoint.convert_timeout_minutes), longer
+    than the phase limit, and a dump naming that key when it passes it."""
+    r = _watch(tmp_path, """
+        with w.phase("export_hf", 9, limit=(2.0, "checkpoint.convert_timeout_minutes=0.0167 min")):
+            time.sleep(1.3)            # past train.phase_timeout_s=1, within its own limit
+        with w.phase("export_hf", 9, limit=(0.5, "checkpoint.convert_timeout_minutes=0.0083 min")):
+            time.sleep(30)
+    """)
+    assert r.returncode == EXIT_HANG, r.stderr
+    assert ("rank 3: phase 'export_hf' of step 9 ran past checkpoint.convert_timeout_minutes=0.0083 min "
+            "(attempt 2)") in r.stderr
+
+
+# ------------------------------------------------------------------------ rank 0 working alone
+# The HF conversion at the start and the HF export at the end run on rank 0 while the others wait.
+# In these worlds the default group's collectives time out after DEFAULT_TIMEOUT_S, standing in for
+# NCCL's 30 minutes (parallel.timeout_minutes); rank 0's work takes SLOW_S, longer than that.
+
+DEFAULT_TIMEOUT_S = 2.0
+SLOW_S = 3.0
+
+
+def _slow_converter(cmd, *, timeout, **_):
+    """``subprocess.run`` of the HF -> megatron converter child, SLOW_S long (honouring ``timeout``
+    as subprocess.run does); ``--dtype fail`` makes it fail at once."""
+    import time
+
+    from megatron_oar.models.model_checkpoint import META_FILE
+
+    if "fail" in cmd:
+        return subprocess.CompletedProcess(cmd, 1, "", "converter: no such dtype")
+    time.sleep(min(SLOW_S, timeout))
+    if SLOW_S > timeout:
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    out = Path(cmd[cmd.index("--out") + 1])
+    out.mkdir(parents=True)
+    (out / META_FILE).write_text("{}")
+    return subprocess.CompletedProcess(cmd, 0, "", "")
+
+
+def _init_checkpoint_worker(tmp: str) -> None:
+    import time
+    from datetime import timedelta
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from megatron_oar.training import policy
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+    rank, hf = dist.get_rank(), Path(tmp) / "hf"
+    with mock.patch.object(policy.subprocess, "run", _slow_converter):
+        t0 = time.monotonic()  # a sized timeout longer than rank 0's work: everyone waits it out
+        out = policy.init_checkpoint(hf, Path(tmp) / "run1", "bf16", timeout_minutes=0.25)
+        assert out == Path(tmp) / "run1" / policy.INIT_CHECKPOINT and time.monotonic() - t0 >= SLOW_S
+        with pytest.raises(TimeoutError, match=r"checkpoint\.convert_timeout_minutes=0\.02 minutes"):
+            policy.init_checkpoint(hf, Path(tmp) / "run2", "bf16", timeout_minutes=0.02)  # 1.2 s
+        t0 = time.monotonic()  # rank 0 fails: every rank raises at once, naming the cause
+        with pytest.raises(RuntimeError, match="no such dtype"):
+            policy.init_checkpoint(hf, Path(tmp) / "run3", "fail", timeout_minutes=0.25)
+        assert time.monotonic() - t0 < DEFAULT_TIMEOUT_S, rank
+
+
+@pytest.mark.slow
+def test_hf_conversion_waits_on_a_timeout_sized_for_it(tmp_path):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    launch(_init_checkpoint_worker, 2, str(tmp_path))
+
+
+def _export_hf_worker(tmp: str) -> None:
+    import time
+    from datetime import timedelta
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from checkpoints_convert import convert
+    from megatron_oar.training.trainer import Trainer
+    from megatron_oar.training.watchdog import PhaseWatchdog
+
+    def slow_export(checkpoint, out, **_):
+        time.sleep(SLOW_S)
+        out.mkdir()
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+    rank = dist.get_rank()
+    # the watchdog's phase limit (1 s) is shorter than the export: it must not end the waiting ranks
+    watchdog = PhaseWatchdog(1.0, rank=rank, dump_dir=Path(tmp) / "hangs")
+    cfg = SimpleNamespace(run_dir=tmp, checkpoint=SimpleNamespace(convert_timeout_minutes=0.25))
+    trainer = SimpleNamespace(cfg=cfg, step=7, rank=rank, watchdog=watchdog)
+    try:
+        with watchdog.phase("checkpoint", 7):  # the last save: "after checkpoint" is armed now
+            pass
+        with mock.patch.object(convert, "megatron_to_hf", slow_export):
+            out = Trainer.export_hf(trainer, Path(tmp) / "checkpoints" / "step_00000007")
+        assert out == Path(tmp) / "hf" / "step_00000007" and out.is_dir()
+    finally:
+        watchdog.close()
+
+
+@pytest.mark.slow
+def test_hf_export_waits_past_the_phase_limit(tmp_path):
+    launch(_export_hf_worker, 2, str(tmp_path))
 
 
 # --------------------------------------------------------------------------------- preemption

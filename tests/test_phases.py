@@ -7,7 +7,11 @@
   and every generation while it is fully awake;
 * the trainer's phases are the phases ``oar plan`` budgets (``plan.trainer_phases``), so the plan
   cannot assume a sleeping vLLM where the loop keeps it awake;
-* ``RolloutEngine.wake_up`` frees PyTorch's cached blocks before vLLM re-allocates.
+* ``RolloutEngine.wake_up`` frees PyTorch's cached blocks before vLLM re-allocates;
+* (issue 28, 6c) on an FP8 model under delayed scaling the forward-only passes enter FP8 autocast
+  only where TE has set its scales: never the reference, the old-logprob pass after the first
+  update (the same run: the model's ``config.fp8`` set once built, megatron's ``get_fp8_context``
+  a recording fake, as there is no Transformer Engine on CPU).
 """
 
 from __future__ import annotations
@@ -88,6 +92,10 @@ class RecordingEngine:
 
 
 def _run_worker(hf_dir: str, run_dir: str, out: str) -> None:
+    from contextlib import nullcontext
+
+    import torch
+    from megatron.core.transformer import transformer_block
     from transformers import AutoTokenizer
 
     import megatron_oar.training.trainer as trainer_mod
@@ -106,13 +114,25 @@ def _run_worker(hf_dir: str, run_dir: str, out: str) -> None:
         "log.console=false",
         "rollout.max_logprob_mismatch=null"])  # the fake rollouts' log-probs are made up
     trace: list = []
+    passes: list = []  # per Megatron pass: name, its fp8 / teacher_fp8 arguments, FP8 autocasts entered
     engine = RecordingEngine(cfg.rollout, AutoTokenizer.from_pretrained(hf_dir), trace)
     for name in MEGATRON_PASSES:  # each pass records what the engine held while it ran
         def recorded(*args, _name=name, _fn=getattr(trainer_mod, name), **kwargs):
             trace.append((_name, sorted(engine.asleep)))
+            passes.append({"name": _name, "fp8": kwargs.get("fp8"), "teacher_fp8": kwargs.get("teacher_fp8"),
+                           "autocasts": []})
             return _fn(*args, **kwargs)
         setattr(trainer_mod, name, recorded)
+
+    def fp8_context(config, layer_no=-1, is_init=False):  # megatron calls it where config.fp8 is set
+        passes[-1]["autocasts"].append(torch.is_grad_enabled())
+        return nullcontext()
+
+    get_fp8_context = transformer_block.get_fp8_context
+    transformer_block.get_fp8_context = fp8_context  # this pool rank's: restored below
     trainer = Trainer(cfg, engine=engine)
+    for model in (trainer.policy.gpt, trainer.reference):  # FP8 (delayed scaling) from here on
+        model.config.fp8 = "hybrid"
     phase = trainer.logger.phase
 
     def traced_phase(name):
@@ -120,8 +140,11 @@ def _run_worker(hf_dir: str, run_dir: str, out: str) -> None:
         return phase(name)
 
     trainer.logger.phase = traced_phase
-    trainer.run()
-    Path(out).write_text(json.dumps({"trace": trace,
+    try:
+        trainer.run()
+    finally:
+        transformer_block.get_fp8_context = get_fp8_context
+    Path(out).write_text(json.dumps({"trace": trace, "passes": passes,
                                      "plan": [p.name for p in trainer_phases(cfg)]}))
 
 
@@ -166,6 +189,25 @@ def test_trainer_phases_are_the_plans(run):
     # the step-0 evaluation, then step / evaluation / checkpoint (the last step's) x 2
     assert phases == evaluation + step + evaluation + step + evaluation + ["checkpoint"], phases
     assert sorted(set(phases)) == sorted(run["plan"])
+
+
+@pytest.mark.slow
+def test_forward_only_passes_enter_fp8_once_scales_are_set(run):
+    """TE updates delayed-scaling FP8 scales only when an autocast exits with grad enabled, so
+    the reference (never trained) runs in bf16, and so does the first old-logprob pass (before any
+    update: TE's initial scales); the updates run in FP8 and set them, so the second step's
+    old-logprob pass (and the probe teacher it hands attribution) is FP8."""
+    by_name: dict[str, list] = {}
+    for p in run["passes"]:
+        by_name.setdefault(p["name"], []).append(p)
+    logprob = by_name["old_logprob_pass"]
+    assert [p["fp8"] for p in logprob] == [False, True]
+    assert logprob[0]["autocasts"] == [] and logprob[1]["autocasts"] and not any(logprob[1]["autocasts"])
+    assert all(p["autocasts"] == [] for p in by_name["reference_logprobs"])
+    assert all(p["autocasts"] and all(p["autocasts"]) for p in by_name["update_step"])  # with grad
+    attribution = by_name["compute_importance"]  # outside FP8 (attribution.allow_fp8 false)
+    assert [p["teacher_fp8"] for p in attribution] == [False, True]
+    assert all(p["autocasts"] == [] for p in attribution)
 
 
 def test_plan_phases_follow_the_config():
@@ -224,3 +266,33 @@ def test_wake_up_frees_torch_cache_first(monkeypatch):
     eng.wake_up(["kv_cache"])
     eng.wake_up(["kv_cache"])  # awake already: nothing
     assert calls == ["sleep(2)", "free", "wake_up(['weights'])", "free", "wake_up(['kv_cache'])"]
+
+
+def test_sleep_frees_what_a_partial_wake_left_awake(monkeypatch):
+    """A sync wakes the weights and may fail before the KV cache wakes; sleep() must still free
+    them. The fake follows vLLM 0.32: its allocator sleeps what is awake and skips what sleeps,
+    and its executor ignores a sleep while the weights sleep ("Executor is already sleeping")."""
+    from megatron_oar.rollout import engine as engine_mod
+    from megatron_oar.rollout.config import RolloutConfig
+
+    class LLM:
+        def __init__(self):
+            self.asleep: set[str] = set()
+
+        def sleep(self, level):
+            if "weights" not in self.asleep:
+                self.asleep = {"weights", "kv_cache"}
+
+        def wake_up(self, tags):
+            self.asleep -= set(tags)
+
+    eng = engine_mod.RolloutEngine.__new__(engine_mod.RolloutEngine)
+    eng.config, eng.sleep_supported, eng._asleep, eng._llm = RolloutConfig(), True, set(), LLM()
+    eng._weights_loaded = True
+    monkeypatch.setattr(engine_mod, "free_torch_cache", lambda: None)
+    for woken in (["weights"], ["kv_cache"], ["weights", "kv_cache"]):
+        eng.sleep()
+        eng.wake_up(woken)
+        assert eng.llm.asleep == {"weights", "kv_cache"} - set(woken)
+        eng.sleep()
+        assert eng.llm.asleep == {"weights", "kv_cache"} and eng._asleep == {"weights", "kv_cache"}, woken

@@ -224,7 +224,9 @@ def run(cfg, *, trajectories: int, per_prompt: int, methods: list[str], k_percen
     rt, hf_config, arch, tok, pad_id, control = (ctx.rt, ctx.hf_config, ctx.arch, ctx.tokenizer,
                                                   ctx.pad_id, ctx.control)
     examples = _examples(cfg, tok, split)
-    model = build_reference(hf_config, cfg.model, init_checkpoint(cfg.model.path, out, cfg.model.dtype))
+    start = init_checkpoint(cfg.model.path, out, cfg.model.dtype,
+                            timeout_minutes=cfg.checkpoint.convert_timeout_minutes)
+    model = build_reference(hf_config, cfg.model, start)
     engine = RolloutEngine(cfg.model.hf_dir(), cfg.rollout, tokenizer=cfg.model.tokenizer_dir())
     scorer = RewardScorer(cfg.rewards)
     try:

@@ -131,6 +131,9 @@ class _QuietRotaryReload(logging.Filter):
 _QUIET_ROTARY = _QuietRotaryReload()
 
 
+SLEEP_TAGS = frozenset({"weights", "kv_cache"})  # what vLLM's sleep frees and wake_up(tags) restores
+
+
 def free_torch_cache() -> None:
     """``gc.collect(); torch.cuda.empty_cache()``: unreferenced tensors and PyTorch's cached
     blocks go back to the device (a no-op without CUDA)."""
@@ -291,11 +294,17 @@ class RolloutEngine:
         return bool(self._asleep)
 
     def sleep(self) -> None:
-        """Free the engine's GPU memory for training (level from ``config.sleep_level``)."""
-        if self._sleep_noop("sleep") or self._asleep:
+        """Free the engine's GPU memory for training (level from ``config.sleep_level``), also
+        when only part of it sleeps (a sync woke the weights, then failed before the KV cache
+        woke): vLLM's allocator frees what is awake and skips what sleeps. vLLM ignores a sleep
+        while the weights sleep ("already sleeping"), so a KV cache woken alone is freed by
+        waking the weights first."""
+        if self._sleep_noop("sleep") or self._asleep == SLEEP_TAGS:
             return
+        if "weights" in self._asleep:
+            self.wake_up(["weights"])
         self.llm.sleep(level=self.config.sleep_level)
-        self._asleep = {"weights", "kv_cache"}
+        self._asleep = set(SLEEP_TAGS)
         if self.config.sleep_level >= 2:
             self._weights_loaded = False  # level 2 discards them; the next sync restores them
 

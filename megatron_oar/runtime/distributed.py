@@ -13,8 +13,11 @@ import logging
 import os
 import random
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,6 +26,8 @@ from megatron_oar.runtime import cpu_backend
 from megatron_oar.runtime.kernels import log_kernel_report
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -190,3 +195,40 @@ def destroy_runtime() -> None:
     for name in _SET_BY_US:
         os.environ.pop(name, None)
     _SET_BY_US.clear()
+
+
+def on_rank0(work: Callable[[], T], *, timeout_minutes: float, setting: str, what: str) -> T | None:
+    """Collective: rank 0 runs ``work()`` alone while the other ranks wait for it on a gloo group
+    of their own whose timeout is ``timeout_minutes`` (``setting``: the key that sets it), not
+    at a barrier of the default group, whose timeout (``parallel.timeout_minutes``, after which
+    NCCL ends the process) is sized for collectives, not for rank 0 converting a 72B model.
+
+    ``work`` failing on rank 0 raises on every rank; rank 0 taking longer than the timeout
+    raises a ``TimeoutError`` naming ``setting`` on every rank. Returns ``work()``'s result on
+    rank 0, None on the others."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+    rank, t0 = dist.get_rank(), time.monotonic()
+    late = (f"{what} on rank 0 took longer than {setting}={timeout_minutes:g} minutes; raise "
+            "it for a model this size (the other ranks wait that long on a gloo group)")
+    try:
+        result, error, outcome = None, None, [None]  # outcome: rank 0's error, as text
+        if rank == 0:
+            try:
+                result = work()
+            except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here
+                error, outcome = e, [f"{type(e).__name__}: {e}"]
+            if time.monotonic() - t0 >= 60 * timeout_minutes:  # the others have given up
+                raise TimeoutError(late) from error
+        try:
+            dist.broadcast_object_list(outcome, src=0, group=group)
+        except RuntimeError as e:  # gloo's timeout, or a peer that died
+            if time.monotonic() - t0 >= 60 * timeout_minutes:
+                raise TimeoutError(f"rank {rank}: {late}") from e
+            raise RuntimeError(f"rank {rank}: waiting for rank 0 ({what}) failed: {e}") from e
+        if error is not None:
+            raise error
+        if outcome[0] is not None:
+            raise RuntimeError(f"{what} failed on rank 0: {outcome[0]}")
+        return result
+    finally:
+        dist.destroy_process_group(group)

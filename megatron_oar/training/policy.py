@@ -4,7 +4,8 @@ schedule (megatron's ``OptimizerParamScheduler``).
 
 Initial weights come from ``model.path``: an oar checkpoint (``oar-convert hf-to-megatron``, or a
 step directory a training run wrote) is loaded as is; an HF directory is converted once, by rank 0
-in a child process, into ``{run_dir}/init_checkpoint`` (reused by later runs and resumes).
+in a child process, into ``{run_dir}/init_checkpoint`` (reused by later runs and resumes), while
+the other ranks wait on a gloo group for up to ``checkpoint.convert_timeout_minutes``.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
+from megatron_oar.config import CONVERT_TIMEOUT_MINUTES
 from megatron_oar.models import DTYPES, build_gpt_model
 from megatron_oar.models.model_checkpoint import META_FILE, load_model
-from megatron_oar.runtime.distributed import env_without_launcher
+from megatron_oar.runtime.distributed import env_without_launcher, on_rank0
 
 if TYPE_CHECKING:  # megatron-core's optimizer and DDP modules load only when a policy is built
     from megatron.core.distributed import DistributedDataParallel
@@ -43,8 +43,10 @@ class Policy:
     scheduler: OptimizerParamScheduler
 
 
-def init_checkpoint(model_path: str | Path, run_dir: str | Path, dtype: str) -> Path:
-    """Collective: the oar checkpoint to start from (converting an HF directory on rank 0)."""
+def init_checkpoint(model_path: str | Path, run_dir: str | Path, dtype: str, *,
+                    timeout_minutes: float = CONVERT_TIMEOUT_MINUTES) -> Path:
+    """Collective: the oar checkpoint to start from (converting an HF directory on rank 0, while
+    the other ranks wait up to ``timeout_minutes``: ``checkpoint.convert_timeout_minutes``)."""
     path = Path(model_path)
     if (path / META_FILE).is_file():
         return path
@@ -52,18 +54,24 @@ def init_checkpoint(model_path: str | Path, run_dir: str | Path, dtype: str) -> 
         raise FileNotFoundError(f"model.path={model_path}: neither an oar checkpoint ({META_FILE}) "
                                 "nor an HF model directory (config.json)")
     out = Path(run_dir) / INIT_CHECKPOINT
-    if dist.get_rank() == 0 and not (out / META_FILE).is_file():
+
+    def convert() -> None:
+        if (out / META_FILE).is_file():
+            return
         out.parent.mkdir(parents=True, exist_ok=True)
         # The converter runs as its own one-process megatron world, so not in this torchrun rank.
         env = env_without_launcher()
         log.info("converting %s -> %s (once; later runs reuse it)", path, out)
         done = subprocess.run([sys.executable, "-m", "checkpoints_convert.cli", "hf-to-megatron",
                                "--hf", str(path), "--out", str(out), "--dtype", dtype,
-                               "--no-progress"], env=env, capture_output=True, text=True)
+                               "--no-progress"], env=env, capture_output=True, text=True,
+                              timeout=60 * timeout_minutes)
         if done.returncode != 0:
             raise RuntimeError(f"converting model.path={model_path} to {out} failed:\n"
                                f"{done.stderr[-3000:]}")
-    dist.barrier()
+
+    on_rank0(convert, timeout_minutes=timeout_minutes, setting="checkpoint.convert_timeout_minutes",
+             what=f"converting model.path={model_path} to {out}")
     return out
 
 

@@ -6,6 +6,10 @@
 * :func:`update_step`: one optimizer step on a mini-batch: PPO-clip forward/backward through
   megatron's schedule, gradient checks (the non-finite guard), clipping and Adam.
 
+On an FP8 model the forward-only passes run under FP8 autocast only where its scales are
+meaningful (:func:`no_grad_fp8`): under delayed scaling the reference model runs in bf16, and so
+does the old-logprob pass until the policy's first update in the process.
+
 Every ``[B, L]`` tensor is aligned with ``tokens``: column ``t`` holds the value for token ``t``
 (computed from the logits at ``t - 1``); column 0 is never a response token. Both passes run
 on tokens right-padded to the model's sequence multiple (``models.padding``: sequence
@@ -22,6 +26,7 @@ off, where TE reduces nothing, so their counts may differ.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, fields
 
@@ -35,8 +40,34 @@ from megatron_oar.models import vocab_parallel as vp
 from megatron_oar.models.forward import MicroInput, forward_map, forward_rows, run_schedule
 from megatron_oar.models.micro_batches import micro_batches
 from megatron_oar.models.padding import pad_to, sequence_multiple
-from megatron_oar.models.parallel import broadcast_from_stage
+from megatron_oar.models.parallel import broadcast_from_stage, unwrap
 from megatron_oar.training.inputs import TrainBatch
+
+
+def no_grad_fp8(model, *, trained: bool) -> bool:
+    """Whether a forward-only pass of ``model`` may run under its FP8 autocast. Under delayed
+    scaling, TE updates the scales from the amax history only when the outermost autocast exits
+    with grad enabled (``FP8GlobalStateManager.autocast_exit`` tests ``torch.is_grad_enabled()``),
+    so forward-only passes never update them: a model that has run no training forward in this
+    process (``trained``) still has TE's initial scales (1.0, with which E4M3 flushes small
+    weights and activations), and a frozen reference model never gets others. Current-scaling
+    recipes (tensorwise, mxfp8, blockwise) scale each tensor from itself as it is cast."""
+    config = unwrap(model).config
+    return bool(config.fp8) and (trained or config.fp8_recipe != "delayed")
+
+
+@contextlib.contextmanager
+def _precision(model, fp8: bool):
+    """``fp8=False``: the block runs outside FP8 autocast (bf16) on an FP8 model (megatron enters
+    TE's autocast only where ``config.fp8`` is set)."""
+    config = unwrap(model).config
+    saved = config.fp8
+    if not fp8:
+        config.fp8 = None
+    try:
+        yield
+    finally:
+        config.fp8 = saved
 
 
 def _shifted(values: torch.Tensor) -> torch.Tensor:
@@ -47,13 +78,21 @@ def _shifted(values: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def old_logprob_pass(model, batch: TrainBatch, vocab_size: int, micro_batch_size: int, *,
                      sites: ProbeSites | None = None, batching: str = "padded",
-                     max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, ProbeOutput | None]:
+                     max_tokens: int | None = None,
+                     fp8: bool = True) -> tuple[torch.Tensor, torch.Tensor, ProbeOutput | None]:
     """``(logprobs [B, L], entropy [B, L], teacher)`` under the current weights, forward only,
-    in micro-batches as :func:`update_step` groups them.
+    in micro-batches as :func:`update_step` groups them; ``fp8=False`` runs it outside FP8
+    autocast on an FP8 model (the trainer: :func:`no_grad_fp8`).
 
     Log-probs and entropies are returned on every pipeline stage (broadcast from the last);
     the teacher (vocab-parallel, ``sites`` order) exists on the last stage only, else None.
     """
+    with _precision(model, fp8):
+        return _old_logprobs(model, batch, vocab_size, micro_batch_size, sites, batching, max_tokens)
+
+
+def _old_logprobs(model, batch: TrainBatch, vocab_size: int, micro_batch_size: int,
+                  sites: ProbeSites | None, batching: str, max_tokens: int | None):
     groups = _groups(model, batch, micro_batch_size, batching, max_tokens)
     picked: list[tuple[torch.Tensor, torch.Tensor]] = []  # (site indices, their logits)
     counter = [0]
@@ -87,11 +126,13 @@ def old_logprob_pass(model, batch: TrainBatch, vocab_size: int, micro_batch_size
 
 def reference_logprobs(ref_model, batch: TrainBatch, vocab_size: int, micro_batch_size: int, *,
                        batching: str = "padded", max_tokens: int | None = None) -> torch.Tensor:
-    """``[B, L]`` log-probs of the sampled tokens under the frozen reference model."""
-    groups = _groups(ref_model, batch, micro_batch_size, batching, max_tokens)
-    out = _run_grouped(ref_model, batch, groups, batching,
-                       lambda logits, tokens: _shifted(vp.target_logprobs(
-                           logits[:, :-1], tokens[:, 1:], vocab_size).float()))
+    """``[B, L]`` log-probs of the sampled tokens under the frozen reference model (in bf16 under
+    delayed FP8 scaling: it never trains, so its scales would stay TE's initial ones)."""
+    with _precision(ref_model, no_grad_fp8(ref_model, trained=False)):
+        groups = _groups(ref_model, batch, micro_batch_size, batching, max_tokens)
+        out = _run_grouped(ref_model, batch, groups, batching,
+                           lambda logits, tokens: _shifted(vp.target_logprobs(
+                               logits[:, :-1], tokens[:, 1:], vocab_size).float()))
     if out is None:
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
     return broadcast_from_stage(out.contiguous(), first=False)

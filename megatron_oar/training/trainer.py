@@ -43,6 +43,7 @@ from megatron_oar.config import Config, save_config, validate
 from megatron_oar.models import read_hf_config
 from megatron_oar.models.model_checkpoint import CheckpointMeta
 from megatron_oar.rollout.sync_check import check_policy_agreement
+from megatron_oar.runtime.distributed import on_rank0
 from megatron_oar.runtime.stop_signals import start_resource_tracker_shielded
 from megatron_oar.seeds import RANDOM_CREDIT, derive_seed
 from megatron_oar.testing import faults
@@ -53,7 +54,7 @@ from megatron_oar.training.evaluate import evaluate, load_eval_examples
 from megatron_oar.training.inputs import TrainBatch, build_train_batch, load_examples
 from megatron_oar.training.logger import MetricsLogger
 from megatron_oar.training.policy import build_policy, build_reference, init_checkpoint
-from megatron_oar.training.policy_passes import old_logprob_pass, reference_logprobs, update_step
+from megatron_oar.training.policy_passes import no_grad_fp8, old_logprob_pass, reference_logprobs, update_step
 from megatron_oar.training.preemption import Preemption, StepDropped
 from megatron_oar.training.run_context import start_run
 from megatron_oar.training.step_metrics import step_metrics
@@ -108,13 +109,15 @@ class Trainer:
         self.eval_examples = load_eval_examples(cfg, self.tokenizer, train_examples)
         t = cfg.train
         self.optimizer_steps_per_step = t.mini_batches * t.ppo_epochs
-        start = init_checkpoint(cfg.model.path, cfg.run_dir, cfg.model.dtype)
+        start = init_checkpoint(cfg.model.path, cfg.run_dir, cfg.model.dtype,
+                                timeout_minutes=cfg.checkpoint.convert_timeout_minutes)
         self.meta = CheckpointMeta.read(start)
         self.policy = build_policy(hf_config, cfg.model, cfg.optim, checkpoint=start,
                                    total_optimizer_steps=t.steps * self.optimizer_steps_per_step)
         self.reference = build_reference(hf_config, cfg.model, start) if cfg.loss.kl_coef > 0 else None
         self.hf_files = start / "hf" if (start / "hf").is_dir() else hf_dir
         self.step = 0
+        self.updated = False  # no update in this process yet: delayed FP8 scales still TE's initial ones
         self.nonfinite_in_row = 0
         self.nonfinite_total = 0
         self.loss_scale_overflows = 0  # fp16 only: skipped updates the dynamic loss scale handles
@@ -232,9 +235,10 @@ class Trainer:
             sites = locate_probes(batch, cfg.attribution.probe, step, self.finder,
                                   eos_ids={self.tokenizer.eos_token_id, *cfg.rollout.stop_token_ids})
         grouping = {"batching": cfg.train.batching, "max_tokens": cfg.micro_batch_tokens}
+        logprob_fp8 = no_grad_fp8(self.policy.model, trained=self.updated)  # bf16 before the first update
         with self.phase("logprob", n):
             batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(
-                self.policy.model, batch, vocab, mbs, sites=sites, **grouping)
+                self.policy.model, batch, vocab, mbs, sites=sites, fp8=logprob_fp8, **grouping)
             if self.reference is not None:
                 batch.ref_logprobs = reference_logprobs(self.reference, batch, vocab, mbs, **grouping)
         mismatch = check_policy_agreement(batch.rollout_logprobs, batch.old_logprobs, batch.loss_mask,
@@ -248,7 +252,7 @@ class Trainer:
                 attr = compute_importance(self.policy.model, batch, cfg.attribution_config(), vocab_size=vocab,
                                           seq_adv=batch.seq_adv, step=step, tokenizer=self.tokenizer,
                                           sites=sites, teacher=teacher, external_teacher=True,
-                                          teacher_fp8=bool(cfg.model.fp8))  # the logprob pass's
+                                          teacher_fp8=logprob_fp8)  # the logprob pass's
             importance, score_mask, attr_stats, attr_work = attr.importance, attr.score_mask, attr.stats, attr.work
         credit = assign_credit(cfg.shaping, batch.seq_adv, batch.loss_mask, importance=importance,
                                entropy=batch.entropy, score_mask=score_mask,
@@ -257,6 +261,7 @@ class Trainer:
 
         with self.phase("update", n):
             updates = self.update(batch)
+            self.updated = True  # its forwards ran under FP8 autocast with grad: scales set
 
         return step_metrics(self, data=data, batch=batch, credit=credit, updates=updates,
                             attr_stats=attr_stats, attr_work=attr_work, mismatch=mismatch,
@@ -335,15 +340,25 @@ class Trainer:
         return self.last_checkpoint
 
     def export_hf(self, checkpoint: Path) -> Path:
-        """Rank 0 writes ``{run_dir}/hf/<step dir>`` (HF safetensors) with the converter."""
+        """Rank 0 writes ``{run_dir}/hf/<step dir>`` (HF safetensors) with the converter, while the
+        others wait up to ``checkpoint.convert_timeout_minutes`` (``runtime.on_rank0``), under a
+        watchdog deadline of that much and a minute (not ``train.phase_timeout_s``)."""
         from checkpoints_convert.convert import megatron_to_hf
 
         out = Path(self.cfg.run_dir) / "hf" / checkpoint.name
-        if self.rank == 0 and not out.exists():
+
+        def export() -> None:
+            if out.exists():
+                return
             out.parent.mkdir(parents=True, exist_ok=True)
             megatron_to_hf(checkpoint, out, progress=False)
             log.info("exported %s -> %s", checkpoint, out)
-        dist.barrier()
+
+        minutes = self.cfg.checkpoint.convert_timeout_minutes
+        limit = (60 * minutes + 60, f"checkpoint.convert_timeout_minutes={minutes:g} min (and a minute)")
+        with self.watchdog.phase("export_hf", self.step, limit=limit):
+            on_rank0(export, timeout_minutes=minutes, setting="checkpoint.convert_timeout_minutes",
+                     what=f"exporting {checkpoint} to {out}")
         return out
 
     def close(self) -> None:

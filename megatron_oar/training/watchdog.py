@@ -40,7 +40,7 @@ class PhaseWatchdog:
         self.rank, self.attempt, self.setting = rank, attempt, setting
         self.dump_path = Path(dump_dir) / f"attempt{attempt}_rank{rank:05d}.txt"
         self._lock = threading.Lock()
-        self._armed: tuple[str, int | None, float] | None = None  # phase, step, deadline
+        self._armed: tuple[str, int | None, float, str] | None = None  # phase, step, deadline, limit
         self._depth = 0
         self._wake = threading.Event()
         self._closed = False
@@ -50,10 +50,12 @@ class PhaseWatchdog:
             self._thread.start()
 
     @contextlib.contextmanager
-    def phase(self, name: str, step: int | None):
+    def phase(self, name: str, step: int | None, *, limit: tuple[float, str] | None = None):
         """Arms the deadline for the block (nested blocks keep the outer one). When it ends, the
         time until the next phase starts has its own deadline (named after the phase before), so
-        no code between phases (a collective, say) runs unwatched; :meth:`close` ends it."""
+        no code between phases (a collective, say) runs unwatched; :meth:`close` ends it.
+        ``limit``: this block's own ``(seconds, the setting it comes from)`` instead of
+        ``timeout_s`` (the HF export at the end: ``checkpoint.convert_timeout_minutes``)."""
         if self._thread is None or self._depth:  # off, or nested: the outer deadline holds
             self._depth += 1
             try:
@@ -62,7 +64,7 @@ class PhaseWatchdog:
                 self._depth -= 1
             return
         self._depth = 1
-        self._arm(name, step)
+        self._arm(name, step, limit)
         try:
             yield
         finally:
@@ -70,10 +72,11 @@ class PhaseWatchdog:
             if not self._closed:
                 self._arm(f"after {name}", step)
 
-    def _arm(self, name: str, step: int | None) -> None:
+    def _arm(self, name: str, step: int | None, limit: tuple[float, str] | None = None) -> None:
+        seconds, setting = limit or (self.timeout_s, f"{self.setting}={self.timeout_s:g} s")
         with self._lock:
-            self._armed = (name, step, time.monotonic() + self.timeout_s)
-        faulthandler.dump_traceback_later(self.timeout_s + BACKSTOP_S, exit=True)
+            self._armed = (name, step, time.monotonic() + seconds, setting)
+        faulthandler.dump_traceback_later(seconds + BACKSTOP_S, exit=True)
         self._wake.set()
 
     def close(self) -> None:
@@ -93,7 +96,7 @@ class PhaseWatchdog:
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            name, step, deadline = armed
+            name, step, deadline, limit = armed
             left = deadline - time.monotonic()
             if left > 0:
                 self._wake.wait(min(left, 1.0))
@@ -101,13 +104,12 @@ class PhaseWatchdog:
                 continue
             with self._lock:
                 if self._armed is armed:  # still the same phase: it hung
-                    self._expire(name, step)
+                    self._expire(name, step, limit)
 
-    def _expire(self, name: str, step: int | None) -> None:
+    def _expire(self, name: str, step: int | None, limit: str) -> None:
         where = f"phase '{name}'" + (f" of step {step}" if step is not None else "")
-        header = (f"rank {self.rank}: {where} ran past {self.setting}="
-                  f"{self.timeout_s:g} s (attempt {self.attempt}); the stacks of its threads "
-                  f"follow (also in {self.dump_path}); exiting with {EXIT_HANG} so torchrun "
+        header = (f"rank {self.rank}: {where} ran past {limit} (attempt {self.attempt}); the "
+                  f"stacks of its threads follow (also in {self.dump_path}); exiting with {EXIT_HANG} so torchrun "
                   "restarts the group from the newest checkpoint (launch.max_restarts)")
         print(header, file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
