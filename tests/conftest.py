@@ -96,7 +96,6 @@ def _no_world_left_behind():
 # anything left then is reported with its command line, killed, and fails the session.
 
 PR_SET_CHILD_SUBREAPER = 36
-LEFTOVER_GRACE_S = 10.0
 
 
 def pytest_configure(config):
@@ -106,24 +105,6 @@ def pytest_configure(config):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the check below sees direct children only
         pass
-
-
-def _children() -> dict[int, str]:
-    """Live (not zombie) child processes of this one: pid -> command line."""
-    import os
-
-    me, out = os.getpid(), {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read().rsplit(")", 1)[1].split()
-            if int(stat[1]) != me or stat[0] == "Z":
-                continue
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                out[int(pid)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
 
 
 def _reap() -> None:
@@ -144,6 +125,7 @@ def pytest_sessionfinish(session, exitstatus):
     import time
 
     from tests.distributed import shutdown_pool
+    from tests.processes import GRACE_S, children
 
     shutdown_pool()
     if not os.path.isdir("/proc"):
@@ -151,10 +133,10 @@ def pytest_sessionfinish(session, exitstatus):
     # multiprocessing's resource tracker and forkserver (the reward pool's) serve this process
     # and end with it (each exits when the pipe from its parent closes)
     ours = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
-    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    deadline = time.monotonic() + GRACE_S
     while True:
         _reap()
-        left = {p: c for p, c in _children().items() if not any(o in c for o in ours)}
+        left = {p: c for p, c in children(os.getpid()).items() if not any(o in c for o in ours)}
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.5)

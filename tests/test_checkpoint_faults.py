@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import shutil
-import time
 import zlib
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import torch.multiprocessing as mp
 from megatron_oar.models.model_checkpoint import CheckpointError
 from megatron_oar.training import step_checkpoint as ckpt
 from tests.distributed import launch, launch_and_load, launch_fresh, save_gathered
+from tests.processes import alive, wait_gone
 from tests.tiny import make_tiny_qwen2
 
 LOGGER = "megatron_oar.training.step_checkpoint"
@@ -508,16 +508,8 @@ def test_a_killed_rank_leaves_no_writer_process(tmp_path):
     helpers = [int(p) for p in out.read_text().split()]
     assert helpers, out.read_text()  # the writer's Manager server, a child of the killed process
 
-    def running(pid: int) -> bool:  # a zombie (dead, re-parented to pytest, not yet reaped) is not
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except (OSError, IndexError):
-            return False
-
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(map(running, helpers)):
-        time.sleep(0.2)
-    alive = [p for p in helpers if running(p)]
-    for p in alive:
+    # a zombie (dead, re-parented to pytest, not yet reaped) is not alive
+    left = wait_gone(lambda: {p: "" for p in helpers if alive(p)})
+    for p in left:
         os.kill(p, 9)
-    assert not alive, f"helper processes {alive} outlived the killed rank"
+    assert not left, f"helper processes {sorted(left)} outlived the killed rank"

@@ -36,6 +36,7 @@ import torch
 
 from megatron_oar.runtime import env_without_launcher
 from tests.distributed import free_port
+from tests.processes import carrying, wait_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
@@ -46,6 +47,9 @@ COMMON = ["parallel.tp=1", "optim.use_distributed_optimizer=true", f"train.steps
           "checkpoint.export_hf_at_end=true", "log.tensorboard=false", "rewards.format_weight=1.0",
           "rewards.accuracy_weight=0.0", "rewards.format_pattern=.*[0-9].*"]
 pytestmark = pytest.mark.slow
+
+
+RUN_ID = "OAR_TEST_RUN_ID"  # in the environment of a command and everything it starts
 
 
 class Run:
@@ -68,11 +72,13 @@ class Run:
 
 def _stream(cmd: list[str], run_dir: Path, env: dict, timeout: float, on_line=None) -> Run:
     """Runs ``cmd`` in its own process group, collecting its output lines with their arrival
-    times; ``on_line(proc, line)`` sees each line as it comes. When the command has exited, what
-    is left of its group (e.g. a helper process an aborted rank left behind, holding the output
-    pipe) is killed."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1, start_new_session=True)
+    times; ``on_line(proc, line)`` sees each line as it comes. Every process the command starts
+    (torchrun, the ranks of every attempt, their helpers) carries a run id in its environment:
+    once the command has exited, none may be left (after ``processes.GRACE_S``); any that is, is
+    killed and fails the test, as does a timeout."""
+    run_id = f"{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, RUN_ID: run_id}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
     lines: list[tuple[float, str]] = []
 
     def read():
@@ -89,11 +95,17 @@ def _stream(cmd: list[str], run_dir: Path, env: dict, timeout: float, on_line=No
         pass
     reader.join(timeout=5)
     timed_out = proc.poll() is None
+    left = {} if timed_out else wait_gone(lambda: carrying(RUN_ID, run_id))
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+    for pid in carrying(RUN_ID, run_id):  # the ranks run in sessions of their own
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     proc.wait()
     reader.join(timeout=5)
     assert not timed_out, f"{cmd[:4]}... ran past {timeout} s:\n" + "\n".join(x for _, x in lines[-60:])
+    assert not left, (f"{cmd[:4]}... left {len(left)} process(es) behind:\n"
+                      + "\n".join(f"  pid {p}: {c[:200]}" for p, c in sorted(left.items())))
     return Run(proc.returncode, lines, run_dir)
 
 
