@@ -13,6 +13,7 @@ import re
 import resource
 import sys
 import time
+from pathlib import Path
 
 from checkpoints_convert.verify import DEFAULT_PROMPT
 
@@ -23,6 +24,13 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"--max-shard-size {text!r}: expected e.g. 500MB or 2GB")
     scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
     return int(float(m.group(1)) * scale)
+
+
+def hf_to_megatron_command(hf: str | Path, out: str | Path, dtype: str) -> list[str]:
+    """``oar-convert hf-to-megatron`` as a command for a process of its own (a one-process megatron
+    world: not inside a torchrun rank): how the trainer and ``oar repro`` convert an HF start."""
+    return [sys.executable, "-m", "checkpoints_convert.cli", "hf-to-megatron", "--hf", str(hf),
+            "--out", str(out), "--dtype", dtype, "--no-progress"]
 
 
 def build_parser() -> argparse.ArgumentParser:

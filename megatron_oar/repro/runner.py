@@ -121,6 +121,7 @@ def sft_checkpoint(out: Path, sft: Path, config: Path, overrides: list[str]) -> 
     """The SFT start converted to a Megatron checkpoint once (``oar-convert hf-to-megatron`` in
     its own process), so that the runs start from it instead of each converting it again
     (``training/policy.py: init_checkpoint``, a process start-up and a conversion per run)."""
+    from checkpoints_convert.cli import hf_to_megatron_command
     from megatron_oar.config import load_config
     from megatron_oar.models.model_checkpoint import META_FILE
 
@@ -128,9 +129,8 @@ def sft_checkpoint(out: Path, sft: Path, config: Path, overrides: list[str]) -> 
     if (ckpt / META_FILE).is_file():
         return ckpt
     dtype = load_config(config, overrides).model.dtype
-    _run_one_process([sys.executable, "-m", "checkpoints_convert.cli", "hf-to-megatron", "--hf", str(sft),
-                      "--out", str(ckpt), "--dtype", dtype, "--no-progress"],
-                     out / "sft_convert.log", "converting the SFT start")
+    _run_one_process(hf_to_megatron_command(sft, ckpt, dtype), out / "sft_convert.log",
+                     "converting the SFT start")
     return ckpt
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,16 +55,16 @@ def init_checkpoint(model_path: str | Path, run_dir: str | Path, dtype: str, *,
     out = Path(run_dir) / INIT_CHECKPOINT
 
     def convert() -> None:
+        from checkpoints_convert.cli import hf_to_megatron_command
+
         if (out / META_FILE).is_file():
             return
         out.parent.mkdir(parents=True, exist_ok=True)
         # The converter runs as its own one-process megatron world, so not in this torchrun rank.
         env = env_without_launcher()
         log.info("converting %s -> %s (once; later runs reuse it)", path, out)
-        done = subprocess.run([sys.executable, "-m", "checkpoints_convert.cli", "hf-to-megatron",
-                               "--hf", str(path), "--out", str(out), "--dtype", dtype,
-                               "--no-progress"], env=env, capture_output=True, text=True,
-                              timeout=60 * timeout_minutes)
+        done = subprocess.run(hf_to_megatron_command(path, out, dtype), env=env, capture_output=True,
+                              text=True, timeout=60 * timeout_minutes)
         if done.returncode != 0:
             raise RuntimeError(f"converting model.path={model_path} to {out} failed:\n"
                                f"{done.stderr[-3000:]}")
