@@ -14,7 +14,11 @@ needs head_dim 64), one fresh process (torch.distributed world of 1, TP1):
 2. starts a colocated ``RolloutEngine`` (vLLM, ``load_format=dummy``, ``enforce_eager``) in the
    same process, and syncs the Megatron weights into it once (warm-up, not measured);
 3. times ``engine.sync_weights(model)`` ``--repeats`` times (bucketed Megatron -> HF-name
-   tensors -> vLLM's in-place reload): seconds, bytes synced, GB/s;
+   tensors -> vLLM's in-place reload): seconds, bytes synced, GB/s, and the bytes this rank
+   received over TP/PP (none in a world of 1); a second table gives, for each size, the bytes
+   per rank a sync receives at TP2 x PP2 with full tensors and with shards
+   (``megatron_oar.rollout.weight_sync.sync_traffic``, the formula the tests check against
+   measured syncs);
 4. times ``engine.generate`` ``--repeats`` times on a fixed batch (``--prompts`` random prompts of
    ``--prompt-len`` tokens, ``--n`` completions each, up to ``--max-new-tokens`` new tokens,
    temperature 1, fixed seeds; one small warm-up call first): generated tokens / vLLM seconds.
@@ -42,6 +46,10 @@ PROG = "oar bench rollout"
 TABLE_HEADER = ("| model | parameters | generation tokens/s | weight sync s | synced | sync GB/s "
                 "| peak RSS |")
 TABLE_RULE = "|---|---|---|---|---|---|---|"
+TRAFFIC_LAYOUT = dict(tp=2, pp=2)  # every size here allows it (2 KV heads, even layers)
+TRAFFIC_HEADER = ("| model | received per rank, this run (TP1) | TP2 x PP2, full tensors (formula) "
+                  "| TP2 x PP2, shards (formula) |")
+TRAFFIC_RULE = "|---|---|---|---|"
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -144,7 +152,35 @@ def summarize_size(res: dict) -> dict:
                                           if s["seconds"] > 0),
         "sync_bytes": syncs[0]["bytes"] if syncs else None,
         "sync_buckets": syncs[0]["num_buckets"] if syncs else None,
+        # bytes this rank received over TP/PP per sync (absent in results from before it was counted)
+        "sync_received_bytes": (syncs[0].get("received_tp_bytes", 0) + syncs[0].get("received_pp_bytes", 0)
+                                if syncs and "received_tp_bytes" in syncs[0] else None),
     }
+
+
+def sync_traffic_row(arch: dict, dtype_bytes: int) -> dict[str, int]:
+    """Bytes per rank per sync at ``TRAFFIC_LAYOUT`` (the worst stage), full tensors and shards."""
+    from megatron_oar.models import parse_arch
+    from megatron_oar.rollout.weight_sync import sync_traffic
+
+    a = parse_arch(dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                        tie_word_embeddings=False, **arch))
+    return {path: max(s["total"] for s in sync_traffic(a, dtype_bytes=dtype_bytes, shards=path == "shards",
+                                                       **TRAFFIC_LAYOUT))
+            for path in ("full", "shards")}
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def traffic_table(rows: list[dict], dtype_bytes: int) -> str:
+    lines = [TRAFFIC_HEADER, TRAFFIC_RULE]
+    for r in rows:
+        t = sync_traffic_row(r["arch"], dtype_bytes)
+        lines.append(f"| {_size_label(r['arch'])} | {_mib(r['summary'].get('sync_received_bytes'))} | "
+                     f"{_mib(t['full'])} | {_mib(t['shards'])} |")
+    return "\n".join(lines)
 
 
 def _fmt_num(spec: str):
@@ -181,12 +217,16 @@ def render_markdown(report: dict) -> str:
     out += [f"Command: `{meta['command']}`", "",
             f"Machine: {common.machine_line(meta['machine'])}", "",
             f"Setup: {meta['setup_line']}", "", table(ok), "",
+            traffic_table(ok, 4 if meta.get("args", {}).get("dtype", "fp32") == "fp32" else 2), "",
             "Generation tokens/s: generated tokens / seconds inside vLLM's `generate` for the whole "
             "batch. Weight sync: `RolloutEngine.sync_weights` (Megatron shards -> HF-named full "
             "tensors in buckets -> vLLM's in-place reload), seconds and bytes synced (GB/s = "
             "bytes / seconds / 1e9); the first sync, which replaces vLLM's dummy weights, is not "
             "counted. Peak RSS: the whole process (Megatron model, vLLM engine and its KV cache). "
-            "Median (min-max) over the repeats.", ""]
+            "Median (min-max) over the repeats. Received per rank: what one rank receives over "
+            "TP all-gathers and PP broadcasts in a sync, measured (none in this world of 1) and, "
+            "at TP2 x PP2 with Megatron TP = vLLM TP, from the formula the tests check against "
+            "measured syncs (the worst stage; docs/rollout.md).", ""]
     for r in bad:
         out.append(f"- {_size_label(r['arch'])}: {r['status']}: {r.get('reason', '')}")
     if bad:

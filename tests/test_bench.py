@@ -170,6 +170,14 @@ def test_rollout_summary_and_table():
     assert lines[0] == rollout.TABLE_HEADER
     assert lines[2].startswith("| hidden 512, 4 layers, 8/2 heads, FFN 2048 | 20.0M | 1,500 (1,000-2,000) "
                                "| 0.500 (0.250-1.000) | 953.7 MiB | 2.00 (1.00-4.00) | 2.0 GiB |")
+    assert s["sync_received_bytes"] is None  # results from before received bytes were counted
+    res["syncs"][0].update(received_tp_bytes=3 * 2**20, received_pp_bytes=2**20)
+    res["summary"] = rollout.summarize_size(res)
+    full, shards = rollout.sync_traffic_row(res["arch"], 4).values()
+    assert 0 < shards < full / 2  # TP2 x PP2: no TP gather, the other stage's half
+    assert rollout.traffic_table([res], 4).splitlines()[2] == (
+        f"| hidden 512, 4 layers, 8/2 heads, FFN 2048 | 4.0 MiB | {full / 2**20:.1f} MiB | "
+        f"{shards / 2**20:.1f} MiB |")
     assert rollout.parse_size("1024x8") == (1024, 8)
     for bad in ("1000x4", "512", "512x0"):
         with pytest.raises(Exception):

@@ -192,6 +192,32 @@ def test_verdicts_name_the_reason():
     assert "DOES NOT FIT" in text and "try:" in text
 
 
+def test_weight_sync_bytes_per_rank_by_hand():
+    """72B at TP8 x PP4 with vLLM TP8, bf16: the worst rank is a middle stage. Full tensors: it
+    all-gathers 7/8 of its 20 layers' sharded tensors and receives the other 3 stages whole
+    (60 layers, embedding, lm_head, final norm); as shards, only 1/8 of theirs (vLLM's 64-row
+    vocabulary padding, 19008 rows per rank, matches Megatron's 128: the vocabulary goes as
+    shards too) plus the replicated norms."""
+    a = parse_arch(PRESETS["qwen2.5-72b"])
+    h, d, f, V = 8192, 128, 29568, 152064
+    qkv = (64 + 2 * 8) * d
+    sharded, norms = qkv * h + h * 64 * d + 3 * f * h + qkv, 2 * h
+    full_gather, full_bcast = 20 * sharded * 7 // 8, 60 * (sharded + norms) + 2 * V * h + h
+    shard_bcast = 60 * (sharded // 8 + norms) + 2 * V * h // 8 + h
+    pl = _plan("qwen2.5-72b_oar_g")
+    full = _plan("qwen2.5-72b_oar_g", "rollout.sync_shards=false")
+    assert (a.num_heads, a.num_kv_heads, a.intermediate_size, a.vocab_size) == (64, 8, f, V)
+    assert pl.sync["shards"] and not full.sync["shards"]
+    assert full.sync["tp_gather"] == pytest.approx(2 * full_gather / P.GIB)
+    assert full.sync["pp_broadcast"] == pytest.approx(2 * full_bcast / P.GIB)
+    assert pl.sync["tp_gather"] == 0 and pl.sync["pp_broadcast"] == pytest.approx(2 * shard_bcast / P.GIB)
+    assert pl.sync["full_tensors_gib"] == full.sync["total"] > 10 * pl.sync["total"]
+    assert (f"weight sync: {pl.sync['total']:.2f} GiB received per rank per step (of which TP gather "
+            f"0.00, PP broadcast {pl.sync['total']:.2f}), as shards; full tensors would be "
+            f"{full.sync['total']:.2f} GiB") in P.render(pl, "x")
+    assert not _plan("qwen2.5-7b_oar_g").sync["shards"]  # TP2 training, vLLM TP1
+
+
 def test_oar_p_costs_a_forward_per_scored_token():
     g, p = _plan("qwen2.5-7b_oar_g"), _plan("qwen2.5-7b_oar_p")
     assert p.flops["attribution"] == pytest.approx(g.flops["attribution"] / 2 * 1024)

@@ -192,7 +192,7 @@ def _gather_worker(ckpt: str, hf: str, tp: int, pp: int, bucket_bytes: int, out:
     arch = parse_arch(cfg)
     seen, buckets = {}, []
     for bucket in iter_hf_buckets(model, arch, bucket_bytes):
-        buckets.append((bucket.nbytes, bucket.sources))
+        buckets.append((bucket.nbytes, bucket.sources, bucket.received_tp, bucket.received_pp))
         for name, t in bucket.tensors:
             assert name not in seen, f"{name} sent twice"
             seen[name] = torch.equal(t, ref[name])
@@ -202,22 +202,78 @@ def _gather_worker(ckpt: str, hf: str, tp: int, pp: int, bucket_bytes: int, out:
         f"{sorted(set(seen) - names)}, mapping vs checkpoint {sorted(names ^ set(ref))}")
     bad = [k for k, ok in seen.items() if not ok]
     assert not bad, f"rank {dist.get_rank()}: tensors differ from the HF checkpoint: {bad}"
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(buckets))
+    received = {"full": sum(b[2] + b[3] for b in buckets)}
+    if tp > 1:
+        received["shards"] = _check_shard_frames(model, arch, ref, tp, bucket_bytes)
+    _check_received(received, arch, tp, pp, next(model.parameters()).element_size())
+    Path(f"{out}.{dist.get_rank()}").write_text(json.dumps({"buckets": buckets, "received": received}))
+
+
+def _check_shard_frames(model, arch, ref, tp: int, bucket_bytes: int) -> int:
+    """The shard path: every HF tensor arrives once, full-shaped, holding the HF checkpoint's
+    values exactly where vLLM's loader for this TP rank reads (its slice along the loader's
+    dimension; the unpadded vocabulary's rows [r*P, (r+1)*P)) and NaN everywhere else.
+    Returns the bytes this rank received."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_oar.rollout import iter_hf_buckets
+    from megatron_oar.rollout.weight_sync import ShardTarget, vllm_vocab_rows
+
+    r = ps.get_tensor_model_parallel_rank()
+    target = ShardTarget(tp=tp, rank=r, vocab_rows=vllm_vocab_rows(arch.vocab_size, tp))
+    seen, received = set(), 0
+    for bucket in iter_hf_buckets(model, arch, bucket_bytes, shards=target):
+        received += bucket.received_tp + bucket.received_pp
+        for name, frame in bucket.tensors:
+            assert name not in seen and frame.shape == ref[name].shape, name
+            seen.add(name)
+            if "norm" in name:  # replicated: whole
+                assert torch.equal(frame, ref[name]), name
+                continue
+            dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+            n = target.vocab_rows if name in ("model.embed_tokens.weight", "lm_head.weight") \
+                else frame.shape[dim] // tp
+            lo, hi = r * n, min((r + 1) * n, frame.shape[dim])
+            mine = frame.narrow(dim, lo, hi - lo)
+            assert torch.equal(mine, ref[name].narrow(dim, lo, hi - lo)), name
+            assert int(frame.isnan().sum()) == frame.numel() - mine.numel(), name
+    assert seen == set(ref)
+    return received
+
+
+def _check_received(received: dict, arch, tp: int, pp: int, dtype_bytes: int) -> None:
+    """The bytes this rank received in the sync equal :func:`sync_traffic`'s for its stage."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_oar.rollout.weight_sync import sync_traffic
+
+    stage = ps.get_pipeline_model_parallel_rank()
+    for path, got in received.items():
+        want = sync_traffic(arch, tp=tp, pp=pp, dtype_bytes=dtype_bytes, shards=path == "shards")[stage]
+        assert got == want["total"], (path, got, want)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp,which", [(2, 1, "untied"), (1, 2, "tied")],
-                         ids=["tp2-untied", "pp2-tied"])
+@pytest.mark.parametrize("tp,pp,which", [(2, 1, "untied"), (1, 2, "tied"), (2, 2, "untied")],
+                         ids=["tp2-untied", "pp2-tied", "tp2-pp2-untied"])
 def test_gathered_weights_equal_hf_checkpoint(tp, pp, which, request, tmp_path):
+    """Both paths reproduce the checkpoint (the shard path: this rank's slices, in frames), in
+    bounded buckets, and the bytes each rank received equal ``sync_traffic``'s: at TP2 the shard
+    path receives no TP gather and 1/TP of the other stage's tensors."""
     hf, ckpt = request.getfixturevalue(which)
     bound = 300_000  # bytes; the embedding (1024 x 256 fp32 = 1 MiB) exceeds it and goes alone
     out = tmp_path / "buckets.json"
     launch(_gather_worker, tp * pp, str(ckpt), str(hf), tp, pp, bound, str(out))
-    buckets = json.loads(out.read_text())
+    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(tp * pp)]
+    print({r: res["received"] for r, res in enumerate(ranks)})
+    buckets = ranks[0]["buckets"]
     assert len(buckets) > 3
-    for nbytes, sources in buckets:
+    for nbytes, sources, _, _ in buckets:
         assert nbytes <= bound or sources == 1, (nbytes, sources)
+    if tp > 1:  # the shard path drops the TP gather; what crosses stages shrinks by TP
+        for res in ranks:
+            full, shards = res["received"]["full"], res["received"]["shards"]
+            assert shards < full / tp if pp > 1 else shards == 0, res["received"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +311,12 @@ def _e2e_worker(ckpt: str, tp: int, pp: int, rollout_tp: int, out: str, full: bo
     try:
         with pytest.raises(RuntimeError, match="sync_weights"):
             engine.generate(PROMPTS)  # dummy weights until the first sync
-        res["sync"] = engine.sync_weights(model).__dict__
+        # the first sync takes the full-tensor path, the re-sync below the default (shards
+        # where Megatron TP == rollout TP): both must leave vLLM on Megatron's weights
+        engine.config.sync_shards = False
+        res["sync"] = _sync_record(engine, model, tp, pp)
+        assert not res["sync"]["shards"]
+        engine.config.sync_shards = True
         # Each rollout group generates its own prompts (rotated by group) to exercise gathering.
         k = engine.dp_rank % len(PROMPTS)
         prompts = PROMPTS[k:] + PROMPTS[:k]
@@ -307,7 +368,8 @@ def _e2e_worker(ckpt: str, tp: int, pp: int, rollout_tp: int, out: str, full: bo
         assert stale.max_abs_diff > 0.1, stale
         assert engine.generate(prompts, seeds=batch.seeds).response_ids == batch.response_ids
         # ... until the next sync: then the same seeds sample differently and agree again.
-        res["sync2"] = engine.sync_weights(model).__dict__
+        res["sync2"] = _sync_record(engine, model, tp, pp)
+        assert res["sync2"]["shards"] == (tp == rollout_tp > 1)
         resynced_batch = engine.generate(prompts, seeds=batch.seeds)
         assert resynced_batch.response_ids != batch.response_ids
         resynced = engine.check_sync(model, resynced_batch)
@@ -317,6 +379,14 @@ def _e2e_worker(ckpt: str, tp: int, pp: int, rollout_tp: int, out: str, full: bo
         engine.shutdown()
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(res))
+
+
+def _sync_record(engine, model, tp: int, pp: int) -> dict:
+    """One sync's stats, after checking that the bytes this rank received equal the formula's."""
+    stats = engine.sync_weights(model)
+    _check_received({"shards" if stats.shards else "full": stats.received_bytes}, engine.arch, tp,
+                    pp, next(model.parameters()).element_size())
+    return dict(stats.__dict__, received_bytes=stats.received_bytes)
 
 
 def _check_stop_strings(engine, prompts, batch) -> dict:
@@ -363,3 +433,7 @@ def test_rollout_two_ranks(untied, tmp_path, tp, pp, rollout_tp):
     print(json.dumps(res, indent=1))
     assert res["synced"]["max_abs_diff"] < TOL and res["resynced"]["max_abs_diff"] < TOL
     assert res["stale"]["max_abs_diff"] > 0.1
+    if tp == rollout_tp > 1:  # the re-sync sent shards: no TP gather at all (PP1)
+        print(f"bytes received per rank: full tensors {res['sync']['max_received_bytes']}, "
+              f"shards {res['sync2']['max_received_bytes']}")
+        assert res["sync"]["max_received_bytes"] > 0 == res["sync2"]["max_received_bytes"]

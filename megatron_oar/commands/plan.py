@@ -37,6 +37,12 @@ preset, :mod:`megatron_oar.models.presets`); nothing is allocated. Per GPU it ad
   2 bytes (vLLM docs, "Memory and KV cache").
 * ``Hardware.reserve_gib`` for the CUDA context, NCCL buffers and allocator fragmentation.
 
+The weight sync's traffic: the bytes one rank receives per step, TP all-gathers and PP
+broadcasts, the largest over the pipeline stages (``rollout.weight_sync.sync_traffic``, the
+formula ``tests/test_rollout.py`` checks against what a sync measures), for the path the config
+takes (shards where ``parallel.tp == rollout.tp`` and ``rollout.sync_shards``) and the
+full-tensor path.
+
 Memory is added up for every phase of the trainer's loop (``training/phases.py``: wake weights,
 sync, wake KV cache, generate, sleep, logprob, attribution, update, and the evaluation's), as
 Megatron's resident state + the phase's Megatron working set (a weight-sync bucket, or the pass's
@@ -65,6 +71,7 @@ from pathlib import Path
 from megatron_oar.models import QwenArch, parse_arch
 from megatron_oar.models.families import family_of
 from megatron_oar.models.flops import forward_flops, linear_weights, matmul_params
+from megatron_oar.rollout.weight_sync import sync_traffic
 from megatron_oar.training.phases import CHECKPOINT, EVAL, NOTHING, STEP, WEIGHTS, WEIGHTS_KV_CACHE, Phase
 
 GIB = 1024 ** 3
@@ -157,6 +164,7 @@ class Plan:
     phases_gib: dict = field(default_factory=dict)   # per GPU, by phase of the trainer's loop
     phase_vllm_holds: dict = field(default_factory=dict)  # phase -> what vLLM holds (phases.NOTHING, ...)
     vllm: dict = field(default_factory=dict)
+    sync: dict = field(default_factory=dict)         # weight-sync bytes received per rank per step
     flops: dict = field(default_factory=dict)        # per step, PFLOP
     time_s: dict = field(default_factory=dict)       # per step, by phase
     hardware: dict = field(default_factory=dict)
@@ -224,6 +232,7 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
               "sequences_per_engine": v["seqs_per_engine"], "concurrent_sequences": v["concurrent"],
               "host_offload_gib_per_node": (v["weights"] * gpus_per_node / GIB
                                             if r.sleep_level == 1 else 0.0)},
+        sync=_sync_traffic(cfg, a),
         hardware=asdict(hw))
     _verdict(plan, cfg, hw, v)
     if not plan.fits:
@@ -293,6 +302,21 @@ def _vllm_memory(cfg, a: QwenArch, hw: Hardware, *, world: int, samples: int) ->
             "kv_cache": kv_cache, "kv_tokens": kv_tokens, "seqs_per_engine": seqs_per_engine,
             "concurrent": min(seqs_per_engine, r.max_num_seqs, kv_tokens // max(1, r.max_model_len)),
             "asleep": VLLM_ASLEEP_GIB * GIB if r.sleep_level >= 1 else share}
+
+
+def _sync_traffic(cfg, a: QwenArch) -> dict:
+    """GiB one rank receives per weight sync (the worst pipeline stage), on the path the config
+    takes and on the full-tensor path."""
+    par, r = cfg.parallel, cfg.rollout
+    wbytes = 4 if cfg.model.dtype == "fp32" else 2
+
+    def worst(shards: bool) -> dict:
+        stages = sync_traffic(a, tp=par.tp, pp=par.pp, dtype_bytes=wbytes, shards=shards,
+                              vocab_multiple=cfg.model.vocab_multiple)
+        return {k: v / GIB for k, v in max(stages, key=lambda x: x["total"]).items()}
+
+    shards = r.sync_shards and par.tp == r.tp > 1
+    return {"shards": shards, **worst(shards), "full_tensors_gib": worst(False)["total"]}
 
 
 def _verdict(plan: Plan, cfg, hw: Hardware, v: dict[str, float]) -> None:
@@ -417,6 +441,7 @@ def render(plan: Plan, name: str) -> str:
               f"vLLM: KV cache {v['kv_tokens']:,} tokens per engine, {v['concurrent_sequences']} of "
               f"{v['sequences_per_engine']} sequences at once; host memory for sleeping weights "
               f"{v['host_offload_gib_per_node']:.0f} GiB per node", "",
+              sync_line(plan.sync), "",
               "| phase | PFLOP | s |", "|---|---:|---:|"]
     lines += [f"| {k} | {plan.flops.get(k, 0):.1f} | {sec:.1f} |"
               for k, sec in plan.time_s.items() if k != "total"]
@@ -430,6 +455,15 @@ def render(plan: Plan, name: str) -> str:
         if plan.advice:
             lines.append("try: " + "; ".join(plan.advice))
     return "\n".join(lines)
+
+
+def sync_line(sync: dict) -> str:
+    """``weight sync: X GiB received per rank per step (of which TP gather ..., PP ...)``."""
+    line = (f"weight sync: {sync['total']:.2f} GiB received per rank per step (of which TP gather "
+            f"{sync['tp_gather']:.2f}, PP broadcast {sync['pp_broadcast']:.2f})")
+    if sync["shards"]:
+        line += f", as shards; full tensors would be {sync['full_tensors_gib']:.2f} GiB"
+    return line
 
 
 def summary_row(name: str, plan: Plan) -> str:

@@ -38,6 +38,9 @@ class RolloutConfig:
       a logged no-op on CPU.
     * ``bucket_mb``: upper bound on the full-size HF tensors gathered per weight-sync bucket
       (one tensor larger than the bound travels alone).
+    * ``sync_shards`` (default true): where ``parallel.tp`` equals ``tp``, each rank sends its
+      vLLM engine its own Megatron shard instead of all-gathering full tensors over TP (about
+      1/TP of the bytes per rank; docs/rollout.md); false forces the full-tensor path.
 
     Sampling defaults (each can be overridden per :meth:`RolloutEngine.generate` call):
     ``n`` completions per prompt, ``temperature`` (0: greedy), ``top_p``, ``top_k`` (0: off),
@@ -76,6 +79,7 @@ class RolloutConfig:
     load_format: str = "dummy"
     enable_prefix_caching: bool = True
     bucket_mb: float = 512.0
+    sync_shards: bool = True
     sleep_level: int = 2
     max_logprob_mismatch: float | None = 0.5  # nats per response token, mean over the step; null: off
     logprobs_mode: str = "raw_logprobs"
@@ -121,6 +125,8 @@ class RolloutConfig:
             raise bad("load_format", f"expected one of {list(LOAD_FORMATS)}")
         if self.bucket_mb <= 0:
             raise bad("bucket_mb", "must be > 0")
+        if not isinstance(self.sync_shards, bool):
+            raise bad("sync_shards", "must be true or false")
         if self.sleep_level not in (0, 1, 2):
             raise bad("sleep_level", "expected 0 (never), 1 or 2")
         if self.logprobs_mode not in LOGPROBS_MODES:

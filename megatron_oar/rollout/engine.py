@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron_oar.models import parse_arch, read_hf_config
 from megatron_oar.rollout.batch import RolloutBatch
 from megatron_oar.rollout.config import VLLM_DTYPES, RolloutConfig, check_sampling
-from megatron_oar.rollout.weight_sync import iter_hf_buckets
+from megatron_oar.rollout.weight_sync import ShardTarget, iter_hf_buckets
 from megatron_oar.runtime import gloo_group
 from megatron_oar.seeds import ENGINE, derive_seed
 from megatron_oar.testing import faults
@@ -50,10 +50,21 @@ class SyncStats:
     num_tensors: int
     num_buckets: int
     max_bucket_bytes: int
+    # what this rank received over the network to build them (``bytes`` counts full tensors
+    # handed to vLLM): TP all-gathers and PP broadcasts; the most any rank received
+    received_tp_bytes: int = 0
+    received_pp_bytes: int = 0
+    max_received_bytes: int = 0
+    shards: bool = False  # the shard path (Megatron TP == vLLM TP, rollout.sync_shards)
+
+    @property
+    def received_bytes(self) -> int:
+        return self.received_tp_bytes + self.received_pp_bytes
 
     def metrics(self, prefix: str = "rollout/") -> dict[str, float]:
         return {f"{prefix}sync_seconds": self.seconds,
                 f"{prefix}sync_gib": self.bytes / 2**30,
+                f"{prefix}sync_gib_per_rank": self.max_received_bytes / 2**30,
                 f"{prefix}sync_buckets": float(self.num_buckets)}
 
 
@@ -346,15 +357,18 @@ class RolloutEngine:
         if self.is_sleeping:
             self.wake_up(["weights"])
         t0 = time.perf_counter()
-        counts = {"bytes": 0, "tensors": 0, "buckets": 0, "max": 0, "done": False}
+        shards = self._shard_target(model)
+        counts = {"bytes": 0, "tensors": 0, "buckets": 0, "max": 0, "done": False, "tp": 0, "pp": 0}
         # what this rank was doing, for the error: gathering or loading bucket `index` (from 0),
         # or finalizing (vLLM's reload after the last tensor)
         where: dict = {"stage": "gathering", "index": 0, "names": []}
         gathered = {"all": False}
 
         def megatron_buckets():  # the collective part: every rank must exhaust it
-            for bucket in iter_hf_buckets(model, self.arch, self.config.bucket_bytes):
+            for bucket in iter_hf_buckets(model, self.arch, self.config.bucket_bytes, shards=shards):
                 counts["buckets"] += 1
+                counts["tp"] += bucket.received_tp
+                counts["pp"] += bucket.received_pp
                 yield bucket
             gathered["all"] = True
 
@@ -397,7 +411,7 @@ class RolloutEngine:
             if error is None:
                 error = e
         report = {"rank": self.rank, "buckets": counts["buckets"] if gathered["all"] else None,
-                  "failed": error is not None, "where": dict(where),
+                  "failed": error is not None, "where": dict(where), "received": counts["tp"] + counts["pp"],
                   "cause": None if error is None else f"{type(error).__name__}: {error}"}
         reports: list = [None] * self.world_size
         dist.all_gather_object(reports, report, group=self._world_gloo)
@@ -413,7 +427,29 @@ class RolloutEngine:
         self._weights_loaded = True
         return SyncStats(seconds=time.perf_counter() - t0, bytes=counts["bytes"],
                          num_tensors=counts["tensors"], num_buckets=counts["buckets"],
-                         max_bucket_bytes=counts["max"])
+                         max_bucket_bytes=counts["max"], received_tp_bytes=counts["tp"],
+                         received_pp_bytes=counts["pp"], shards=shards is not None,
+                         max_received_bytes=max(r["received"] for r in reports))
+
+    def _shard_target(self, model) -> ShardTarget | None:
+        """Collective: this rank's vLLM shard when every rank's Megatron TP rank is its vLLM TP
+        rank (same TP size; Megatron orders TP fastest, as vLLM's rollout groups do) and
+        ``rollout.sync_shards`` is on; None (full tensors) otherwise, on every rank."""
+        from megatron.core import parallel_state as ps
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            DEFAULT_VOCAB_PADDING_SIZE,
+            pad_vocab_size,
+        )
+
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        match = torch.tensor([int(self.config.sync_shards and self.tp > 1 and tp == self.tp
+                                  and rank == self.rank % self.tp)])
+        dist.all_reduce(match, op=dist.ReduceOp.MIN, group=self._world_gloo)
+        if not match.item():
+            return None
+        # vLLM's vocabulary rows per rank (VocabParallelEmbedding: its padding, then 1/TP)
+        rows = pad_vocab_size(self.arch.vocab_size, DEFAULT_VOCAB_PADDING_SIZE) // self.tp
+        return ShardTarget(tp=self.tp, rank=rank, vocab_rows=rows)
 
     # -- generation -----------------------------------------------------------------------
 

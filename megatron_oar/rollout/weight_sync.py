@@ -18,12 +18,29 @@ Every rank ends up with every full HF tensor (each rank feeds its own vLLM engin
 
 Tied embeddings: only the first stage's ``embedding.word_embeddings.weight`` travels (the last
 stage's copy in ``output_layer`` is skipped); vLLM ties ``lm_head`` itself.
+
+**Shards** (``shards=ShardTarget(...)``: Megatron TP == vLLM TP with the same rank order). vLLM's
+weight loaders only take full tensors: each narrows the tensor it is given to its own TP slice,
+``[tp_rank * n, (tp_rank + 1) * n)`` along the parameter's ``output_dim`` (column parallel:
+q/k/v, gate/up, vocabulary rows) or ``input_dim`` (row parallel: o_proj, down_proj), and reads
+nothing else (docs/rollout.md names the functions). A rank's Megatron shard is exactly that slice
+(its query groups hold the same q heads as vLLM's rank; ``[gate_r; up_r]`` splits into vLLM's
+gate and up shards), so step 2 is skipped: the owning stage converts its own shard (q/k/v split
+with the per-rank head counts), the PP broadcast carries shards (1/TP of the bytes), and each
+HF tensor is handed to vLLM in a full-shaped *frame* holding the shard at this rank's offset and
+NaN elsewhere (a loader reading outside its slice would poison vLLM's weights and fail the logprob
+check loudly). The embedding / untied lm_head go this way only when Megatron's vocabulary rows
+per rank equal vLLM's (``vocab_rows``, vLLM's own padding); otherwise they are gathered as above.
+Replicated tensors (norms) travel whole either way.
+
+:func:`sync_traffic` computes, from the architecture and the layouts, the bytes each rank
+receives; the buckets count what really arrived (``received_tp``, ``received_pp``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -39,6 +56,7 @@ class SyncEntry:
     key: str  # megatron name; decoder layers carry their *global* number
     shape: tuple[int, ...]  # full shape (TP shards joined)
     dtype: torch.dtype
+    tp_dim: int | None = None  # megatron's partition_dim; None: every TP rank holds it whole
 
     @property
     def nbytes(self) -> int:
@@ -46,6 +64,21 @@ class SyncEntry:
         for s in self.shape:
             n *= s
         return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def shard_shape(self, tp: int) -> tuple[int, ...]:
+        shape = list(self.shape)
+        if self.tp_dim is not None:
+            shape[self.tp_dim] //= tp
+        return tuple(shape)
+
+
+@dataclass(frozen=True)
+class ShardTarget:
+    """This rank's vLLM shard, when vLLM's TP ranks are Megatron's (same size, same order)."""
+
+    tp: int
+    rank: int
+    vocab_rows: int  # vLLM's vocabulary rows per TP rank (its padding, not Megatron's)
 
 
 @dataclass
@@ -55,6 +88,8 @@ class WeightBucket:
     tensors: list[tuple[str, torch.Tensor]]
     nbytes: int
     sources: int
+    received_tp: int = 0  # bytes this rank received to build it: TP all-gathers
+    received_pp: int = 0  # ... and PP broadcasts from other stages
 
 
 def unwrap_chunks(model) -> list[torch.nn.Module]:
@@ -129,7 +164,7 @@ def build_manifest(chunks, arch: QwenArch) -> tuple[list[SyncEntry], dict[str, t
     pp = ps.get_pipeline_model_parallel_world_size()
     stage = ps.get_pipeline_model_parallel_rank()
     local = _local_params(chunks, arch)
-    mine = [SyncEntry(stage, k, _full_shape(p, tp), p.dtype) for k, p in local.items()]
+    mine = [SyncEntry(stage, k, _full_shape(p, tp), p.dtype, _tp_dim(p)) for k, p in local.items()]
     if pp == 1:
         return mine, local
     per_stage: list = [None] * pp
@@ -137,24 +172,66 @@ def build_manifest(chunks, arch: QwenArch) -> tuple[list[SyncEntry], dict[str, t
     return [e for entries in per_stage for e in entries], local
 
 
-def _join_tp(p: torch.Tensor, key: str, tp_group, tp: int) -> torch.Tensor:
+def _join_tp(p: torch.Tensor, key: str, tp_group, tp: int) -> tuple[torch.Tensor, int]:
+    """The full tensor and the bytes this rank received for it."""
     shard = p.detach().contiguous()
     dim = _tp_dim(p)
     if dim is None or tp == 1:
-        return shard
+        return shard, 0
     parts = [torch.empty_like(shard) for _ in range(tp)]
     dist.all_gather(parts, shard, group=tp_group)
+    received = (tp - 1) * shard.nbytes
     if key.endswith(hf_mapping.FC1_W):  # each rank holds [gate_i; up_i]
         halves = [torch.chunk(x, 2, dim=0) for x in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(parts, dim=dim)
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0), received
+    return torch.cat(parts, dim=dim), received
 
 
-def iter_hf_buckets(model, arch: QwenArch, bucket_bytes: int) -> Iterator[WeightBucket]:
+_VOCAB = {hf_mapping.MC_EMBED: hf_mapping.HF_EMBED, hf_mapping.MC_HEAD: hf_mapping.HF_HEAD}
+
+
+def _travels_as_shard(e: SyncEntry, target: ShardTarget | None) -> bool:
+    """Whether ``e`` goes as this rank's shard (same decision on every rank)."""
+    if target is None or e.tp_dim is None:
+        return False
+    if e.key in _VOCAB:  # vLLM pads the vocabulary its own way: the rows per rank must agree
+        return e.shape[0] // target.tp == target.vocab_rows
+    return True
+
+
+def shard_to_hf_frames(e: SyncEntry, shard: torch.Tensor, arch: QwenArch,
+                       target: ShardTarget) -> list[tuple[str, torch.Tensor]]:
+    """This rank's megatron shard -> its HF tensors, each in a full-shaped frame that holds the
+    shard where vLLM's loader for TP rank ``target.rank`` reads it, and NaN elsewhere."""
+    tp, r = target.tp, target.rank
+    if e.key in _VOCAB:  # rows [r*P, min((r+1)*P, vocab)) of the unpadded vocabulary
+        lo = r * target.vocab_rows
+        hi = min(lo + target.vocab_rows, arch.vocab_size)
+        frame = shard.new_full((arch.vocab_size, *shard.shape[1:]), float("nan"))
+        frame[lo:hi] = shard[:max(0, hi - lo)]
+        return [(_VOCAB[e.key], frame)]
+    # the shard is the layer of a model with 1/tp of the heads, query groups and FFN width
+    local = replace(arch, num_heads=arch.num_heads // tp, num_kv_heads=arch.num_kv_heads // tp,
+                    intermediate_size=arch.intermediate_size // tp)
+    out = []
+    for name, t in mcore_tensor_to_hf(e.key, shard, local):
+        n = t.shape[e.tp_dim]
+        shape = list(t.shape)
+        shape[e.tp_dim] = n * tp
+        frame = t.new_full(shape, float("nan"))
+        frame.narrow(e.tp_dim, r * n, n).copy_(t)
+        out.append((name, frame))
+    return out
+
+
+def iter_hf_buckets(model, arch: QwenArch, bucket_bytes: int, *,
+                    shards: ShardTarget | None = None) -> Iterator[WeightBucket]:
     """Collective generator (every rank must drain it): full HF tensors in bounded buckets.
 
     A bucket holds the HF tensors of whole megatron tensors whose full sizes add up to at most
-    ``bucket_bytes``; a single tensor larger than that forms a bucket of its own.
+    ``bucket_bytes``; a single tensor larger than that forms a bucket of its own. With
+    ``shards`` (Megatron TP == vLLM TP, same rank order; the same on every rank) the TP-sharded
+    tensors travel as this rank's shard in full-shaped frames (module docstring).
     """
     from megatron.core import parallel_state as ps
 
@@ -163,6 +240,9 @@ def iter_hf_buckets(model, arch: QwenArch, bucket_bytes: int) -> Iterator[Weight
     chunks = unwrap_chunks(model)
     manifest, local = build_manifest(chunks, arch)
     tp = ps.get_tensor_model_parallel_world_size()
+    if shards is not None and (shards.tp != tp or shards.rank != ps.get_tensor_model_parallel_rank()):
+        raise ValueError(f"shards for vLLM TP rank {shards.rank} of {shards.tp}, but this is "
+                         f"Megatron TP rank {ps.get_tensor_model_parallel_rank()} of {tp}")
     pp = ps.get_pipeline_model_parallel_world_size()
     stage = ps.get_pipeline_model_parallel_rank()
     tp_group = ps.get_tensor_model_parallel_group()
@@ -171,21 +251,74 @@ def iter_hf_buckets(model, arch: QwenArch, bucket_bytes: int) -> Iterator[Weight
     device = next(iter(local.values())).device if local else torch.device("cpu")
 
     tensors: list[tuple[str, torch.Tensor]] = []
-    size = sources = 0
+    size = sources = got_tp = got_pp = 0
     for e in manifest:
         if tensors and size + e.nbytes > bucket_bytes:
-            yield WeightBucket(tensors, size, sources)
-            tensors, size, sources = [], 0, 0
-        if e.stage == stage:
-            full = _join_tp(local[e.key], e.key, tp_group, tp)
+            yield WeightBucket(tensors, size, sources, got_tp, got_pp)
+            tensors, size, sources, got_tp, got_pp = [], 0, 0, 0, 0
+        as_shard = _travels_as_shard(e, shards)
+        shape = e.shard_shape(tp) if as_shard else e.shape
+        if e.stage != stage:
+            t = torch.empty(shape, dtype=e.dtype, device=device)
+        elif as_shard:
+            t = local[e.key].detach().contiguous()
         else:
-            full = torch.empty(e.shape, dtype=e.dtype, device=device)
+            t, got = _join_tp(local[e.key], e.key, tp_group, tp)
+            got_tp += got
         if pp > 1:
-            dist.broadcast(full, src=pp_ranks[e.stage], group=pp_group)
-        if tuple(full.shape) != e.shape:
-            raise RuntimeError(f"{e.key}: gathered shape {tuple(full.shape)}, planned {e.shape}")
-        tensors.extend(mcore_tensor_to_hf(e.key, full, arch))
+            dist.broadcast(t, src=pp_ranks[e.stage], group=pp_group)
+            got_pp += t.nbytes if e.stage != stage else 0
+        if tuple(t.shape) != shape:
+            raise RuntimeError(f"{e.key}: gathered shape {tuple(t.shape)}, planned {shape}")
+        tensors.extend(shard_to_hf_frames(e, t, arch, shards) if as_shard
+                       else mcore_tensor_to_hf(e.key, t, arch))
         size += e.nbytes
         sources += 1
     if tensors:
-        yield WeightBucket(tensors, size, sources)
+        yield WeightBucket(tensors, size, sources, got_tp, got_pp)
+
+
+# vLLM's DEFAULT_VOCAB_PADDING_SIZE (model_executor/layers/vocab_parallel_embedding.py): it pads
+# the vocabulary to a multiple of this and gives each TP rank 1/TP of the padded rows.
+VLLM_VOCAB_PADDING = 64
+
+
+def vllm_vocab_rows(vocab_size: int, tp: int, padding: int = VLLM_VOCAB_PADDING) -> int:
+    """vLLM's vocabulary rows per TP rank."""
+    return -(-vocab_size // padding) * padding // tp
+
+
+def sync_traffic(arch: QwenArch, *, tp: int, pp: int, dtype_bytes: int, shards: bool,
+                 vocab_multiple: int = 128, vocab_rows: int | None = None) -> list[dict[str, int]]:
+    """Bytes one rank of each pipeline stage receives in one sync (index: the stage), as
+    :func:`iter_hf_buckets` moves them: ``tp_gather`` ((TP-1)/TP of each TP-sharded tensor of
+    its own stage that travels whole), ``pp_broadcast`` (every tensor of the other stages; 1/TP
+    of it when it travels as a shard) and ``total``. ``shards``: the shard path (Megatron TP ==
+    vLLM TP); ``vocab_rows``: vLLM's vocabulary rows per rank (default: vLLM's padding at ``tp``).
+    Megatron's parameters in ``dtype_bytes``, layers split evenly over the stages."""
+    h, d, f = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
+    # (elements, TP-sharded) per decoder layer: qkv, proj, fc1, fc2, the two norms, bias, q/k norms
+    layer = [(qkv * h, True), (h * arch.num_heads * d, True), (2 * f * h, True), (h * f, True),
+             (h, False), (h, False)] + [(qkv, True)] * arch.qkv_bias + [(d, False)] * (2 * arch.qk_norm)
+    padded = arch.padded_vocab_size(vocab_multiple)
+    rows = vllm_vocab_rows(arch.vocab_size, tp) if vocab_rows is None else vocab_rows
+    vocab_as_shard = shards and rows == padded // tp
+    stages = []  # per stage: (elements, TP-sharded, travels as a shard)
+    for s in range(pp):
+        items = [(n, sharded, shards and sharded) for n, sharded in layer] * (arch.num_layers // pp)
+        if s == 0:
+            items.append((padded * h, True, vocab_as_shard))
+        if s == pp - 1:
+            items.append((h, False, False))
+            if not arch.tie_word_embeddings:
+                items.append((padded * h, True, vocab_as_shard))
+        stages.append(items)
+    out = []
+    for s in range(pp):
+        gather = sum(n * (tp - 1) // tp for n, sharded, as_shard in stages[s] if sharded and not as_shard)
+        bcast = sum(n // tp if as_shard else n
+                    for other, items in enumerate(stages) if other != s for n, _, as_shard in items)
+        out.append({"tp_gather": gather * dtype_bytes, "pp_broadcast": bcast * dtype_bytes,
+                    "total": (gather + bcast) * dtype_bytes})
+    return out

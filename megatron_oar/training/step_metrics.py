@@ -23,6 +23,7 @@ from megatron_oar.training.inputs import TrainBatch
 
 def step_metrics(trainer, *, data, batch: TrainBatch, credit, updates: list, attr_stats: dict,
                  attr_work: list[tuple[int, float, int]], mismatch: float, sync_seconds: float,
+                 sync_gib_per_rank: float,
                  lengths: list[int], split, t0: float) -> dict[str, float]:
     """Every metric of one step of ``trainer`` (a :class:`~megatron_oar.training.trainer.Trainer`)
     after its update; ``t0``: the step's start (``time.perf_counter()``). Collective over DP."""
@@ -42,6 +43,7 @@ def step_metrics(trainer, *, data, batch: TrainBatch, credit, updates: list, att
     metrics.update(throughput(metrics["perf/model_tflop"],
                               trainer.logger.seconds("logprob", "attribution", "update"), peak))
     metrics["rollout/sync_seconds"] = sync_seconds
+    metrics["rollout/sync_gib_per_rank"] = sync_gib_per_rank  # received over TP/PP, the most of any rank
     metrics["perf/dp_token_imbalance"] = token_imbalance(lengths, split)
     metrics["perf/tokens_per_s"] = data.metrics["rollout/gen_tokens"] / (time.perf_counter() - t0)
     return metrics

@@ -265,7 +265,8 @@ class Trainer:
 
         return step_metrics(self, data=data, batch=batch, credit=credit, updates=updates,
                             attr_stats=attr_stats, attr_work=attr_work, mismatch=mismatch,
-                            sync_seconds=sync.seconds, lengths=lengths, split=split, t0=t0)
+                            sync_seconds=sync.seconds,
+                            sync_gib_per_rank=sync.max_received_bytes / 2**30, lengths=lengths, split=split, t0=t0)
 
     def wake_rollout(self, step: int):
         """Collective: vLLM back on the GPU with the current policy (phases.WAKE): its weights
