@@ -41,10 +41,11 @@ DEADLINE_S = 900  # the whole launch (engine builds, four training steps); a han
 # ---------------------------------------------------------------------------------- end to end
 
 def _faults_worker(ckpt: str, root: str, out: str) -> None:
+    from dataclasses import replace
+
     import megatron_oar.training.trainer as trainer_mod
     from megatron_oar.rollout import engine as engine_mod
     from megatron_oar.rollout.sync_check import WeightSyncError
-    from megatron_oar.rollout.weight_sync import WeightBucket
     from megatron_oar.testing import faults
     from megatron_oar.training.trainer import Trainer
 
@@ -66,12 +67,11 @@ def _faults_worker(ckpt: str, root: str, out: str) -> None:
 
     real_buckets = engine_mod.iter_hf_buckets
 
-    def corrupting(megatron_model, arch, bucket_bytes):  # rank 1's vLLM gets a wrong lm_head
-        for bucket in real_buckets(megatron_model, arch, bucket_bytes):
+    def corrupting(megatron_model, arch, bucket_bytes, **kwargs):  # rank 1's vLLM: a wrong lm_head
+        for bucket in real_buckets(megatron_model, arch, bucket_bytes, **kwargs):
             names = [n for n, _ in bucket.tensors]
             if case["step"] == case["corrupt_step"] and rank == 1 and "lm_head.weight" in names:
-                bucket = WeightBucket([(n, t * CORRUPT_SCALE) for n, t in bucket.tensors],
-                                      bucket.nbytes, bucket.sources)  # copies: Megatron's stay
+                bucket = replace(bucket, tensors=[(n, t * CORRUPT_SCALE) for n, t in bucket.tensors])  # copies
             yield bucket
 
     engine_mod.iter_hf_buckets = corrupting
