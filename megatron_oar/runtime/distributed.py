@@ -98,10 +98,12 @@ def validate_layout(world_size: int, parallel: ParallelConfig) -> int:
     return world_size // mp
 
 
-def gloo_group(ranks: list[int] | None = None):
-    """Collective: a new gloo group of ``ranks`` (all by default) with ``parallel.timeout_minutes``
-    (torch's ``new_group`` would give it its own default, 30 minutes)."""
-    return dist.new_group(ranks, backend="gloo", timeout=_timeout)
+def gloo_group(ranks: list[int] | None = None, *, timeout_minutes: float | None = None):
+    """Collective: a new gloo group of ``ranks`` (all by default) with ``timeout_minutes``, by
+    default ``parallel.timeout_minutes`` (torch's ``new_group`` would give it its own default,
+    30 minutes)."""
+    timeout = _timeout if timeout_minutes is None else timedelta(minutes=timeout_minutes)
+    return dist.new_group(ranks, backend="gloo", timeout=timeout)
 
 
 def init_runtime(parallel: ParallelConfig | None = None) -> RuntimeInfo:
@@ -206,7 +208,7 @@ def on_rank0(work: Callable[[], T], *, timeout_minutes: float, setting: str, wha
     ``work`` failing on rank 0 raises on every rank; rank 0 taking longer than the timeout
     raises a ``TimeoutError`` naming ``setting`` on every rank. Returns ``work()``'s result on
     rank 0, None on the others."""
-    group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
+    group = gloo_group(timeout_minutes=timeout_minutes)
     rank, t0 = dist.get_rank(), time.monotonic()
     late = (f"{what} on rank 0 took longer than {setting}={timeout_minutes:g} minutes; raise "
             "it for a model this size (the other ranks wait that long on a gloo group)")
