@@ -220,6 +220,20 @@ def test_config_validation_names_the_keys():
         validate(cfg("parallel.etp=0"), world_size=2)
 
 
+def test_converter_refuses_moe_for_now(tmp_path):
+    """Until the converter's MoE slice: a clear refusal naming the config, before any work."""
+    import json
+
+    from checkpoints_convert.convert import ConversionError, hf_to_megatron
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    with pytest.raises(ConversionError, match=r"config\.json: \['Qwen3MoeForCausalLM'\]: mixture-of-experts "
+                                              r"models are not converted yet"):
+        hf_to_megatron(tmp_path / "hf", tmp_path / "ckpt", progress=False)
+    assert not (tmp_path / "ckpt").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # fast: megatron's routing == transformers' router
 
