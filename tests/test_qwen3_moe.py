@@ -10,11 +10,14 @@ The converter does not handle MoE models yet (its slice comes next), so the slow
 HF weights into each rank's megatron shard directly, through the family's mapping
 (:func:`_load_hf`, TP=1 layouts; EP and PP pick the rank's experts and layers).
 
-Fast (about 2 s): config parsing and refusals naming the field, layout refusals naming the key,
-the megatron settings, megatron's routing == transformers' router on the same hidden states,
-the HF <-> megatron mapping under both specs. Slow (spawned gloo ranks, about 30-60 s on
-2 cores): one world of 2 ranks runs TP1 (as DP2), EP2 and PP2 for both models, and a backward
-pass at EP1 and EP2 (gradients finite and equal); one world of 4 runs EP2xPP2 and EP4.
+Fast (about 10 s with imports): config parsing and refusals naming the field, layout refusals
+naming the key, the megatron settings, megatron's routing == transformers' router on the same
+hidden states, the HF <-> megatron mapping under both specs, a one-process build (names equal the
+mapping's, frozen router) and the converter's refusal. Slow (pooled gloo ranks, about 15 s on
+2 cores; the whole file about 30 s): one world of 2 ranks runs TP1 (as DP2), EP2 and PP2 for both
+models, and a backward pass at EP1 and EP2 (gradients finite and equal); one world of 4 runs
+EP2xPP2 and EP4. Measured: max |dlogit| 2.4e-7 (A) and 2.8e-7 (B) at every layout; EP2 vs EP1
+gradients within 3e-7 of each tensor's largest.
 """
 
 from __future__ import annotations

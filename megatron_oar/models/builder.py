@@ -263,6 +263,9 @@ def layer_spec(spec: str, config=None, vp_stage: int | None = None, *,
     i.e. over each head, as HF's ``q_norm`` / ``k_norm``; it is named here for the same reason as
     the final norm (megatron's choice for it depends on the TE version and on apex), so it is an
     RMSNorm (``config.normalization``) under either spec. Its weight is replicated over TP.
+
+    A MoE config (``config.num_moe_experts``) gets megatron's MoE layer where
+    :func:`moe_layer_pattern` says so (this stage's slice of it), the dense layer elsewhere.
     """
     if qk_layernorm is None:
         qk_layernorm = bool(getattr(config, "qk_layernorm", False))
