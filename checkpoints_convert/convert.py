@@ -51,7 +51,12 @@ def _hf_arch(hf_dir: Path, flag: str) -> tuple[dict, QwenArch]:
     if not cfg_path.is_file():
         raise ConversionError(f"{flag} {hf_dir}: no config.json")
     hf = read_hf_config(cfg_path)
-    return hf, parse_arch(hf, source=str(cfg_path))
+    arch = parse_arch(hf, source=str(cfg_path))
+    if arch.is_moe:  # the checkpoint layout of expert tensors comes with the converter's MoE slice
+        raise ConversionError(f"{cfg_path}: {hf.get('architectures') or arch.family}: mixture-of-experts "
+                              "models are not converted yet (the model builds and runs; the "
+                              "converter's MoE support is still to come)")
+    return hf, arch
 
 
 @contextmanager

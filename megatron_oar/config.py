@@ -36,7 +36,12 @@ from megatron_oar.fileio import atomic_write_text
 from megatron_oar.log_setup import LEVELS as LOG_LEVELS
 from megatron_oar.methods import ATTRIBUTION_METHODS, CREDIT_METHODS, shaping_scheme
 from megatron_oar.models import DTYPES, ModelConfigError, ModelOptions, check_layout, parse_arch
-from megatron_oar.models.builder import check_fp8_recipe_device, check_spec_features, resolve_spec
+from megatron_oar.models.builder import (
+    MOE_DISPATCHERS,
+    check_fp8_recipe_device,
+    check_spec_features,
+    resolve_spec,
+)
 from megatron_oar.models.micro_batches import BATCHINGS
 from megatron_oar.models.model_checkpoint import HF_DIR, META_FILE
 from megatron_oar.rewards import RewardConfig
@@ -461,13 +466,19 @@ def _check_model_and_layout(cfg: Config, world_size: int | None) -> int:
     _one_of("model.fp8", m.fp8, (None, "hybrid", "e4m3"))
     _one_of("model.fp8_recipe", m.fp8_recipe, FP8_RECIPES)
     _one_of("model.recompute", m.recompute, (None, "selective", "full"))
-    _at_least(cfg, "model.vocab_multiple parallel.tp parallel.pp")
+    _one_of("model.moe_dispatcher", m.moe_dispatcher, MOE_DISPATCHERS)
+    _at_least(cfg, "model.vocab_multiple parallel.tp parallel.pp parallel.ep")
+    _need(p.etp is None or p.etp >= 1, f"parallel.etp={p.etp}: must be >= 1 (or null: parallel.tp)")
     _need(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel needs parallel.tp > 1")
     _check_spec(m)
     dp = 1
     if world_size is not None:
         _need(world_size % (p.tp * p.pp) == 0,
               f"parallel.tp*parallel.pp = {p.tp}*{p.pp} does not divide the world size {world_size}")
+        etp = p.tp if p.etp is None else p.etp
+        _need(world_size % (etp * p.ep * p.pp) == 0,
+              f"parallel.etp*parallel.ep*parallel.pp = {etp}*{p.ep}*{p.pp} does not divide the "
+              f"world size {world_size} (the experts' layout; parallel.etp defaults to parallel.tp)")
         dp = world_size // (p.tp * p.pp)
     # TE's delayed-scaling amax reduction is a collective over TP x DP at every FP8 autocast exit
     # of a grad-enabled pass; DP ranks score different numbers of sequences (only A_i != 0), so
@@ -549,7 +560,7 @@ def _check_model_shape(cfg: Config, hf_config: dict) -> None:
     m, p, r = cfg.model, cfg.parallel, cfg.rollout
     try:
         arch = parse_arch(hf_config, source=f"{m.path or 'model'}/config.json")
-        check_layout(arch, p.tp, p.pp, m.vocab_multiple, flag="parallel.tp")
+        check_layout(arch, p.tp, p.pp, m.vocab_multiple, flag="parallel.tp", ep=p.ep, etp=p.etp)
         check_layout(arch, r.tp, 1, m.vocab_multiple, flag="rollout.tp")
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None

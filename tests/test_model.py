@@ -74,8 +74,11 @@ def test_family_registry():
     from megatron_oar.models.families import family_for_config, family_of
 
     assert SUPPORTED_ARCHITECTURES == tuple(f.architecture for f in FAMILIES)
+    # the fields a family requires beyond the dense ones
+    extra = {"qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}}
     for family in FAMILIES:
-        hf = {**QWEN25_7B, "architectures": [family.architecture], "model_type": family.model_type}
+        hf = {**QWEN25_7B, **extra.get(family.model_type, {}), "architectures": [family.architecture],
+              "model_type": family.model_type}
         assert family_for_config(hf) is family
         assert family_for_config({**hf, "architectures": None}) is family
         assert family_of(parse_arch(hf)) is family

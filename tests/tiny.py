@@ -10,8 +10,10 @@ import torch
 from megatron_oar.models.tiny import (  # noqa: F401
     SMALL,
     SMALL_QWEN3,
+    SMALL_QWEN3_MOE,
     make_tiny_qwen2,
     make_tiny_qwen3,
+    make_tiny_qwen3_moe,
     make_tokenizer,
 )
 

@@ -25,6 +25,12 @@ class QwenArch:
     ``qkv_bias``: q/k/v projections carry a bias (Qwen2; Qwen3's ``attention_bias``, false).
     ``qk_norm``: per-head RMSNorm of size ``head_dim`` on queries and keys before RoPE (Qwen3).
     ``family``: the ``model_type`` of the family that parsed it (see ``models.families``).
+
+    Mixture of experts (Qwen3-MoE; all zero / empty for a dense model): ``num_experts`` routed
+    experts per MoE layer, ``moe_topk`` of them per token (HF ``num_experts_per_tok``), each a
+    SwiGLU MLP of width ``moe_intermediate_size``; ``norm_topk_prob``: the top-k routing weights
+    are renormalised to sum to 1; ``moe_layers``: per decoder layer, True where its MLP is the
+    MoE block (the others are dense MLPs of width ``intermediate_size``).
     """
 
     vocab_size: int
@@ -41,6 +47,19 @@ class QwenArch:
     qkv_bias: bool = True
     qk_norm: bool = False
     family: str = "qwen2"
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Decoder layer ``i`` (0-based, global) has the MoE block as its MLP."""
+        return self.is_moe and self.moe_layers[i]
 
     def padded_vocab_size(self, multiple: int = 128) -> int:
         return int(math.ceil(self.vocab_size / multiple) * multiple)

@@ -34,15 +34,38 @@ class ModelOptions:
     vocab_multiple: int = 128
     sequence_parallel: bool = False
     recompute: str | None = None  # None | selective | full
+    # MoE models only (Qwen3-MoE): megatron's token dispatcher, auto | alltoall | allgather
+    # (auto: alltoall on CUDA, allgather on CPU, where alltoall's CUDA streams do not exist)
+    moe_dispatcher: str = "auto"
+    freeze_router: bool = False  # MoE: the routers' weights get no gradient (not trained)
+
+
+MOE_DISPATCHERS = ("auto", "alltoall", "allgather")
 
 
 def check_layout(arch: QwenArch, tp: int, pp: int, vocab_multiple: int = 128,
-                 flag: str = "--tp") -> None:
-    """Raises naming the flag when TP/PP cannot split this model."""
+                 flag: str = "--tp", *, ep: int = 1, etp: int | None = None) -> None:
+    """Raises naming the flag when TP/PP (and for a MoE model EP, expert TP) cannot split this
+    model. ``etp`` None: megatron's default, the attention's TP."""
     pp_flag = flag.replace("tp", "pp")
-    for name, value in ((flag, tp), (pp_flag, pp), ("vocab_multiple", vocab_multiple)):
-        if not isinstance(value, int) or value < 1:
+    ep_flag, etp_flag = flag.replace("tp", "ep"), flag.replace("tp", "etp")
+    checks = [(flag, tp), (pp_flag, pp), ("vocab_multiple", vocab_multiple), (ep_flag, ep)]
+    if etp is not None:
+        checks.append((etp_flag, etp))
+    for name, value in checks:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ModelConfigError(f"{name}={value} must be a positive integer")
+    if not arch.is_moe and ep > 1:
+        raise ModelConfigError(f"{ep_flag}={ep}: expert parallelism needs a mixture-of-experts "
+                               "model; this one is dense")
+    if arch.is_moe:
+        if arch.num_experts % ep:
+            raise ModelConfigError(f"{ep_flag}={ep} does not divide num_experts={arch.num_experts}")
+        expert_tp = tp if etp is None else etp
+        if arch.moe_intermediate_size % expert_tp:
+            which = f"{etp_flag}={etp}" if etp is not None else f"{flag}={tp} (the expert TP by default)"
+            raise ModelConfigError(f"{which} does not divide moe_intermediate_size="
+                                   f"{arch.moe_intermediate_size}")
     if arch.num_heads % tp:
         raise ModelConfigError(f"{flag}={tp} does not divide num_attention_heads={arch.num_heads}")
     if arch.num_kv_heads % tp:
@@ -54,6 +77,22 @@ def check_layout(arch: QwenArch, tp: int, pp: int, vocab_multiple: int = 128,
                                f"{arch.padded_vocab_size(vocab_multiple)}")
     if arch.num_layers % pp:
         raise ModelConfigError(f"{pp_flag}={pp} does not divide num_hidden_layers={arch.num_layers}")
+
+
+def resolve_moe_dispatcher(opts: ModelOptions) -> str:
+    """Megatron's token dispatcher for a MoE model: ``auto`` is ``alltoall`` on CUDA, ``allgather``
+    without it (megatron's alltoall dispatcher creates CUDA streams when it is built)."""
+    if opts.moe_dispatcher not in MOE_DISPATCHERS:
+        raise ModelConfigError(f"model.moe_dispatcher={opts.moe_dispatcher!r}; expected one of "
+                               f"{', '.join(MOE_DISPATCHERS)}")
+    cuda = torch.cuda.is_available()
+    if opts.moe_dispatcher == "auto":
+        return "alltoall" if cuda else "allgather"
+    if opts.moe_dispatcher == "alltoall" and not cuda:
+        raise ModelConfigError("model.moe_dispatcher='alltoall' needs CUDA (megatron's alltoall "
+                               "token dispatcher creates CUDA streams); use allgather (or auto) "
+                               "on CPU")
+    return opts.moe_dispatcher
 
 
 def resolve_spec(opts: ModelOptions) -> str:
@@ -123,8 +162,10 @@ def check_fp8_recipe_device(opts: ModelOptions) -> bool:
 
 def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
                        perform_initialization: bool = True,
-                       use_cpu_initialization: bool | None = None):
-    """The megatron ``TransformerConfig`` for this architecture and layout.
+                       use_cpu_initialization: bool | None = None,
+                       ep: int = 1, etp: int | None = None):
+    """The megatron ``TransformerConfig`` for this architecture and layout (``ep`` / ``etp``:
+    expert parallel and expert tensor parallel sizes, MoE models only).
 
     ``use_cpu_initialization`` (default: only without CUDA) makes megatron create parameters
     without an explicit device, so a ``torch.device("meta")`` context applies to them; with it
@@ -141,7 +182,7 @@ def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
     check_fp8_recipe_device(opts)
     if opts.recompute not in (None, "selective", "full"):
         raise ModelConfigError(f"model.recompute={opts.recompute!r}; expected null, selective, full")
-    check_layout(arch, tp, pp, opts.vocab_multiple, flag="parallel.tp")
+    check_layout(arch, tp, pp, opts.vocab_multiple, flag="parallel.tp", ep=ep, etp=etp)
     cuda = torch.cuda.is_available()
     cpu_init = (not cuda) if use_cpu_initialization is None else use_cpu_initialization
     dtype = DTYPES[opts.dtype]
@@ -155,6 +196,20 @@ def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
                       recompute_num_layers=1)
     elif opts.recompute == "selective":
         kwargs.update(recompute_granularity="selective")
+    if arch.is_moe:
+        if tp > 1 and not opts.sequence_parallel:
+            raise ModelConfigError(
+                f"parallel.tp={tp} with a mixture-of-experts model needs "
+                "parallel.sequence_parallel=true (megatron's MoE layer refuses tensor parallelism "
+                "without sequence parallelism in training), and with it model.spec=te (GPU); on "
+                "CPU split the experts with parallel.ep at parallel.tp=1")
+        kwargs.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp,
+                      moe_token_dispatcher_type=resolve_moe_dispatcher(opts),
+                      # TE spec: TEGroupedMLP (grouped GEMM); local spec: SequentialMLP
+                      moe_grouped_gemm=spec == "te",
+                      moe_permute_fusion=False, moe_router_fusion=False)
+    elif opts.moe_dispatcher not in MOE_DISPATCHERS:
+        resolve_moe_dispatcher(opts)  # the same error for a dense model
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -208,24 +263,13 @@ def layer_spec(spec: str, config=None, vp_stage: int | None = None, *,
     i.e. over each head, as HF's ``q_norm`` / ``k_norm``; it is named here for the same reason as
     the final norm (megatron's choice for it depends on the TE version and on apex), so it is an
     RMSNorm (``config.normalization``) under either spec. Its weight is replicated over TP.
-    """
-    from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    A MoE config (``config.num_moe_experts``) gets megatron's MoE layer where
+    :func:`moe_layer_pattern` says so (this stage's slice of it), the dense layer elsewhere.
+    """
     if qk_layernorm is None:
         qk_layernorm = bool(getattr(config, "qk_layernorm", False))
-    if spec == "te":
-        from megatron.core.extensions.transformer_engine import TENorm
-
-        layer = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-        norm = TENorm
-    else:
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-        layer = specs.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
-        norm = WrappedTorchNorm
-    if qk_layernorm:
-        attn = layer.submodules.self_attention.submodules
-        attn.q_layernorm = attn.k_layernorm = norm
+    layer, norm = _layer_spec(spec, qk_layernorm)
     if config is None:
         return layer
     from megatron.core.transformer.transformer_block import (
@@ -233,8 +277,59 @@ def layer_spec(spec: str, config=None, vp_stage: int | None = None, *,
         get_num_layers_to_build,
     )
 
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    if not getattr(config, "num_moe_experts", None):
+        return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=norm)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    moe_layer, _ = _layer_spec(spec, qk_layernorm, config.num_moe_experts, config.moe_grouped_gemm)
+    pattern = moe_layer_pattern(config)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=norm)
+        layer_specs=[moe_layer if pattern[offset + j] else layer for j in range(n)], layer_norm=norm)
+
+
+def moe_layer_pattern(config) -> list[int]:
+    """Per global decoder layer, 1 where megatron builds a MoE layer (``config.moe_layer_freq``:
+    a list, or an int N for every N-th layer from the first, as megatron reads it)."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [int(i % freq == 0) for i in range(config.num_layers)]
+    return list(freq)
+
+
+def _layer_spec(spec: str, qk_layernorm: bool, num_experts: int | None = None,
+                grouped_gemm: bool = False):
+    """(a decoder layer's spec, the norm class of the spec); with ``num_experts``, a MoE layer.
+
+    A MoE layer's MLP-input norm is a module of its own under either spec (nothing to fuse it
+    into); it is named explicitly, as the final norm, and under the local spec its checkpoint
+    key stays ``pre_mlp_layernorm.weight`` (megatron's local spec would rename it to the dense
+    layer's ``mlp.linear_fc1.layer_norm_weight``, which the TE spec's MoE layer does not have).
+    """
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if spec == "te":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        layer = specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=qk_layernorm)
+        norm = TENorm
+    else:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        layer = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=grouped_gemm,
+                                               qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        norm = WrappedTorchNorm
+    if qk_layernorm:
+        attn = layer.submodules.self_attention.submodules
+        attn.q_layernorm = attn.k_layernorm = norm
+    if num_experts:
+        sub = layer.submodules
+        sub.pre_mlp_layernorm = norm
+        sub.sharded_state_dict_keys_map = {k: v for k, v in sub.sharded_state_dict_keys_map.items()
+                                           if not k.startswith("pre_mlp_layernorm")}
+    return layer, norm
 
 
 def build_gpt_model(hf_config: dict[str, Any] | QwenArch, opts: ModelOptions | None = None, *,
@@ -252,8 +347,15 @@ def build_gpt_model(hf_config: dict[str, Any] | QwenArch, opts: ModelOptions | N
     arch = hf_config if isinstance(hf_config, QwenArch) else parse_arch(hf_config)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    moe: dict[str, Any] = {}
+    if arch.is_moe:
+        from megatron_oar.runtime.cpu_backend import patch_megatron_moe_without_te
+
+        patch_megatron_moe_without_te()
+        moe = dict(ep=parallel_state.get_expert_model_parallel_world_size(),
+                   etp=parallel_state.get_expert_tensor_parallel_world_size())
     config = transformer_config(arch, opts, tp, pp, perform_initialization=perform_initialization,
-                                use_cpu_initialization=use_cpu_initialization)
+                                use_cpu_initialization=use_cpu_initialization, **moe)
     spec = resolve_spec(opts)
     log_model_kernels(config, spec)
     model = GPTModel(
@@ -274,7 +376,23 @@ def build_gpt_model(hf_config: dict[str, Any] | QwenArch, opts: ModelOptions | N
         # megatron's torch-norm fallback ignores params_dtype; cast every parameter, as
         # Megatron-LM's Float16Module does, so checkpoints carry one dtype throughout.
         model.to(config.params_dtype)
+    if arch.is_moe and opts.freeze_router:
+        freeze_routers(model)
     return model
+
+
+def freeze_routers(model) -> int:
+    """Takes every MoE router's weights out of training (``requires_grad=False``: megatron's DDP
+    and optimizer then skip them); returns how many tensors."""
+    from megatron.core.transformer.moe.router import Router
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, Router):
+            for p in module.parameters(recurse=False):
+                p.requires_grad_(False)
+                n += 1
+    return n
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, vocab_start: int = 0) -> torch.Tensor:

@@ -49,15 +49,17 @@ HF_SIDE_FILES = (
 )
 
 
-def layer_names(spec: str, arch: QwenArch | None = None) -> list[str]:
+def layer_names(spec: str, arch: QwenArch | None = None, i: int | None = None) -> list[str]:
     """Megatron layer-relative parameter names for a spec ('local' or 'te') and architecture
-    (None: Qwen2's, with the q/k/v bias and without q/k norms)."""
-    return family_of(arch).layer_names(spec, arch)
+    (None: Qwen2's, with the q/k/v bias and without q/k norms); with ``i``, those of decoder
+    layer ``i`` (a MoE model's dense and MoE layers differ; without ``i``: its MoE layers')."""
+    family = family_of(arch)
+    return family.layer_names(spec, arch) if i is None else family.layer_names_at(spec, arch, i)
 
 
 def hf_layer_names(arch: QwenArch, i: int) -> list[str]:
     """HF names of decoder layer ``i``'s tensors for this architecture."""
-    return [f"model.layers.{i}.{n}" for n in family_of(arch).hf_layer_shapes(arch)]
+    return [f"model.layers.{i}.{n}" for n in family_of(arch).hf_layer_shapes_at(arch, i)]
 
 
 def hf_names(arch: QwenArch) -> list[str]:
@@ -68,9 +70,9 @@ def hf_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name of this architecture with the shape config.json implies."""
     h = arch.hidden_size
     shapes = {HF_EMBED: (arch.vocab_size, h), HF_NORM: (h,)}
-    layer = family_of(arch).hf_layer_shapes(arch)
+    family = family_of(arch)
     for i in range(arch.num_layers):
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in family.hf_layer_shapes_at(arch, i).items()})
     if not arch.tie_word_embeddings:
         shapes[HF_HEAD] = (arch.vocab_size, h)
     return shapes
@@ -97,7 +99,7 @@ def hf_to_mcore_layer_tensor(get: Getter, arch: QwenArch, i: int, name: str,
 
 def hf_to_mcore_layer(get: Getter, arch: QwenArch, i: int, spec: str) -> dict[str, torch.Tensor]:
     """One decoder layer: megatron layer-relative name -> tensor, from an HF tensor getter."""
-    return {n: hf_to_mcore_layer_tensor(get, arch, i, n, spec) for n in layer_names(spec, arch)}
+    return {n: hf_to_mcore_layer_tensor(get, arch, i, n, spec) for n in layer_names(spec, arch, i)}
 
 
 def mcore_to_hf_layer_tensor(arch: QwenArch, i: int, name: str, tensor: torch.Tensor,
@@ -110,7 +112,7 @@ def mcore_to_hf_layer_tensor(arch: QwenArch, i: int, name: str, tensor: torch.Te
 def mcore_to_hf_layer(get: Getter, arch: QwenArch, i: int, spec: str) -> dict[str, torch.Tensor]:
     """Inverse of :func:`hf_to_mcore_layer`; ``get`` takes layer-relative megatron names."""
     out: dict[str, torch.Tensor] = {}
-    for name in layer_names(spec, arch):
+    for name in layer_names(spec, arch, i):
         out.update(mcore_to_hf_layer_tensor(arch, i, name, get(name), spec))
     return out
 

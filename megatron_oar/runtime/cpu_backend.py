@@ -8,14 +8,24 @@ megatron-core assumes CUDA in a handful of places (see DESIGN.md section 3):
 * the RNG tracker (``model_parallel_cuda_manual_seed``, ``_get_cuda_rng_state``,
   ``_set_cuda_rng_state``) reads and writes the CUDA generator;
 * the optimizers (mixed-precision, distributed, grad clipping) assert
-  ``param.type() == 'torch.cuda.FloatTensor'`` (and the Half/BFloat16 names).
+  ``param.type() == 'torch.cuda.FloatTensor'`` (and the Half/BFloat16 names);
+* custom autograd functions allocate on ``torch.cuda.current_device()`` in their backward too
+  (``tensor_parallel.mappings._gather_along_first_dim``, the backward of the reduce-scatter that
+  the MoE ``allgather`` token dispatcher combines expert outputs with at EP > 1), and autograd
+  runs a backward outside the Python function-mode stack the forward ran under.
 
 :func:`enable` redirects exactly these: a :class:`~torch.overrides.TorchFunctionMode`
 maps every CUDA device argument to CPU and answers ``Tensor.type()`` with the CUDA type
 name (``torch.cuda.FloatTensor`` for a CPU float tensor), ``torch.cuda.current_device`` answers 0 (which
 the mode maps to CPU), ``synchronize`` is a no-op, and "the CUDA generator" becomes the
 CPU default generator, so megatron's RNG-tracker forks (dropout in TP regions) work and
-stay deterministic. It is a no-op when CUDA is available, and it refuses to run then.
+stay deterministic. Autograd does not carry the mode into a custom function's ``backward``
+(``BackwardCFunction.apply``), so the backend re-enters it there. It is a no-op when CUDA is
+available, and it refuses to run then.
+
+:func:`patch_megatron_moe_without_te` is for megatron's MoE router without Transformer Engine
+(CPU or GPU): ``moe_utils`` names ``te_general_gemm`` only when TE imports, and its router's
+gating linear tests it for None, a NameError without TE.
 """
 
 from __future__ import annotations
@@ -67,6 +77,30 @@ def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
+def _backward_in_mode(apply):
+    """``BackwardCFunction.apply`` that re-enters the CPU mode when autograd called it without
+    any function mode (a custom function's backward, e.g. megatron's gather in the MoE
+    dispatcher's reduce-scatter backward, allocating on ``torch.cuda.current_device()``)."""
+
+    def wrapped(self, *args):
+        if _mode is not None and torch._C._len_torch_function_stack() == 0:
+            with CudaToCpuMode():
+                return apply(self, *args)
+        return apply(self, *args)
+
+    wrapped.__wrapped__ = apply
+    return wrapped
+
+
+def patch_megatron_moe_without_te() -> None:
+    """Defines ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` as None where
+    Transformer Engine did not import (megatron's router then uses torch's matmul). Idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def is_enabled() -> bool:
     return _mode is not None
 
@@ -91,6 +125,10 @@ def enable() -> None:
         torch.cuda.manual_seed_all = lambda seed: None
         mrandom._get_cuda_rng_state = _cpu_get_rng_state
         mrandom._set_cuda_rng_state = _cpu_set_rng_state
+        from torch.autograd.function import BackwardCFunction
+
+        BackwardCFunction.apply = _backward_in_mode(BackwardCFunction.apply)
+        patch_megatron_moe_without_te()
         _mode = CudaToCpuMode()
         _mode.__enter__()
         log.info("megatron-core CPU backend enabled: cuda devices map to cpu, CUDA RNG = CPU RNG")

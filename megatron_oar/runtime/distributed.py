@@ -32,10 +32,16 @@ T = TypeVar("T")
 
 @dataclass
 class ParallelConfig:
-    """How the world is split. DP is whatever is left: world_size / (tp * pp)."""
+    """How the world is split. DP is whatever is left: world_size / (tp * pp).
+
+    ``ep`` / ``etp``: a mixture-of-experts model's expert parallel and expert tensor parallel
+    sizes (megatron's ``expert_model_parallel_size`` / ``expert_tensor_parallel_size``; etp null:
+    the same as tp). The experts' layout etp x ep x expert-DP x pp must fill the world too."""
 
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    etp: int | None = None
     sequence_parallel: bool = False
     seed: int = 1234
     timeout_minutes: int = 30  # a collective waiting longer fails (ends its process on NCCL)
@@ -84,8 +90,12 @@ def _env_int(name: str, default: int) -> int:
 
 
 def validate_layout(world_size: int, parallel: ParallelConfig) -> int:
-    """Returns DP; raises naming the flag when the layout does not fit the world."""
-    for name, v in (("tp", parallel.tp), ("pp", parallel.pp)):
+    """Returns DP; raises naming the flag when the layout does not fit the world (megatron's
+    rules: tp*pp and etp*ep*pp divide the world size)."""
+    sizes = [("tp", parallel.tp), ("pp", parallel.pp), ("ep", parallel.ep)]
+    if parallel.etp is not None:
+        sizes.append(("etp", parallel.etp))
+    for name, v in sizes:
         if v < 1:
             raise ValueError(f"parallel.{name} must be >= 1, got {v}")
     mp = parallel.tp * parallel.pp
@@ -93,6 +103,11 @@ def validate_layout(world_size: int, parallel: ParallelConfig) -> int:
         raise ValueError(
             f"world size {world_size} is not divisible by tp*pp = {parallel.tp}*{parallel.pp}"
         )
+    etp = parallel.tp if parallel.etp is None else parallel.etp
+    if world_size % (etp * parallel.ep * parallel.pp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by parallel.etp*parallel.ep*parallel.pp = "
+            f"{etp}*{parallel.ep}*{parallel.pp} (the experts' layout; etp defaults to tp)")
     if parallel.sequence_parallel and parallel.tp == 1:
         raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
     return world_size // mp
@@ -147,6 +162,9 @@ def init_runtime(parallel: ParallelConfig | None = None) -> RuntimeInfo:
         same = (
             parallel_state.get_tensor_model_parallel_world_size() == parallel.tp
             and parallel_state.get_pipeline_model_parallel_world_size() == parallel.pp
+            and parallel_state.get_expert_model_parallel_world_size() == parallel.ep
+            and parallel_state.get_expert_tensor_parallel_world_size()
+            == (parallel.tp if parallel.etp is None else parallel.etp)
         )
         if not same:
             parallel_state.destroy_model_parallel()
@@ -154,6 +172,8 @@ def init_runtime(parallel: ParallelConfig | None = None) -> RuntimeInfo:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tp,
             pipeline_model_parallel_size=parallel.pp,
+            expert_model_parallel_size=parallel.ep,
+            expert_tensor_parallel_size=parallel.etp,
             distributed_timeout_minutes=parallel.timeout_minutes,
         )
 

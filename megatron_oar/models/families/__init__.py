@@ -13,8 +13,9 @@ from typing import Any
 from megatron_oar.models.arch import ModelConfigError, QwenArch
 from megatron_oar.models.families.qwen2 import Qwen2
 from megatron_oar.models.families.qwen3 import Qwen3
+from megatron_oar.models.families.qwen3_moe import Qwen3Moe
 
-FAMILIES: tuple[Qwen2, ...] = (Qwen2(), Qwen3())
+FAMILIES: tuple[Qwen2, ...] = (Qwen2(), Qwen3(), Qwen3Moe())
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES)
 SUPPORTED_MODEL_TYPES = tuple(f.model_type for f in FAMILIES)
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES}

@@ -99,6 +99,11 @@ class Qwen2:
         None: the family's released configs)."""
         return self.attention_names(spec, arch) + [PROJ_W, norm_names(spec)[1], FC1_W, FC2_W]
 
+    def layer_names_at(self, spec: str, arch: QwenArch | None, i: int) -> list[str]:
+        """:meth:`layer_names` of decoder layer ``i`` (families whose layers differ, e.g.
+        Qwen3-MoE's dense and MoE layers, override this)."""
+        return self.layer_names(spec, arch)
+
     def one_to_one(self, spec: str, arch: QwenArch) -> dict[str, str]:
         """Megatron layer-relative name -> HF layer-relative name, for tensors stored as is."""
         attn_norm, mlp_norm = norm_names(spec)
@@ -135,6 +140,10 @@ class Qwen2:
                        "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)})
         return shapes
 
+    def hf_layer_shapes_at(self, arch: QwenArch, i: int) -> dict[str, tuple[int, ...]]:
+        """:meth:`hf_layer_shapes` of decoder layer ``i``."""
+        return self.hf_layer_shapes(arch)
+
     def _refuse(self, what: str, name: str, arch: QwenArch, spec: str) -> KeyError:
         return KeyError(f"no HF {what} for megatron layer parameter {name!r} (spec {spec!r}, "
                         f"{self.name}: qkv_bias={arch.qkv_bias}, qk_norm={arch.qk_norm})")
@@ -143,7 +152,7 @@ class Qwen2:
                     spec: str) -> torch.Tensor:
         """One megatron layer-relative tensor of decoder layer ``i``, reading only its HF sources."""
         p = f"model.layers.{i}."
-        if name in self.layer_names(spec, arch):
+        if name in self.layer_names_at(spec, arch, i):
             direct = self.one_to_one(spec, arch)
             if name in direct:
                 return get(p + direct[name])
@@ -158,7 +167,7 @@ class Qwen2:
                     spec: str) -> list[tuple[str, torch.Tensor]]:
         """One whole megatron layer-relative tensor of decoder layer ``i`` -> its HF tensor(s)."""
         p = f"model.layers.{i}."
-        if name in self.layer_names(spec, arch):
+        if name in self.layer_names_at(spec, arch, i):
             direct = self.one_to_one(spec, arch)
             if name in direct:
                 return [(p + direct[name], tensor)]
