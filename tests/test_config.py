@@ -295,8 +295,12 @@ def test_tp_must_divide_heads_and_kv_groups():
     small = "qwen2.5-math-1.5b_oar_g.yaml"
     with raises(r"parallel.tp=4 does not divide num_key_value_heads=2"):
         validate(example(small, "parallel.tp=4"), world_size=8, hf_config=HF["math-1.5b"])
-    with raises(r"rollout.tp=4 does not divide num_key_value_heads=2"):
-        validate(example(small, "rollout.tp=4"), world_size=8, hf_config=HF["math-1.5b"])
+    # vLLM's rule for rollout.tp: beyond the KV heads it replicates them (a whole number of times)
+    validate(example(small, "rollout.tp=4"), world_size=8, hf_config=HF["math-1.5b"])
+    with raises(r"rollout.tp=3 is not a multiple of num_key_value_heads=2"):
+        validate(example(small, "rollout.tp=3"), hf_config=HF["math-1.5b"])
+    with raises(r"rollout.tp=8 does not divide num_attention_heads=12"):
+        validate(example(small, "rollout.tp=8"), world_size=8, hf_config=HF["math-1.5b"])
     with raises(r"parallel.pp=3 does not divide num_hidden_layers=4"):
         validate(example("tiny_cpu.yaml", "parallel.tp=1", "parallel.pp=3"), world_size=3,
                  hf_config=HF["tiny"])

@@ -621,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, help="default: the config's launch.nodes")
     p.add_argument("--gpus-per-node", type=int, help="default: launch.gpus_per_node")
     p.add_argument("--gpu-mem-gib", type=float, help="default: launch.gpu_mem_gib")
-    p.add_argument("--arch", help="a Qwen2.5 preset when model.path has no config.json here")
+    p.add_argument("--arch", help="a preset (models/presets.py: Qwen2.5, Qwen3, Qwen3-MoE) when "
+                   "model.path has no config.json here")
     p.add_argument("--mfu", type=float, default=Hardware.mfu)
     p.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops)
     p.add_argument("--hbm-tb-s", type=float, default=Hardware.hbm_tb_s)
