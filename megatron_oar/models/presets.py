@@ -3,7 +3,8 @@ layout without the weights.
 
 Each entry holds the ``config.json`` fields :func:`~megatron_oar.models.families.parse_arch` reads,
 copied from the Hugging Face model cards' ``config.json`` (Qwen/Qwen2.5-{0.5B..72B},
-Qwen/Qwen2.5-Math-{1.5B,7B}, Qwen/Qwen3-{0.6B..32B}, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B). A real ``config.json`` always wins: :func:`resolve_hf_config`
+Qwen/Qwen2.5-Math-{1.5B,7B}, Qwen/Qwen3-{0.6B..32B}, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B).
+A real ``config.json`` always wins: :func:`resolve_hf_config`
 falls back to a preset only when the model directory is not on this machine (e.g. planning a 72B
 run from a laptop).
 """
