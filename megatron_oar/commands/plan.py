@@ -36,6 +36,14 @@ preset, :mod:`megatron_oar.models.presets`); nothing is allocated. Per GPU it ad
   host memory. KV bytes per token: 2 (K and V) * layers * KV heads per rollout rank * head_dim *
   2 bytes (vLLM docs, "Memory and KV cache").
 * ``Hardware.reserve_gib`` for the CUDA context, NCCL buffers and allocator fragmentation.
+* **Mixture of experts** (Qwen3-MoE; :mod:`megatron_oar.commands.plan_moe` has the formulas):
+  each rank holds ``num_experts / EP`` experts of its stage's MoE layers, each split over ETP,
+  next to the dense parts split over TP; the experts' Adam state is split over the
+  expert-data-parallel group (world / (ETP x EP x PP)), the dense parts' over DP. A MoE layer's
+  activations add the router's and the routed copies'. The plan also prints the total and
+  active parameters, the experts' memory per GPU and the alltoall dispatcher's bytes per token
+  and MoE layer; FLOPs count the active parameters (``models/flops.py``), and decode reads the
+  experts its tokens are routed to.
 
 The weight sync's traffic: the bytes one rank receives per step, TP all-gathers and PP
 broadcasts, the largest over the pipeline stages (``rollout.weight_sync.sync_traffic``, the
