@@ -64,6 +64,19 @@ HF = {
                            num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=40960,
                            rope_theta=1e6, tie_word_embeddings=False),
                       architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128, attention_bias=False),
+    # Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B config.json (April 2025 releases): 128 experts, top-8
+    "qwen3-30b-a3b": dict(qwen(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                               num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=40960,
+                               rope_theta=1e6, tie_word_embeddings=False),
+                          architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=128,
+                          attention_bias=False, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen3-235b-a22b": dict(qwen(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+                                 num_attention_heads=64, num_key_value_heads=4, max_position_embeddings=40960,
+                                 rope_theta=1e6, tie_word_embeddings=False),
+                            architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=128,
+                            attention_bias=False, moe_intermediate_size=1536, num_experts=128,
+                            num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
     "tiny": qwen(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                  rope_theta=1e6, tie_word_embeddings=False),
@@ -79,6 +92,8 @@ CASES = {
     "qwen2.5-72b_oar_g.yaml": ("72b", 64),
     "qwen3-8b_oar_g.yaml": ("qwen3-8b", 8),
     "qwen3-32b_oar_g.yaml": ("qwen3-32b", 32),
+    "qwen3-30b-a3b_oar_g.yaml": ("qwen3-30b-a3b", 8),
+    "qwen3-235b-a22b_oar_g.yaml": ("qwen3-235b-a22b", 128),
     "tiny_cpu.yaml": ("tiny", 2),
     "tiny_chain_cpu.yaml": ("tiny", 2),
 }
@@ -107,7 +122,8 @@ def test_presets_match_the_published_configs():
     for arch, preset in (("math-1.5b", "qwen2.5-math-1.5b"), ("7b", "qwen2.5-7b"),
                          ("math-7b", "qwen2.5-math-7b"), ("14b", "qwen2.5-14b"),
                          ("32b", "qwen2.5-32b"), ("72b", "qwen2.5-72b"), ("qwen3-8b", "qwen3-8b"),
-                         ("qwen3-32b", "qwen3-32b")):
+                         ("qwen3-32b", "qwen3-32b"), ("qwen3-30b-a3b", "qwen3-30b-a3b"),
+                         ("qwen3-235b-a22b", "qwen3-235b-a22b")):
         assert parse_arch(PRESETS[preset]) == parse_arch(HF[arch]), preset
 
 
@@ -295,8 +311,12 @@ def test_tp_must_divide_heads_and_kv_groups():
     small = "qwen2.5-math-1.5b_oar_g.yaml"
     with raises(r"parallel.tp=4 does not divide num_key_value_heads=2"):
         validate(example(small, "parallel.tp=4"), world_size=8, hf_config=HF["math-1.5b"])
-    with raises(r"rollout.tp=4 does not divide num_key_value_heads=2"):
-        validate(example(small, "rollout.tp=4"), world_size=8, hf_config=HF["math-1.5b"])
+    # vLLM's rule for rollout.tp: beyond the KV heads it replicates them (a whole number of times)
+    validate(example(small, "rollout.tp=4"), world_size=8, hf_config=HF["math-1.5b"])
+    with raises(r"rollout.tp=3 is not a multiple of num_key_value_heads=2"):
+        validate(example(small, "rollout.tp=3"), hf_config=HF["math-1.5b"])
+    with raises(r"rollout.tp=8 does not divide num_attention_heads=12"):
+        validate(example(small, "rollout.tp=8"), world_size=8, hf_config=HF["math-1.5b"])
     with raises(r"parallel.pp=3 does not divide num_hidden_layers=4"):
         validate(example("tiny_cpu.yaml", "parallel.tp=1", "parallel.pp=3"), world_size=3,
                  hf_config=HF["tiny"])
