@@ -140,9 +140,11 @@ def test_checkpoint_and_config_disagree(models, tmp_path, capsys):
 # slow: load, save and reload at other layouts on gloo ranks
 
 
-def _logits(hf_dir: str, ckpt: str, tp: int, pp: int, ep: int, etp: int | None, tokens, save_to=None):
-    """Logits of ``ckpt`` at this layout (None off the reporting rank); with ``save_to``, the model
-    is saved there afterwards by megatron's own save at this layout."""
+def _layout_logits(hf_dir: str, converted: str, saved: str, layout: tuple, tokens, first: bool):
+    """At ``layout`` (tp, pp, ep, etp): load the converted checkpoint and take the logits (None off
+    the reporting rank); ``first``: then save the model to ``saved`` with megatron's own save at
+    this layout; else load ``saved`` into the same model and check it brings back exactly the
+    converted checkpoint's parameters."""
     from megatron.core import parallel_state as ps
 
     from megatron_oar.models import ModelOptions, build_gpt_model
@@ -150,15 +152,25 @@ def _logits(hf_dir: str, ckpt: str, tp: int, pp: int, ep: int, etp: int | None, 
     from megatron_oar.models.model_checkpoint import CheckpointMeta, load_model, save_model
     from megatron_oar.runtime import ParallelConfig, init_runtime
 
+    tp, pp, ep, etp = layout
     init_runtime(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp))
     arch = parse_arch(read_config(Path(hf_dir)))
-    model = build_gpt_model(arch, ModelOptions(spec="local", sequence_parallel=tp > 1))
-    meta = load_model(model, ckpt)
+    model = build_gpt_model(arch, ModelOptions(spec="local", sequence_parallel=tp > 1),
+                            perform_initialization=False)
+    meta = load_model(model, converted)
     logits = forward_logits(model, tokens, micro_batch_size=1, vocab_size=arch.vocab_size)
-    if save_to is not None:
+    if first:
         meta = CheckpointMeta(**{**meta.__dict__, "written_tp": tp, "written_pp": pp,
                                  "written_ep": ep, "written_etp": etp})
-        save_model(model, save_to, meta, hf_files_from=hf_dir)
+        save_model(model, saved, meta, hf_files_from=hf_dir)
+    else:
+        before = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        load_model(model, saved)
+        after = model.state_dict()
+        assert all(torch.equal(v, after[k]) for k, v in before.items()), layout
     reporter = logits is not None and ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
     return logits if reporter else None
 
@@ -166,23 +178,18 @@ def _logits(hf_dir: str, ckpt: str, tp: int, pp: int, ep: int, etp: int | None, 
 def _reshard_worker(hf_dir: str, converted: str, saved: str, first: tuple, others: list, tokens,
                     out: str, with_verify: bool) -> None:
     """``first`` layout: load the converted checkpoint, save it to ``saved``; each of ``others``:
-    logits of both checkpoints. Results (layout, which, logits) to ``out`` from the reporters."""
+    load both (equal parameters). Results (layout, logits) to ``out`` from the reporting ranks."""
     import torch.distributed as dist
 
-    results = []
-    got = _logits(hf_dir, converted, *first, tokens, save_to=saved)
-    results.append((first, "converted", got))
-    for layout in others:
-        for which, ckpt in (("converted", converted), ("saved", saved)):
-            results.append((layout, which, _logits(hf_dir, ckpt, *layout, tokens)))
+    results = [(layout, _layout_logits(hf_dir, converted, saved, layout, tokens, layout == first))
+               for layout in (first, *others)]
     if with_verify:
         from checkpoints_convert.verify import verify
 
         result = verify(hf_dir, converted, ep=2, tol=TOL)
         if result is not None:
-            results.append(("verify", result.max_abs_diff, result.top1_agreement))
-    mine = [r for r in results if r[-1] is not None]
-    torch.save(mine, f"{out}.rank{dist.get_rank()}")
+            results.append(("verify", (result.max_abs_diff, result.top1_agreement)))
+    torch.save([r for r in results if r[1] is not None], f"{out}.rank{dist.get_rank()}")
 
 
 def _run(models, tmp_path, world: int, name: str, first, others, with_verify: bool):
@@ -197,21 +204,17 @@ def _run(models, tmp_path, world: int, name: str, first, others, with_verify: bo
            with_verify)
     results = [r for rank in range(world) for r in torch.load(f"{out}.rank{rank}", weights_only=False)]
     ref = hf_logits(hf, tokens)
-    by_layout: dict = {}
-    for r in results:
-        if r[0] == "verify":
-            print(f"verify ep=2: max|dlogit|={r[1]:.3e} top1={r[2]:.4f}")
-            assert r[1] <= TOL and r[2] == 1.0
-            continue
-        layout, which, logits = r
-        diff = (logits - ref).abs().max().item()
-        print(f"qwen3-moe {name} (tp, pp, ep, etp)={layout} {which}: max|dlogit|={diff:.3e}")
-        assert diff <= TOL and torch.equal(logits.argmax(-1), ref.argmax(-1)), (layout, which, diff)
-        by_layout.setdefault(layout, {})[which] = logits
-    assert set(by_layout) == {first, *others}
-    for layout in others:  # the checkpoint megatron saved at `first` loads to the same model
-        assert torch.equal(by_layout[layout]["converted"], by_layout[layout]["saved"]), layout
-    assert any(r[0] == "verify" for r in results) is with_verify
+    seen = set()
+    for layout, got in results:
+        if layout == "verify":
+            print(f"verify ep=2: max|dlogit|={got[0]:.3e} top1={got[1]:.4f}")
+            assert got[0] <= TOL and got[1] == 1.0
+        else:
+            diff = (got - ref).abs().max().item()
+            print(f"qwen3-moe {name} (tp, pp, ep, etp)={layout}: max|dlogit|={diff:.3e}")
+            assert diff <= TOL and torch.equal(got.argmax(-1), ref.argmax(-1)), (layout, diff)
+        seen.add(layout)
+    assert seen == {first, *others} | ({"verify"} if with_verify else set())
     meta = json.loads((saved / "oar_checkpoint.json").read_text())
     assert (meta["written_tp"], meta["written_pp"], meta["written_ep"]) == first[:3]
     megatron_to_hf(saved, tmp_path / "exported", progress=False)  # experts back at global ids
