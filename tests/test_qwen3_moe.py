@@ -16,7 +16,10 @@ naming the key, the megatron settings, megatron's routing == transformers' route
 hidden states, the HF <-> megatron mapping under both specs, a one-process build (names equal the
 mapping's, frozen router). Slow (pooled gloo ranks, about 20 s on 2 cores; the whole file about
 35 s): one world of 2 ranks runs TP1 (as DP2), EP2, PP2 and TP2 for both models, TP2 x EP2 with
-expert TP 1 for B, and a backward pass at EP1 and EP2 (gradients finite and equal); one world of 4
+expert TP 1 for B, and a backward pass at EP1, EP2 and TP2 with sequence parallelism through
+megatron's DDP and ``finalize_model_grads`` (gradients finite and equal; at TP2 those of the
+TP-replicated norms and routers, which megatron sums over TP by their ``sequence_parallel`` mark);
+one world of 4
 runs EP2xPP2 and EP4 for both, TP2 x EP2 (expert TP 2) for A. Measured: max |dlogit| 2.4e-7 (A)
 and 2.8e-7 (B) at the TP1 layouts, at most 3.6e-7 at TP2; EP2 vs EP1 gradients within 3e-7 of
 each tensor's largest.
@@ -465,6 +468,32 @@ def _grads_worker(hf_dir: str, ep: int, tokens: torch.Tensor, out: str) -> None:
     torch.save(grads, f"{out}.rank{dist.get_rank()}")
 
 
+def _sp_grads_worker(hf_dir: str, ckpt: str, tokens: torch.Tensor, out: str) -> None:
+    """TP2 with sequence parallelism (DP1): the backward pass of both rows through megatron's DDP
+    and ``finalize_model_grads``, which sums the gradients of the parameters marked
+    ``sequence_parallel`` (norms, routers) over TP. Those replicated parameters' gradients, by
+    global name, from TP rank 0."""
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from megatron_oar.models.forward import position_ids_for
+
+    gpt, _ = _build(hf_dir, 2, 1, 1, None, ckpt)
+    model = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), gpt)
+    model.train()
+    model.zero_grad_buffer()
+    loss = model(tokens[:, :-1], position_ids_for(tokens[:, :-1]), attention_mask=None, labels=tokens[:, 1:])
+    loss.sum().backward()
+    finalize_model_grads([model])
+    grads = {}
+    for i, name, p in _global_names(gpt):
+        if not getattr(p, "tensor_model_parallel", False):
+            assert p.sequence_parallel, name  # what megatron sums over TP
+            grads[name if i is None else f"{i}.{name}"] = p.main_grad.clone()
+    if dist.get_rank() == 0:
+        torch.save(grads, out)
+
+
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
     from checkpoints_convert.convert import hf_to_megatron
@@ -505,6 +534,7 @@ def test_logits_and_gradients_world2(moe_models):
     launch(_logits_worker, 2, jobs, tokens)
     _check_logits(jobs, models)
     grads = {}
+    tokens = tokens[:, :23]  # inputs of 22 tokens: split in two by sequence parallelism at TP2
     for ep in (1, 2):
         out = str(root / f"grads_ep{ep}")
         launch(_grads_worker, 2, str(models["A"]["hf"]), ep, tokens, out)
@@ -514,7 +544,17 @@ def test_logits_and_gradients_world2(moe_models):
                 assert k not in merged or torch.equal(merged[k], v), k  # replicas agree
                 merged[k] = v
         grads[ep] = merged
-    assert grads[1].keys() == grads[2].keys()
+    launch(_sp_grads_worker, 2, str(models["A"]["hf"]), str(models["A"]["ckpt"]), tokens,
+           str(root / "grads_tp2"))
+    grads["tp2"] = torch.load(root / "grads_tp2")
+    assert len(grads["tp2"]) == 1 + 2 * 5  # final norm; per layer 2 norms, q/k norms, router
+    assert grads[1].keys() == grads[2].keys() >= grads["tp2"].keys()
+    sp_worst = 0.0
+    for k, a in grads["tp2"].items():  # the TP-replicated parameters under sequence parallelism
+        rel = (a - grads[1][k]).abs().max().item() / grads[1][k].abs().max().item()
+        sp_worst = max(sp_worst, rel)
+        assert rel <= GRAD_TOL, (k, rel)
+    print(f"TP2 (SP) vs TP1 gradients of the replicated parameters: worst {sp_worst:.2e}")
     worst = 0.0
     for k, a in grads[1].items():
         b = grads[2][k]
