@@ -14,8 +14,8 @@ sequence parallelism, which megatron's MoE layer requires there) they load the c
 Fast (about 10 s with imports): config parsing and refusals naming the field, layout refusals
 naming the key, the megatron settings, megatron's routing == transformers' router on the same
 hidden states, the HF <-> megatron mapping under both specs, a one-process build (names equal the
-mapping's, frozen router). Slow (pooled gloo ranks, about 20 s on 2 cores; the whole file about
-35 s): one world of 2 ranks runs TP1 (as DP2), EP2, PP2 and TP2 for both models, TP2 x EP2 with
+mapping's, frozen router). Slow (pooled gloo ranks, about 22 s on 2 cores with the pool warm,
+measured under a load average near 20; the whole file about 35 s): one world of 2 ranks runs TP1 (as DP2), EP2, PP2 and TP2 for both models, TP2 x EP2 with
 expert TP 1 for B, and a backward pass at EP1, EP2 and TP2 with sequence parallelism through
 megatron's DDP and ``finalize_model_grads`` (gradients finite and equal; at TP2 those of the
 TP-replicated norms and routers, which megatron sums over TP by their ``sequence_parallel`` mark);
