@@ -15,14 +15,14 @@ Fast (about 10 s with imports): config parsing and refusals naming the field, la
 naming the key, the megatron settings, megatron's routing == transformers' router on the same
 hidden states, the HF <-> megatron mapping under both specs, a one-process build (names equal the
 mapping's, frozen router). Slow (pooled gloo ranks, about 22 s on 2 cores with the pool warm,
-measured under a load average near 20; the whole file about 35 s): one world of 2 ranks runs TP1 (as DP2), EP2, PP2 and TP2 for both models, TP2 x EP2 with
-expert TP 1 for B, and a backward pass at EP1, EP2 and TP2 with sequence parallelism through
-megatron's DDP and ``finalize_model_grads`` (gradients finite and equal; at TP2 those of the
-TP-replicated norms and routers, which megatron sums over TP by their ``sequence_parallel`` mark);
-one world of 4
-runs EP2xPP2 and EP4 for both, TP2 x EP2 (expert TP 2) for A. Measured: max |dlogit| 2.4e-7 (A)
-and 2.8e-7 (B) at the TP1 layouts, at most 3.6e-7 at TP2; EP2 vs EP1 gradients within 3e-7 of
-each tensor's largest.
+measured under a load average near 20; the whole file about 35 s): one world of 2 ranks runs TP1
+(as DP2), EP2, PP2 and TP2 for both models, TP2 x EP2 with expert TP 1 for B, and a backward pass
+at EP1, EP2 and TP2 with sequence parallelism through megatron's DDP and ``finalize_model_grads``
+(gradients finite and equal; at TP2 those of the TP-replicated norms and routers, which megatron
+sums over TP by their ``sequence_parallel`` mark); one world of 4 runs EP2xPP2 and EP4 for both,
+TP2 x EP2 (expert TP 2) for A. Measured: max |dlogit| 2.4e-7 (A) and 2.8e-7 (B) at the TP1
+layouts, at most 4.2e-7 at TP2; EP2 vs EP1 gradients within 3e-7 of each tensor's largest, TP2's
+(replicated parameters) within 1e-5.
 """
 
 from __future__ import annotations
