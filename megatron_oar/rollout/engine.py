@@ -244,6 +244,10 @@ class RolloutEngine:
         )
         if not torch.cuda.is_available():
             kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gib * 2**30)
+        if self.arch.is_moe:  # vLLM 0.32 on CPU does not repack reloaded experts (vllm_patches)
+            from megatron_oar.rollout.vllm_patches import patch_cpu_moe_reload
+
+            patch_cpu_moe_reload()
         with _preserve_process_state():
             llm = LLM(**kwargs)
         reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
@@ -415,7 +419,8 @@ class RolloutEngine:
             if error is None:
                 error = e
         report = {"rank": self.rank, "buckets": counts["buckets"] if gathered["all"] else None,
-                  "failed": error is not None, "where": dict(where), "received": counts["tp"] + counts["pp"] + counts["ep"],
+                  "failed": error is not None, "where": dict(where),
+                  "received": counts["tp"] + counts["pp"] + counts["ep"],
                   "cause": None if error is None else f"{type(error).__name__}: {error}"}
         reports: list = [None] * self.world_size
         dist.all_gather_object(reports, report, group=self._world_gloo)
