@@ -48,7 +48,8 @@ its TP slice, and Megatron's expert shards match that slice only when ETP equals
 the usual layouts (ETP 1) are not.
 
 :func:`sync_traffic` computes, from the architecture and the layouts, the bytes each rank
-receives; the buckets count what really arrived (``received_tp``, ``received_pp``).
+receives; the buckets count what really arrived (``received_tp``, ``received_pp``,
+``received_ep``).
 """
 
 from __future__ import annotations
@@ -159,12 +160,18 @@ def _te_name(rel: str, arch: QwenArch, i: int) -> str:
     return hf_mapping.rename_spec(rel, "local", "te")
 
 
+def _parse_expert(key: str) -> tuple[str, int, str] | None:
+    """``(spec, expert id, fc)`` of a megatron name (``decoder.layers.{i}.<rel>``) that is an
+    expert's weight, else None."""
+    if not key.startswith(hf_mapping.MC_LAYER_PREFIX):
+        return None
+    return parse_expert_name(key[len(hf_mapping.MC_LAYER_PREFIX):].split(".", 1)[-1])
+
+
 def _is_fc1(key: str) -> bool:
     """Whether ``key`` is a ``[gate; up]`` weight (a dense MLP's or an expert's)."""
-    if key.endswith(hf_mapping.FC1_W):
-        return True
-    parsed = parse_expert_name(key.split(".", 3)[-1]) if key.startswith(hf_mapping.MC_LAYER_PREFIX) else None
-    return parsed is not None and parsed[2] == "linear_fc1"
+    parsed = _parse_expert(key)
+    return key.endswith(hf_mapping.FC1_W) or (parsed is not None and parsed[2] == "linear_fc1")
 
 
 def _expert_layout() -> tuple[int, int, int]:
@@ -209,14 +216,6 @@ def _full_shape(p: torch.Tensor, tp: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _expert_of(key: str) -> int | None:
-    """The (global) expert id of a megatron name, None for other tensors."""
-    if not key.startswith(hf_mapping.MC_LAYER_PREFIX):
-        return None
-    parsed = parse_expert_name(key.split(".", 3)[-1])
-    return None if parsed is None else parsed[1]
-
-
 def _stage_entries(local: dict[str, torch.nn.Parameter], arch: QwenArch, stage: int) -> list[SyncEntry]:
     """This stage's entries, the same on each of its ranks: an expert slot this rank holds stands
     for the same slot on every EP rank (``EP`` entries, global ids ``k * E/EP + j``, EP rank
@@ -229,15 +228,15 @@ def _stage_entries(local: dict[str, torch.nn.Parameter], arch: QwenArch, stage: 
         ep, ep_rank, etp = _expert_layout()
         per_rank = arch.num_experts // ep
     for key, p in local.items():
-        e = _expert_of(key)
-        if e is None:
+        parsed = _parse_expert(key)
+        if parsed is None:
             out.append(SyncEntry(stage, key, _full_shape(p, tp), p.dtype, _tp_dim(p)))
             continue
-        layer, rel = key[len(hf_mapping.MC_LAYER_PREFIX):].split(".", 1)
+        spec, e, fc = parsed
+        layer = key[len(hf_mapping.MC_LAYER_PREFIX):].split(".", 1)[0]
         slot = e - ep_rank * per_rank
-        local_rel = global_expert_name(rel, -e)  # the name with expert id 0 ...
-        for k in range(ep):  # ... shifted to EP rank k's expert in this slot
-            name = f"{hf_mapping.MC_LAYER_PREFIX}{layer}.{global_expert_name(local_rel, k * per_rank + slot)}"
+        for k in range(ep):  # EP rank k's expert in this slot
+            name = f"{hf_mapping.MC_LAYER_PREFIX}{layer}.{expert_name(spec, k * per_rank + slot, fc)}"
             out.append(SyncEntry(stage, name, _full_shape(p, etp), p.dtype, _tp_dim(p), ep_rank=k))
     return out
 
