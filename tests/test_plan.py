@@ -402,7 +402,6 @@ def test_moe_resident_state_shards_experts_over_expert_dp():
 
 def test_moe_dispatcher_and_weight_sync_bytes_by_hand():
     from megatron_oar.commands import plan_moe
-    from megatron_oar.rollout.weight_sync import sync_traffic
 
     a = parse_arch(PRESETS["qwen3-30b-a3b"])
     row = 8 * 2048 * 2  # top-8 copies of a bf16 token
@@ -420,15 +419,14 @@ def test_moe_dispatcher_and_weight_sync_bytes_by_hand():
     assert pl.sync["tp_gather"] == pytest.approx(2 * tp_gather / P.GIB)
     assert pl.sync["ep_gather"] == pytest.approx(2 * ep_gather / P.GIB)
     assert "EP gather 47.25)" in P.render(pl, "x")
-    # 235B at PP2: a rank also receives the other stage's 47 routers and all its experts whole
-    b = parse_arch(PRESETS["qwen3-235b-a22b"])
-    big = _plan("qwen3-235b-a22b_oar_g")
-    dense_part = sync_traffic(replace(b, intermediate_size=0), tp=4, pp=2, dtype_bytes=2,
-                              shards=False)[0]
+    # 235B at PP2 (vLLM TP16: full tensors), the worst rank on stage 0: it receives stage 1's 47
+    # layers whole (attention, its 2 norms and the q/k norms, the router, all 128 experts), the
+    # final norm and the output layer
     experts = 128 * 3 * 4096 * 1536
+    layer = (72 * 128) * 4096 + 4096 * (64 * 128) + 2 * 4096 + 2 * 128 + 128 * 4096 + experts
+    big = _plan("qwen3-235b-a22b_oar_g")
     assert big.sync["ep_gather"] == pytest.approx(2 * 47 * (experts * 63 // 64) / P.GIB)
-    assert big.sync["pp_broadcast"] == pytest.approx(
-        (dense_part["pp_broadcast"] + 2 * 47 * (128 * 4096 + experts)) / P.GIB)
+    assert big.sync["pp_broadcast"] == pytest.approx(2 * (47 * layer + 4096 + 151936 * 4096) / P.GIB)
 
 
 def test_moe_plan_flops_by_active_parameters_and_render():

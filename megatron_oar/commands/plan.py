@@ -417,14 +417,12 @@ def _sync_traffic(cfg, a: QwenArch) -> dict:
     wbytes = 4 if cfg.model.dtype == "fp32" else 2
 
     def worst(shards: bool) -> dict:
-        if a.is_moe:  # sync_traffic counts dense MLPs; the experts' bytes are counted here
-            stages = plan_moe.moe_sync_traffic(
-                a, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.tp if par.etp is None else par.etp,
-                dtype_bytes=wbytes, shards=shards, vocab_multiple=cfg.model.vocab_multiple)
-        else:
-            stages = sync_traffic(a, tp=par.tp, pp=par.pp, dtype_bytes=wbytes, shards=shards,
-                                  vocab_multiple=cfg.model.vocab_multiple)
-        return {k: v / GIB for k, v in max(stages, key=lambda x: x["total"]).items()}
+        stages = sync_traffic(a, tp=par.tp, pp=par.pp, dtype_bytes=wbytes, shards=shards,
+                              vocab_multiple=cfg.model.vocab_multiple, ep=par.ep, etp=par.etp)
+        out = {k: v / GIB for k, v in max(stages, key=lambda x: x["total"]).items()}
+        if not a.is_moe:
+            del out["ep_gather"]
+        return out
 
     shards = r.sync_shards and par.tp == r.tp > 1
     return {"shards": shards, **worst(shards), "full_tensors_gib": worst(False)["total"]}

@@ -25,11 +25,8 @@ sees every row of its experts) the permuted input (``hidden``) and FC1's output 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from megatron_oar.models.arch import QwenArch
-from megatron_oar.models.flops import mlp_weights, router_weights
-from megatron_oar.rollout.weight_sync import sync_traffic
+from megatron_oar.models.flops import mlp_weights
 
 
 def expert_layout(a: QwenArch, world: int, tp: int, pp: int, ep: int, etp: int | None) -> dict:
@@ -73,43 +70,6 @@ def dispatcher_bytes_per_token(a: QwenArch, ep: int, etp: int, dtype_bytes: int)
     a2a = 2 * row * (ep - 1) / ep
     gather = 2 * row * (etp - 1)
     return {"all_to_all": a2a, "etp_gather": gather, "total": a2a + gather}
-
-
-def moe_sync_traffic(a: QwenArch, *, tp: int, pp: int, ep: int, etp: int, dtype_bytes: int,
-                     shards: bool, vocab_multiple: int = 128,
-                     vocab_rows: int | None = None) -> list[dict[str, float]]:
-    """Bytes one rank of each pipeline stage receives in one weight sync of a MoE model:
-    ``rollout.weight_sync.sync_traffic``'s attention, norms and embeddings (its dense MLP terms
-    zeroed), plus the MLPs counted here. Assumes the experts travel as whole HF tensors (every
-    rank gathers its stage's experts over EP x ETP: ``ep_gather``, and receives the other
-    stages' whole); the router travels whole, as the norms; a dense layer's MLP as
-    ``sync_traffic`` moves it (a TP shard on the shard path)."""
-    base = sync_traffic(replace(a, intermediate_size=0), tp=tp, pp=pp, dtype_bytes=dtype_bytes,
-                        shards=shards, vocab_multiple=vocab_multiple, vocab_rows=vocab_rows)
-    experts_whole, shards_of = expert_params(a), ep * etp
-    dense_mlp = mlp_weights(a, a.intermediate_size)
-    own, other = [], []  # per stage: (tp gather, ep gather) of its own MLPs; bytes to the others
-    for s in range(pp):
-        gather = ep_gather = sent = 0
-        for i in stage_layers(a, pp, s):
-            if a.is_moe_layer(i):
-                ep_gather += experts_whole * (shards_of - 1) // shards_of
-                sent += router_weights(a) + experts_whole
-            else:
-                gather += 0 if shards else dense_mlp * (tp - 1) // tp
-                sent += dense_mlp // tp if shards else dense_mlp
-        own.append((gather, ep_gather))
-        other.append(sent)
-    out = []
-    for s, stage in enumerate(base):
-        gather, ep_gather = own[s]
-        bcast = sum(other[o] for o in range(pp) if o != s)
-        tp_gather = stage["tp_gather"] + gather * dtype_bytes
-        pp_broadcast = stage["pp_broadcast"] + bcast * dtype_bytes
-        ep_bytes = ep_gather * dtype_bytes
-        out.append({"tp_gather": tp_gather, "pp_broadcast": pp_broadcast, "ep_gather": ep_bytes,
-                    "total": tp_gather + pp_broadcast + ep_bytes})
-    return out
 
 
 def experts_read_fraction(a: QwenArch, concurrent: int) -> float:
