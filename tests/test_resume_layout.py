@@ -112,7 +112,8 @@ def test_resume_at_another_tp_and_pp(model, tmp_path):
     for name in LAYOUTS:  # the next two steps' losses: fp32 rounding apart
         assert resumed[name] == pytest.approx(run[name], rel=1e-5, abs=1e-6), name
     state = json.loads((tmp_path / "tp2" / "step_00000001" / "trainer_state.json").read_text())
-    assert state["layout"] == {"tp": 2, "pp": 1, "dp": 1, "world_size": 2, "distributed_optimizer": True}
+    assert state["layout"] == {"tp": 2, "pp": 1, "ep": 1, "etp": 2, "dp": 1, "world_size": 2,
+                               "distributed_optimizer": True}
     assert state["optim_sharding"] == "fully_reshardable"
     meta = json.loads((tmp_path / "pp2" / "step_00000001" / "oar_checkpoint.json").read_text())
     assert (meta["written_tp"], meta["written_pp"]) == (1, 2)

@@ -332,7 +332,8 @@ def _set_rng_state(state: dict) -> None:
 
 # --------------------------------------------------------------------------------- layout
 
-LAYOUT_KEYS = ("tp", "pp", "dp", "world_size", "distributed_optimizer")  # trainer_state.json's layout
+# trainer_state.json's layout (ep / etp: expert parallel and expert TP sizes, 1 / tp for a dense model)
+LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "dp", "world_size", "distributed_optimizer")
 
 
 def _layout(policy) -> dict:
@@ -340,6 +341,8 @@ def _layout(policy) -> dict:
     from megatron.core import parallel_state as ps
 
     return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(),
+            "etp": ps.get_expert_tensor_parallel_world_size(),
             "dp": ps.get_data_parallel_world_size(), "world_size": _world(),
             "distributed_optimizer": bool(policy.model.ddp_config.use_distributed_optimizer)}
 
@@ -353,16 +356,17 @@ def _check_layout(path: Path, saved: dict, now: dict, sharding: str) -> None:
     ``path``, naming what changed and what may change."""
     fixed = ["distributed_optimizer"]
     if sharding != "fully_reshardable" or not now["distributed_optimizer"]:
-        fixed += ["tp", "pp"]  # dp_reshardable, or a non-distributed optimizer's state
+        fixed += ["tp", "pp", "ep", "etp"]  # dp_reshardable, or a non-distributed optimizer's state
     changed = [f"{k} {saved[k]} -> {now[k]}" for k in fixed if k in saved and saved[k] != now[k]]
     if changed:
         raise CheckpointError(
             f"{path}: saved at {_describe_layout(saved)}, this run is {_describe_layout(now)} "
             f"({', '.join(changed)}): its optimizer state ({OPTIM_DIR}/, {sharding}) reloads only at the "
-            f"same parallel.tp, parallel.pp and optim.use_distributed_optimizer; the data-parallel and "
-            f"world sizes may change. Resume at the saved layout, or resume there once with "
-            f"checkpoint.optim_sharding=fully_reshardable and let it save: that checkpoint reloads at any "
-            f"parallel.tp / parallel.pp (with the distributed optimizer)")
+            f"same parallel.tp, parallel.pp, parallel.ep, parallel.etp and "
+            f"optim.use_distributed_optimizer; the data-parallel and world sizes may change. Resume at "
+            f"the saved layout, or resume there once with checkpoint.optim_sharding=fully_reshardable "
+            f"and let it save: that checkpoint reloads at any parallel.tp / parallel.pp (with the "
+            f"distributed optimizer)")
 
 
 # ----------------------------------------------------------------------------------- save
@@ -461,7 +465,8 @@ def _save_rng_and_side_files(tmp: Path, meta: CheckpointMeta, hf_files_from: str
     torch.save(rng_state() if rng is None else rng, tmp / RNG_DIR / f"rank_{rank():05d}.pt")
     if rank() == 0:
         copy_hf_side_files(hf_files_from, tmp / HF_DIR)
-        replace(meta, written_tp=layout["tp"], written_pp=layout["pp"]).write(tmp)
+        replace(meta, written_tp=layout["tp"], written_pp=layout["pp"], written_ep=layout["ep"],
+                written_etp=layout["etp"]).write(tmp)
 
 
 def _commit(tmp: Path, final: Path, state: dict) -> None:
