@@ -152,8 +152,9 @@ def summarize_size(res: dict) -> dict:
                                           if s["seconds"] > 0),
         "sync_bytes": syncs[0]["bytes"] if syncs else None,
         "sync_buckets": syncs[0]["num_buckets"] if syncs else None,
-        # bytes this rank received over TP/PP per sync (absent in results from before it was counted)
-        "sync_received_bytes": (syncs[0].get("received_tp_bytes", 0) + syncs[0].get("received_pp_bytes", 0)
+        # bytes this rank received over TP/PP (and EP: a MoE model's experts) per sync (absent in
+        # results from before it was counted)
+        "sync_received_bytes": (sum(syncs[0].get(f"received_{g}_bytes", 0) for g in ("tp", "pp", "ep"))
                                 if syncs and "received_tp_bytes" in syncs[0] else None),
     }
 

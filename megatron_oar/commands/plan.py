@@ -471,7 +471,7 @@ def _advice(plan, cfg, mem, act_update, act_attr) -> list[str]:
         if cfg.model.recompute != "full":
             tips.append("model.recompute=full")
         if not cfg.parallel.sequence_parallel and cfg.parallel.tp > 1:
-            tips.append("parallel.sequence_parallel=true (with model.spec=te)")
+            tips.append("parallel.sequence_parallel=true")
         if cfg.train.batching == "padded" and cfg.train.micro_batch_size > 1:
             tips.append("a smaller train.micro_batch_size")
         if cfg.train.batching != "padded" and cfg.micro_batch_tokens > s:
