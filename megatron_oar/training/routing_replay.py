@@ -40,6 +40,7 @@ appeared in 0.16; its methods are development API that may change).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -49,9 +50,12 @@ from megatron.core import parallel_state as ps
 from megatron_oar.models.builder import ROUTING_REPLAY_MODES, moe_layer_pattern
 from megatron_oar.models.parallel import unwrap
 
-MEGATRON_CORE_RANGE = ((0, 16), (0, 17))  # RouterReplay's API as read in 0.16.1
+# RouterReplay's API as read in 0.16.1 (router_replay.py: per-instance set_target_indices,
+# get_recorded_indices, set_router_replay_action; TopKRouter.router_replay): development API
+MEGATRON_CORE_RANGE = ((0, 16), (0, 17))
 
 
+@functools.cache
 def check_megatron_core() -> None:
     from importlib.metadata import version
 
@@ -181,6 +185,8 @@ class RoutingPass:
         self.model, self.rows, self.lengths, self.width = model, rows, lengths, width
         self.routers = moe_routers(model)
         config = unwrap(model).config
+        if self.routers and (record or replay is not None):
+            check_megatron_core()
         if self.routers and any(r.router_replay is None for r in self.routers) and (record or replay is not None):
             raise RuntimeError("routing replay needs the model built with model.routing_replay set "
                                "(megatron's moe_enable_routing_replay)")
