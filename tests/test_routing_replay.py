@@ -93,7 +93,7 @@ def test_rollout_routing_from_vllm_arrays():
 
 
 def test_rollout_batch_carries_routed_experts():
-    """engine output -> RolloutBatch (concat over rollout groups) -> Sample -> the train batch."""
+    """engine output -> RolloutBatch (concat over rollout groups) -> Sample -> ``routed``."""
     from megatron_oar.rollout.batch import RolloutBatch
     from megatron_oar.rollout.engine import _completions
 
@@ -120,6 +120,23 @@ def test_rollout_batch_carries_routed_experts():
     got = {(c.prompt_index, c.sample_index): c.routed_experts for c in joined.completions()}
     assert all(got[k] is want[k] for k in want) and got[(2, 0)] is None
     assert RolloutBatch.concat([plain]).routed_experts is None
+
+    # the trainer's path: generate_samples -> Sample.routed_experts -> routed [B, L, n, k]
+    from megatron_oar.data.readers import Example
+    from megatron_oar.training.collect import generate_samples
+
+    engine = SimpleNamespace(dp_size=1, dp_rank=0, generate=lambda ids, **_: part, gather=lambda b: b)
+    tok = type("Tok", (), {"chat_template": None,
+                           "__call__": lambda self, text, **_: {"input_ids": [1, 2]}})()
+    examples = [Example("p0", "a0", "s", 0), Example("p1", "a1", "s", 1)]
+    samples = generate_samples(engine, tok, examples, "answer_tag", [0, 1])
+    assert [s.routed_experts is want[(s.group, j % 2)] for j, s in enumerate(samples)] == [True] * 4
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    routed = rollout_routing([s.routed_experts for s in samples], lengths, max(lengths), [0, 1], 2)
+    for r, s in enumerate(samples):
+        n = lengths[r] - 1  # vLLM's last token has no routing
+        assert torch.equal(routed[r, :n], torch.as_tensor(s.routed_experts, dtype=torch.int32))
+        assert (routed[r, n:] == -1).all()
 
 
 def test_config_key_validated():

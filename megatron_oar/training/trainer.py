@@ -11,6 +11,7 @@ One step (the phases of ``training/phases.py``, one logger phase and console lin
     prompts --rollout (vLLM)--> completions --verify--> rewards;  vLLM sleeps
       --Eq. 2--> A_i
       --old-logprob pass--> log-probs, entropy, probe teacher P0   (one Megatron forward)
+      (MoE, model.routing_replay: it records the routing, or replays vLLM's; the update replays it)
       (vLLM's log-probs must agree with these: rollout.max_logprob_mismatch)
       --attribution (oar_g / oar_p)--> importance I_t              (only rows with A_i != 0)
       --credit (Eqs. 14-17 / random / entropy)--> A_t
