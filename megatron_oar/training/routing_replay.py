@@ -204,6 +204,7 @@ class RoutingPass:
         self.counts = torch.zeros(len(self.routers), self.experts or 1, dtype=torch.float64)
         self.micro = -1
         self.tokens = None  # (row, col, valid) of the current micro-batch
+        self.targets = self.known = None  # its replayed top-k [n, layers, k], and where recorded
         self._handles = []
 
     # ------------------------------------------------------------------ hooks
@@ -213,19 +214,21 @@ class RoutingPass:
         rows = self.rows[self.micro]
         self.tokens = router_tokens(args, kwargs, rows, self.lengths, self.tp_rank, self.tp_size, self.sp)
         if self.replay is not None:
-            row, col, valid = self.tokens
+            self.targets, self.known = self._targets(*self.tokens)
             for i, r in enumerate(self.routers):
-                r.router_replay.set_target_indices(self._targets(i, row, col, valid))
+                r.router_replay.set_target_indices(self.targets[:, i])
 
-    def _targets(self, layer: int, row, col, valid) -> torch.Tensor:
-        """The replayed top-k ``[n, k]`` of this micro-batch's tokens (``0..k-1`` where none)."""
-        out = torch.arange(self.k, device=row.device).expand(row.numel(), self.k).clone()
-        inside = valid & (col < self.replay.shape[1])
-        got = self.replay[row[inside].cpu(), col[inside].cpu(), layer].to(row.device).long()
-        known = (got >= 0).all(-1)
-        idx = inside.nonzero().flatten()[known.to(inside.device)]
-        out[idx] = got[known]
-        return out
+    def _targets(self, row, col, valid) -> tuple[torch.Tensor, torch.Tensor]:
+        """The replayed top-k ``[n, layers, k]`` of this micro-batch's router tokens (``0..k-1``
+        where none was recorded) and where one was ``[n, layers]``, gathered once for all layers."""
+        n, layers = row.numel(), self.replay.shape[2]
+        inside = (valid & (col < self.replay.shape[1])).cpu()
+        got = self.replay[row.cpu()[inside], col.cpu()[inside]].long()  # [m, layers, k]
+        known = torch.zeros(n, layers, dtype=torch.bool)
+        known[inside] = (got >= 0).all(-1)
+        out = torch.arange(self.k).expand(n, layers, self.k).clone()
+        out[inside] = torch.where(known[inside, :, None], got, out[inside])
+        return out.to(row.device), known.to(row.device)
 
     def _router_post(self, layer: int):
         def hook(router, args, output):
@@ -242,20 +245,13 @@ class RoutingPass:
                     self.counts[layer] += torch.bincount(own[valid].flatten().cpu(),
                                                          minlength=self.experts).double()
                 if self.replay is not None and self.agree_name:
-                    target = router.router_replay.target_topk_idx
-                    known = self._known(layer, row, col, valid)
+                    known = self.known[:, layer]
                     n = int(known.sum())
                     if n:
-                        equal = _overlap(own[known], target.to(own.device)[known], self.experts).sum()
+                        target = self.targets[known, layer].to(own.device)
+                        equal = _overlap(own[known.to(own.device)], target, self.experts).sum()
                         self._add(float(equal), float(n * self.k))
         return hook
-
-    def _known(self, layer, row, col, valid) -> torch.Tensor:
-        inside = valid & (col < self.replay.shape[1])
-        known = torch.zeros_like(valid)
-        got = self.replay[row[inside].cpu(), col[inside].cpu(), layer]
-        known[inside.nonzero().flatten()[(got >= 0).all(-1).to(valid.device)]] = True
-        return known
 
     def _add(self, equal: float, total: float) -> None:
         if self.sp or self.tp_rank == 0:  # without SP every TP rank sees the same tokens
