@@ -85,8 +85,8 @@ def test_rollout_routing_from_vllm_arrays():
     a = g.integers(0, 8, size=(6, 4, 2))  # 7 tokens: the last one's routing is never returned
     b = g.integers(0, 8, size=(3, 4, 2))
     out = rollout_routing([a, b, None], [7, 4, 2], 8, [1, 3], 2)
-    assert out.shape == (3, 8, 2, 2) and out.dtype == torch.int32
-    assert torch.equal(out[0, :6], torch.as_tensor(a[:, [1, 3]], dtype=torch.int32))
+    assert out.shape == (3, 8, 2, 2) and out.dtype == torch.int16
+    assert torch.equal(out[0, :6], torch.as_tensor(a[:, [1, 3]], dtype=torch.int16))
     assert (out[0, 6:] == -1).all() and (out[1, 3:] == -1).all() and (out[2] == -1).all()
     with pytest.raises(ValueError, match=r"row 1: vLLM's routed experts have shape \(3, 2, 2\)"):
         rollout_routing([a, b[:, :2]], [7, 4], 8, [1, 3], 2)
@@ -135,7 +135,7 @@ def test_rollout_batch_carries_routed_experts():
     routed = rollout_routing([s.routed_experts for s in samples], lengths, max(lengths), [0, 1], 2)
     for r, s in enumerate(samples):
         n = lengths[r] - 1  # vLLM's last token has no routing
-        assert torch.equal(routed[r, :n], torch.as_tensor(s.routed_experts, dtype=torch.int32))
+        assert torch.equal(routed[r, :n], torch.as_tensor(s.routed_experts, dtype=torch.int16))
         assert (routed[r, n:] == -1).all()
 
 
@@ -299,10 +299,9 @@ def _replay_worker(hf_dir: str, layouts: list, out: str) -> None:
         # routing of the original weights) replayed by the old-logprob pass and the update
         gathered = [torch.full((len(LENGTHS), max(LENGTHS), 1, arch.moe_topk), -1, dtype=torch.int32)
                     for _ in range(arch.num_layers)]
-        mine = torch.zeros(arch.num_layers, dtype=torch.bool)
+        width = batch.routed_experts.shape[1]
         for j, layer in enumerate(res["layers"]):
-            gathered[layer][batch.sample_ids, :batch.routed_experts.shape[1]] = batch.routed_experts[:, :, j:j + 1]
-            mine[layer] = True
+            gathered[layer][batch.sample_ids, :width] = batch.routed_experts[:, :, j:j + 1].int()
         for t in gathered:  # every stage's layers on every rank, as vLLM returns them
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         full = torch.cat(gathered, dim=2)
@@ -392,7 +391,7 @@ def test_training_replay_world2(tiny_moe):
     _, _, own = _hf_forced(hf, full, None, roll=False)
     ref = None
     for name in (f"pp{pp}ep{ep}" for pp, ep in layouts):
-        routed = torch.full((full.size, full.tokens.shape[1], arch.num_layers, arch.moe_topk), -1, dtype=torch.int32)
+        routed = torch.full((full.size, full.tokens.shape[1], arch.num_layers, arch.moe_topk), -1, dtype=torch.int16)
         old = torch.zeros(full.tokens.shape)
         for rank in ranks:
             res = rank[name]

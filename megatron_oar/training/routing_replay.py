@@ -50,6 +50,9 @@ from megatron.core import parallel_state as ps
 from megatron_oar.models.builder import ROUTING_REPLAY_MODES, moe_layer_pattern
 from megatron_oar.models.parallel import unwrap
 
+# routed [B, L, n, k] on the CPU: 2 bytes per (token, MoE layer, slot), -1 where none (experts
+# must number fewer than 2**15: RoutingPass checks)
+ROUTED_DTYPE = torch.int16
 # RouterReplay's API as read in 0.16.1 (router_replay.py: per-instance set_target_indices,
 # get_recorded_indices, set_router_replay_action; TopKRouter.router_replay): development API
 MEGATRON_CORE_RANGE = ((0, 16), (0, 17))
@@ -193,12 +196,14 @@ class RoutingPass:
         if config.moe_router_fusion:
             raise RuntimeError("routing replay needs moe_router_fusion=False (TE's fused top-k bypasses it)")
         self.k, self.experts = config.moe_router_topk, config.num_moe_experts
+        if self.routers and self.experts >= 2**15:
+            raise ValueError(f"{self.experts} experts do not fit the routing's int16 storage")
         self.sp = bool(config.sequence_parallel)
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.record, self.replay, self.log, self.agree_name, self.load = record, replay, log, agree, load
         self.routed = None
         if record:
-            self.routed = torch.full((len(lengths), width, len(self.routers), self.k), -1, dtype=torch.int32)
+            self.routed = torch.full((len(lengths), width, len(self.routers), self.k), -1, dtype=ROUTED_DTYPE)
         if replay is not None and replay.shape[2] != len(self.routers):
             raise ValueError(f"replayed routing has {replay.shape[2]} MoE layers, this stage has {len(self.routers)}")
         self.counts = torch.zeros(len(self.routers), self.experts or 1, dtype=torch.float64)
@@ -237,7 +242,7 @@ class RoutingPass:
                 if self.record:
                     idx = router.router_replay.get_recorded_indices().detach()
                     v = valid.cpu()
-                    self.routed[row.cpu()[v], col.cpu()[v], layer] = idx[v.to(idx.device)].to(torch.int32).cpu()
+                    self.routed[row.cpu()[v], col.cpu()[v], layer] = idx[v.to(idx.device)].to(ROUTED_DTYPE).cpu()
                 if self.log is None:
                     return
                 own = self._own_topk(router, args, output)
@@ -296,9 +301,9 @@ class RoutingPass:
         if exc[0] is not None:
             return
         if self.routed is not None and self.tp_size > 1 and self.sp:  # each TP rank saw its share
-            full = self.routed.to(_device())
+            full = self.routed.to(_device(), torch.int32)  # gloo reduces no int16
             dist.all_reduce(full, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-            self.routed = full.cpu()
+            self.routed = full.to(ROUTED_DTYPE).cpu()
         if self.log is not None and self.load and self.routers:
             if self.sp or self.tp_rank == 0:
                 _, numbers, total = stage_moe_layers(self.model)
@@ -318,7 +323,7 @@ def rollout_routing(per_sample: list, lengths: list[int], width: int, moe_layers
     ``routed [B, width, n, k]`` for the MoE layers ``moe_layers`` (global layer indices; vLLM
     indexes every decoder layer). vLLM returns the prompt's tokens and every sampled token but
     the last (never fed back to the model): columns past what it returned stay ``-1``."""
-    out = torch.full((len(per_sample), width, len(moe_layers), topk), -1, dtype=torch.int32)
+    out = torch.full((len(per_sample), width, len(moe_layers), topk), -1, dtype=ROUTED_DTYPE)
     for i, ids in enumerate(per_sample):
         if ids is None:
             continue
@@ -327,7 +332,7 @@ def rollout_routing(per_sample: list, lengths: list[int], width: int, moe_layers
             raise ValueError(f"row {i}: vLLM's routed experts have shape {tuple(t.shape)}; expected "
                              f"[tokens, layers > {max(moe_layers, default=0)}, {topk}]")
         n = min(t.shape[0], lengths[i], width)
-        out[i, :n] = t[:n, moe_layers].to(torch.int32)
+        out[i, :n] = t[:n, moe_layers].to(ROUTED_DTYPE)
     return out
 
 
