@@ -10,8 +10,9 @@ vLLM returns them) into ``routed [B, L, n, k]`` and through ``RolloutBatch`` -> 
 the batch, and the config key's refusals.
 
 Slow (one pooled world of 2 gloo ranks, one job running EP2 (as DP2 for the dense part) and
-PP2; measured 17 s on the shared 2 cores at load 8, the world's start included; the file 21 s): the old-logprob pass records the routing transformers computes; the update on
-unchanged weights reproduces the old log-probs exactly (ratio 1, agreement 1); after the
+PP2; measured 17 s on the shared 2 cores at load 8, the world's start included; the file 21 s):
+the old-logprob pass records the routing transformers computes; the update on unchanged weights
+reproduces the old log-probs exactly (ratio 1, agreement 1); after the
 routers' weights change (expert rows rolled: every token's own routing moves), the update
 replays the recorded routing exactly and its loss and router gradients equal transformers with
 the routing forced by hand; without replay the update routes on its own (the rolled routing);
