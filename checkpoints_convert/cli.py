@@ -1,8 +1,9 @@
-"""``oar-convert``: Qwen2/Qwen2.5 checkpoints between Hugging Face and megatron-core.
+"""``oar-convert``: Qwen2/Qwen2.5, Qwen3 and Qwen3-MoE checkpoints between Hugging Face and
+megatron-core.
 
-    oar-convert hf-to-megatron --hf DIR --out DIR [--tp N --pp M] [--dtype bf16|fp32]
+    oar-convert hf-to-megatron --hf DIR --out DIR [--tp N --pp M --ep E --etp T] [--dtype bf16|fp32]
     oar-convert megatron-to-hf --ckpt DIR --out DIR [--max-shard-size 2GB]
-    oar-convert verify --hf DIR --ckpt DIR [--tp N --pp M] [--tol 1e-4]
+    oar-convert verify --hf DIR --ckpt DIR [--tp N --pp M --ep E --etp T] [--tol 1e-4]
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--out", required=True, help="new checkpoint directory (must not exist)")
     h.add_argument("--tp", type=int, default=1, help="intended TP (validated; loads at any TP)")
     h.add_argument("--pp", type=int, default=1, help="intended PP (validated; loads at any PP)")
+    h.add_argument("--ep", type=int, default=1,
+                   help="intended expert parallelism, MoE models (validated; loads at any EP)")
+    h.add_argument("--etp", type=int, default=None,
+                   help="intended expert tensor parallelism, MoE models (default: --tp)")
     h.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
                    help="parameter dtype (default: the HF config's torch_dtype)")
     h.add_argument("--vocab-multiple", type=int, default=128,
@@ -59,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--ckpt", required=True)
     v.add_argument("--tp", type=int, default=1)
     v.add_argument("--pp", type=int, default=1)
+    v.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE models)")
+    v.add_argument("--etp", type=int, default=None, help="expert tensor parallelism (default: --tp)")
     v.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default="fp32",
                    help="compute dtype for both models (default fp32)")
     v.add_argument("--tol", type=float, default=1e-4, help="max abs logit difference allowed")
@@ -89,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "hf-to-megatron":
             from checkpoints_convert.convert import hf_to_megatron
 
-            meta = hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+            meta = hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
+                                  etp=args.etp, dtype=args.dtype,
                                   vocab_multiple=args.vocab_multiple,
                                   progress=not args.no_progress)
             print(f"wrote {args.out} (dtype {meta.dtype}, vocab {meta.vocab_size} padded to "
-                  f"{meta.padded_vocab_size}; loads at any TP/PP)")
+                  f"{meta.padded_vocab_size}; loads at any TP/PP/EP)")
         elif args.command == "megatron-to-hf":
             from checkpoints_convert.convert import megatron_to_hf
 

@@ -1,18 +1,23 @@
-"""HF <-> megatron-core conversion for Qwen2/Qwen2.5 and Qwen3 (dense), streaming one tensor / layer at a time.
+"""HF <-> megatron-core conversion for Qwen2/Qwen2.5, Qwen3 and Qwen3-MoE, streaming one tensor /
+layer at a time.
 
 HF -> Megatron saves through megatron's ``dist_checkpointing.save`` with a *template*: the
-sharded state dict of a real ``GPTModel`` built on the meta device at TP=1/PP=1 (no memory).
+sharded state dict of a real ``GPTModel`` built on the meta device at TP=1/PP=1/EP=1 (no memory).
 Its keys, global shapes and chunking are exactly what a training run's
 ``model.sharded_state_dict()`` produces, so the checkpoint reloads with megatron's own
-``dist_checkpointing.load`` at any TP/PP. Megatron -> HF reads one layer's region of each
-tensor with PyTorch DCP, whatever TP/PP the checkpoint was written at.
+``dist_checkpointing.load`` at any TP/PP/EP: a MoE layer's experts are stored by megatron's
+experts ``sharded_state_dict`` with an axis of global expert ids, which a model at EP > 1 maps
+its local experts onto. Megatron -> HF reads one layer's region of each tensor (a MoE layer's
+experts in groups) with PyTorch DCP, whatever TP/PP/EP the checkpoint was written at.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -52,10 +57,6 @@ def _hf_arch(hf_dir: Path, flag: str) -> tuple[dict, QwenArch]:
         raise ConversionError(f"{flag} {hf_dir}: no config.json")
     hf = read_hf_config(cfg_path)
     arch = parse_arch(hf, source=str(cfg_path))
-    if arch.is_moe:  # the checkpoint layout of expert tensors comes with the converter's MoE slice
-        raise ConversionError(f"{cfg_path}: {hf.get('architectures') or arch.family}: mixture-of-experts "
-                              "models are not converted yet (the model builds and runs; the "
-                              "converter's MoE support is still to come)")
     return hf, arch
 
 
@@ -119,19 +120,26 @@ def _prepare_out(out: Path) -> Path:
     return tmp
 
 
-def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1,
-                   dtype: str | None = None, vocab_multiple: int = 128,
+def check_convert_layout(arch: QwenArch, tp: int, pp: int, vocab_multiple: int, ep: int,
+                         etp: int | None) -> None:
+    """The layout flags against the model (``check_layout``'s rules), as ConversionError."""
+    try:
+        check_layout(arch, tp, pp, vocab_multiple, flag="--tp", ep=ep, etp=etp)
+    except ValueError as e:
+        raise ConversionError(str(e)) from e
+
+
+def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
+                   etp: int | None = None, dtype: str | None = None, vocab_multiple: int = 128,
                    progress: bool = True) -> CheckpointMeta:
-    """Writes a torch_dist checkpoint of an HF Qwen2 / Qwen3 model; ``tp``/``pp`` are validated and
-    recorded as the intended layout (the checkpoint itself loads at any TP/PP)."""
+    """Writes a torch_dist checkpoint of an HF Qwen2 / Qwen3 / Qwen3-MoE model; ``tp``/``pp``/``ep``/
+    ``etp`` are validated and recorded as the intended layout (the checkpoint itself loads at any
+    TP/PP/EP)."""
     from megatron.core import dist_checkpointing
 
     hf_dir, out = Path(hf_dir), Path(out)
     hf, arch = _hf_arch(hf_dir, "--hf")
-    try:
-        check_layout(arch, tp, pp, vocab_multiple, flag="--tp")
-    except ValueError as e:
-        raise ConversionError(str(e)) from e
+    check_convert_layout(arch, tp, pp, vocab_multiple, ep, etp)
     dtype = _resolve_dtype(dtype, hf)
     torch_dtype = DTYPES[dtype]
     reader = HFReader(hf_dir)
@@ -143,18 +151,26 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int 
             sd = template(arch, dtype, vocab_multiple)
             total = sum(v.data.numel() * v.data.element_size() for v in sd.values()
                         if hasattr(v, "data") and isinstance(v.data, torch.Tensor))
+            layout = hf_mapping.checkpoint_layout(arch, padded)
             cache: dict = {}
 
             def produce(key: str, offset: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-                shape = sizes
-                if key.startswith(hf_mapping.MC_LAYER_PREFIX):  # axis 0 is the layer number
-                    layer, rel = offset[0], key[len(hf_mapping.MC_LAYER_PREFIX):]
-                    offset, sizes = offset[1:], sizes[1:]
-                    if cache.get("id") != (layer, rel):  # fc1's gate/up chunks share one tensor
+                shape, t = sizes, layout[key]
+                if t.layers:
+                    layer = t.layers[0]
+                    if t.stacked:  # axis 0 is the layer number
+                        layer, offset, sizes = offset[0], offset[1:], sizes[1:]
+                    expert = None
+                    if t.expert_fc is not None:  # then the global expert id, one per chunk
+                        if sizes[0] != 1:
+                            raise RuntimeError(f"{key}: a chunk of {sizes[0]} experts")
+                        expert, offset, sizes = offset[0], offset[1:], sizes[1:]
+                    name = t.layer_name(expert)
+                    if cache.get("id") != (layer, name):  # fc1's gate/up chunks share one tensor
                         cache.clear()
-                        cache["id"] = (layer, rel)
+                        cache["id"] = (layer, name)
                         cache["t"] = hf_mapping.hf_to_mcore_layer_tensor(
-                            reader.get, arch, layer, rel, hf_mapping.CHECKPOINT_SPEC)
+                            reader.get, arch, layer, name, hf_mapping.CHECKPOINT_SPEC)
                     full = cache["t"]
                 else:
                     full = hf_mapping.hf_to_mcore_global(reader.get, arch, key, padded)
@@ -175,7 +191,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, *, tp: int = 1, pp: int 
                               padded_vocab_size=padded,
                               vocab_multiple=vocab_multiple,
                               tie_word_embeddings=arch.tie_word_embeddings,
-                              written_tp=tp, written_pp=pp)
+                              written_tp=tp, written_pp=pp, written_ep=ep, written_etp=etp)
         meta.write(tmp)
         os.replace(tmp, out)
     except BaseException:
@@ -195,27 +211,67 @@ def _set_hf_dtype(config_path: Path, dtype: str) -> None:
     config_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def _check_checkpoint_shapes(reader, arch: QwenArch, meta: CheckpointMeta, ckpt: Path) -> None:
-    expected = hf_mapping.checkpoint_shapes(arch, meta.padded_vocab_size)
-    for key, shape in expected.items():
+def _check_checkpoint_shapes(reader, layout: dict, arch: QwenArch, ckpt: Path) -> None:
+    for key, t in layout.items():
         try:
             got = reader.shape(key)
         except KeyError as e:
             raise ConversionError(f"--ckpt {ckpt}: {e.args[0]} (does {ckpt / HF_DIR}/config.json "
                                   f"match the checkpoint?)") from None
-        if got != shape:
+        if got != t.shape:
+            moe = (f", num_experts={arch.num_experts}, moe_intermediate_size="
+                   f"{arch.moe_intermediate_size}" if arch.is_moe else "")
             raise ConversionError(
                 f"--ckpt {ckpt}: tensor {key!r} has shape {list(got)}, but {ckpt / HF_DIR}/"
-                f"config.json implies {list(shape)} (num_hidden_layers={arch.num_layers}, "
-                f"hidden_size={arch.hidden_size}, intermediate_size={arch.intermediate_size})")
+                f"config.json implies {list(t.shape)} (num_hidden_layers={arch.num_layers}, "
+                f"hidden_size={arch.hidden_size}, intermediate_size={arch.intermediate_size}{moe})")
+
+
+def _region(t, layer: int, first: int = 0, count: int | None = None):
+    """(offsets, sizes) of decoder layer ``layer`` of tensor ``t``; of an experts tensor, experts
+    ``first .. first + count``."""
+    offsets, sizes = [0] * len(t.shape), list(t.shape)
+    axis = 0
+    if t.stacked:
+        offsets[0], sizes[0], axis = layer, 1, 1
+    if t.expert_fc is not None:
+        offsets[axis], sizes[axis] = first, count
+    return tuple(offsets), tuple(sizes)
+
+
+def _layer_tensors(reader, layout: dict, arch: QwenArch, layer: int,
+                   expert_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Decoder layer ``layer``'s whole megatron tensors (TE-spec layer-relative names): the
+    non-expert ones in one read, a MoE layer's experts in groups of about ``expert_bytes``."""
+    mine = [t for t in layout.values() if layer in t.layers]
+    plain = [t for t in mine if t.expert_fc is None]
+    got = reader.read({t.key: _region(t, layer) for t in plain})
+    for t in plain:
+        yield t.rel, got.pop(t.key).squeeze(0) if t.stacked else got.pop(t.key)
+    experts = [t for t in mine if t.expert_fc is not None]
+    if not experts:
+        return
+    itemsize = {t.key: reader.dtype(t.key).itemsize for t in experts}
+    per_expert = sum(math.prod(t.shape[2 if t.stacked else 1:]) * itemsize[t.key] for t in experts)
+    group = max(1, expert_bytes // max(per_expert, 1))
+    for first in range(0, arch.num_experts, group):
+        count = min(group, arch.num_experts - first)
+        got = reader.read({t.key: _region(t, layer, first, count) for t in experts})
+        for t in experts:
+            block = got.pop(t.key)
+            block = block.squeeze(0) if t.stacked else block
+            for j in range(count):
+                yield t.layer_name(first + j), block[j]
+        del got
 
 
 def megatron_to_hf(ckpt: str | Path, out: str | Path, *, max_shard_bytes: int = 2 << 30,
                    progress: bool = True) -> Path:
-    """Writes HF safetensors shards + index, config and tokenizer, one layer in memory.
+    """Writes HF safetensors shards + index, config and tokenizer, one layer in memory (a MoE
+    layer's experts a shard's worth at a time).
 
     Reads with plain DCP (no megatron runtime needed), so it also exports checkpoints that a
-    training run wrote at any TP/PP.
+    training run wrote at any TP/PP/EP.
     """
     from checkpoints_convert.streaming import CheckpointRegionReader
 
@@ -226,19 +282,16 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, *, max_shard_bytes: int = 
     mdir = model_dir(ckpt)
     hf, arch = _hf_arch(ckpt / HF_DIR, "--ckpt")
     reader = CheckpointRegionReader(mdir)
-    _check_checkpoint_shapes(reader, arch, meta, ckpt)  # fail before writing anything
-    layer_keys = [hf_mapping.MC_LAYER_PREFIX + n
-                  for n in hf_mapping.layer_names(hf_mapping.CHECKPOINT_SPEC, arch)]
+    layout = hf_mapping.checkpoint_layout(arch, meta.padded_vocab_size)
+    _check_checkpoint_shapes(reader, layout, arch, ckpt)  # fail before writing anything
     tmp = _prepare_out(out)
     try:
         writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
         for i in tqdm(range(arch.num_layers), desc="megatron->hf", disable=not progress):
-            layer = reader.read_layer(layer_keys, i)
-            rel = {k[len(hf_mapping.MC_LAYER_PREFIX):]: v for k, v in layer.items()}
-            for name, t in hf_mapping.mcore_to_hf_layer(rel.__getitem__, arch, i,
-                                                     hf_mapping.CHECKPOINT_SPEC).items():
-                writer.add(name, t)
-            del layer, rel
+            for name, t in _layer_tensors(reader, layout, arch, i, max_shard_bytes):
+                for hf_name, hf_t in hf_mapping.mcore_to_hf_layer_tensor(
+                        arch, i, name, t, hf_mapping.CHECKPOINT_SPEC):
+                    writer.add(hf_name, hf_t)
         for name in hf_mapping.mcore_to_hf_global_names(arch):  # one tensor at a time
             writer.add(name, hf_mapping.mcore_to_hf_global_tensor(
                 lambda k: reader.read_whole([k])[k], arch, name))

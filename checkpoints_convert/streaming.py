@@ -118,6 +118,10 @@ class CheckpointRegionReader:
             raise KeyError(f"{self.dir}: no tensor {key!r} in the checkpoint")
         return tuple(md.size)
 
+    def dtype(self, key: str) -> torch.dtype:
+        self.shape(key)  # the same error for a missing key
+        return self.metadata.state_dict_metadata[key].properties.dtype
+
     def read(self, regions: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict:
         planner = _RegionLoadPlanner(regions)
         dcp_load({}, storage_reader=FileSystemReader(self.dir), planner=planner, no_dist=True)

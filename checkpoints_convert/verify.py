@@ -1,13 +1,16 @@
 """``oar-convert verify``: same prompt through transformers and the megatron checkpoint.
 
-Runs megatron at the requested TP/PP through megatron's own pipeline schedule (relaunching
-itself under torchrun when more than one rank is needed) and reports the max absolute logit
-difference and the top-1 agreement against ``transformers.AutoModelForCausalLM``.
+Runs megatron at the requested TP/PP (and for a MoE model EP / expert TP) through megatron's own
+pipeline schedule (relaunching itself under torchrun when more than one rank is needed) and
+reports the max absolute logit difference and the top-1 agreement against
+``transformers.AutoModelForCausalLM``. A MoE model at TP > 1 runs with sequence parallelism
+(megatron's MoE layer requires it).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -23,6 +26,7 @@ DEFAULT_PROMPT = "Question: what is 12 + 30? Think step by step. <answer>42</ans
 class VerifyResult:
     tp: int
     pp: int
+    ep: int
     dtype: str
     tokens: int
     max_abs_diff: float
@@ -35,7 +39,7 @@ class VerifyResult:
 
     def line(self) -> str:
         verdict = "OK" if self.ok else "FAIL"
-        return (f"verify tp={self.tp} pp={self.pp} dtype={self.dtype} tokens={self.tokens}: "
+        return (f"verify tp={self.tp} pp={self.pp} ep={self.ep} dtype={self.dtype} tokens={self.tokens}: "
                 f"max|dlogit|={self.max_abs_diff:.3e} top1={self.top1_agreement:.4f} "
                 f"(tol {self.tol:g}) {verdict}")
 
@@ -55,16 +59,22 @@ def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def verify(hf_dir: str | Path, ckpt: str | Path, *, tp: int = 1, pp: int = 1, dtype: str = "fp32",
-           tol: float = 1e-4, prompt: str = DEFAULT_PROMPT, result_file: str | None = None
-           ) -> VerifyResult | None:
-    """Collective over the TP*PP ranks; returns the result on the reporting rank."""
+def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
+    """The ranks ``verify`` runs on: the smallest world both the TP*PP layout and the experts'
+    ETP*EP*PP layout divide (megatron's rule; the rest is data parallel)."""
+    return math.lcm(tp * pp, (tp if etp is None else etp) * ep * pp)
+
+
+def verify(hf_dir: str | Path, ckpt: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
+           etp: int | None = None, dtype: str = "fp32", tol: float = 1e-4,
+           prompt: str = DEFAULT_PROMPT, result_file: str | None = None) -> VerifyResult | None:
+    """Collective over the :func:`world_size` ranks; returns the result on the reporting rank."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
     from checkpoints_convert.convert import ConversionError
-    from megatron_oar.models import DTYPES, ModelOptions, build_gpt_model, read_hf_config
+    from megatron_oar.models import DTYPES, ModelOptions, build_gpt_model, parse_arch, read_hf_config
     from megatron_oar.models.forward import forward_logits
     from megatron_oar.models.model_checkpoint import HF_DIR, load_model
     from megatron_oar.runtime import ParallelConfig, init_runtime
@@ -72,21 +82,27 @@ def verify(hf_dir: str | Path, ckpt: str | Path, *, tp: int = 1, pp: int = 1, dt
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     hf_dir, ckpt = Path(hf_dir), Path(ckpt)
-    init_runtime(ParallelConfig(tp=tp, pp=pp))
-    model = build_gpt_model(read_hf_config(Path(ckpt) / HF_DIR), ModelOptions(dtype=dtype))
+    config_path = ckpt / HF_DIR / "config.json"
+    arch = parse_arch(read_hf_config(config_path), source=str(config_path))
+    from checkpoints_convert.convert import check_convert_layout
+
+    check_convert_layout(arch, tp, pp, 128, ep, etp)
+    init_runtime(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp))
+    model = build_gpt_model(arch, ModelOptions(dtype=dtype, sequence_parallel=arch.is_moe and tp > 1))
     meta = load_model(model, ckpt)
     tokens = _tokens(hf_dir, prompt, meta.vocab_size)  # on CPU, for the transformers reference
     # megatron's shard lives on this rank's GPU when there is one: its inputs go there, and the
     # comparison happens on CPU, where the reference runs.
     got = forward_logits(model, tokens.to(model_device(model)), vocab_size=meta.vocab_size)
-    reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    reporter = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+                and ps.get_data_parallel_rank() == 0)
     result = None
     if reporter:
         ref_model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=DTYPES[dtype]).eval()
         with torch.no_grad():
             ref = ref_model(tokens).logits.float()
         got = got.float().cpu()
-        result = VerifyResult(tp=tp, pp=pp, dtype=dtype, tokens=tokens.numel(),
+        result = VerifyResult(tp=tp, pp=pp, ep=ep, dtype=dtype, tokens=tokens.numel(),
                               max_abs_diff=(got - ref).abs().max().item(),
                               top1_agreement=(got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
                               tol=tol)
@@ -99,14 +115,22 @@ def verify(hf_dir: str | Path, ckpt: str | Path, *, tp: int = 1, pp: int = 1, dt
 
 
 def verify_cli(args) -> int:
-    """Entry from the CLI: relaunches under torchrun when TP*PP > 1 and not already launched."""
-    world = args.tp * args.pp
+    """Entry from the CLI: relaunches under torchrun when more than one rank is needed
+    (:func:`world_size`) and not already launched."""
+    from checkpoints_convert.convert import ConversionError
+
+    for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep), ("--etp", args.etp)):
+        if value is not None and value < 1:
+            raise ConversionError(f"{flag}={value} must be a positive integer")
+    world = world_size(args.tp, args.pp, args.ep, args.etp)
     if world > 1 and "WORLD_SIZE" not in os.environ:
         result_file = Path(args.ckpt).resolve().parent / f".verify-{os.getpid()}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={world}", "-m", "checkpoints_convert.cli", "verify",
                "--hf", str(args.hf), "--ckpt", str(args.ckpt), "--tp", str(args.tp),
-               "--pp", str(args.pp), "--dtype", args.dtype, "--tol", str(args.tol),
+               "--pp", str(args.pp), "--ep", str(args.ep),
+               *(["--etp", str(args.etp)] if args.etp is not None else []),
+               "--dtype", args.dtype, "--tol", str(args.tol),
                "--prompt", args.prompt, "--result-file", str(result_file)]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         rc = subprocess.call(cmd, env=env)
@@ -120,7 +144,8 @@ def verify_cli(args) -> int:
     from megatron_oar.runtime import destroy_runtime
 
     try:
-        result = verify(args.hf, args.ckpt, tp=args.tp, pp=args.pp, dtype=args.dtype, tol=args.tol,
+        result = verify(args.hf, args.ckpt, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
+                        dtype=args.dtype, tol=args.tol,
                         prompt=args.prompt, result_file=args.result_file)
     finally:
         destroy_runtime()

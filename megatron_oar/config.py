@@ -569,15 +569,32 @@ def _check_model_shape(cfg: Config, hf_config: dict) -> None:
     try:
         arch = parse_arch(hf_config, source=f"{m.path or 'model'}/config.json")
         check_layout(arch, p.tp, p.pp, m.vocab_multiple, flag="parallel.tp", ep=p.ep, etp=p.etp)
-        check_layout(arch, r.tp, 1, m.vocab_multiple, flag="rollout.tp")
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
+    _check_vllm_tp(arch, r.tp)
     _need(m.routing_replay == "none" or arch.is_moe,
           f"model.routing_replay={m.routing_replay!r} needs a mixture-of-experts model; "
           f"{m.path or 'model'}/config.json is a dense {arch.family} model")
     _need(r.max_model_len <= arch.max_position_embeddings,
           f"rollout.max_model_len={r.max_model_len} exceeds the model's "
           f"max_position_embeddings={arch.max_position_embeddings}")
+
+
+def _check_vllm_tp(arch, tp: int) -> None:
+    """rollout.tp against vLLM's tensor-parallel rules (not Megatron's): the attention heads split
+    over TP; the KV heads too, or when TP exceeds them vLLM replicates each over ``tp / KV heads``
+    ranks (QKVParallelLinear), so TP must be a multiple of them; each expert of a MoE model is
+    split over TP (``moe_intermediate_size``). The vocabulary vLLM pads itself."""
+    _need(arch.num_heads % tp == 0,
+          f"rollout.tp={tp} does not divide num_attention_heads={arch.num_heads}")
+    kv = arch.num_kv_heads
+    _need(kv % tp == 0 if tp <= kv else tp % kv == 0,
+          f"rollout.tp={tp} does not divide num_key_value_heads={kv} (KV groups)" if tp <= kv else
+          f"rollout.tp={tp} is not a multiple of num_key_value_heads={kv} (vLLM replicates each KV "
+          "head over rollout.tp / KV heads ranks)")
+    _need(not arch.is_moe or arch.moe_intermediate_size % tp == 0,
+          f"rollout.tp={tp} does not divide moe_intermediate_size={arch.moe_intermediate_size} "
+          "(vLLM splits every expert over its TP ranks)")
 
 
 def _check_algorithm(cfg: Config) -> None:

@@ -119,6 +119,18 @@ def _reap() -> None:
             return
 
 
+def pytest_terminal_summary(terminalreporter):
+    """How often the warm world pool started, and why (each start imports torch, megatron-core,
+    transformers and vLLM in 4 rank processes)."""
+    from tests.distributed import STARTS
+
+    if any(STARTS.values()):
+        terminalreporter.write_line("warm world pool started: " + ", ".join(
+            f"{len(tests)} {why}" for why, tests in STARTS.items() if tests))
+        for test in STARTS["after growing"] + STARTS["after a failed job"]:
+            terminalreporter.write_line(f"  restarted for {test}")
+
+
 def pytest_sessionfinish(session, exitstatus):
     import os
     import signal

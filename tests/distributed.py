@@ -224,27 +224,32 @@ class WorldPool:
 
 _pool: WorldPool | None = None
 POOL_SIZE = 4  # the largest world a test asks for (TP2xPP2)
+STARTS: dict[str, list[str]] = {"first": [], "after a failed job": [], "after growing": []}  # why, for whom
+_why_next = "first"
 
 
 def launch(fn, world_size: int, *args, deadline_s: float = JOB_DEADLINE_S) -> None:
     """Runs ``fn(*args)`` on ranks 0..``world_size``-1 of a fresh gloo world in the warm pool;
     raises :class:`JobFailed` if any rank fails or the job runs past ``deadline_s`` (a hang:
     the ranks are killed)."""
-    global _pool
+    global _pool, _why_next
     if world_size > POOL_SIZE:
         raise ValueError(f"world size {world_size} > the pool's {POOL_SIZE}: raise POOL_SIZE")
     if _pool is None or not _pool.alive:
         if _pool is not None:
             _pool.close(kill=True)
+            _why_next = "after a failed job"
+        STARTS[_why_next].append(os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0])
         _pool = WorldPool(POOL_SIZE)
     try:
         rss = _pool.run(fn, world_size, args, deadline_s)
     except BaseException:  # JobFailed, or pytest-timeout / ^C while the ranks still run the job
         _pool.close(kill=True)
-        _pool = None
+        _pool, _why_next = None, "after a failed job"
         raise
     if max(rss) > RECYCLE_RSS_BYTES:
         shutdown_pool()
+        _why_next = "after growing"
 
 
 def shutdown_pool() -> None:

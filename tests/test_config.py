@@ -64,6 +64,19 @@ HF = {
                            num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=40960,
                            rope_theta=1e6, tie_word_embeddings=False),
                       architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=128, attention_bias=False),
+    # Qwen/Qwen3-30B-A3B and Qwen3-235B-A22B config.json (April 2025 releases): 128 experts, top-8
+    "qwen3-30b-a3b": dict(qwen(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                               num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=40960,
+                               rope_theta=1e6, tie_word_embeddings=False),
+                          architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=128,
+                          attention_bias=False, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen3-235b-a22b": dict(qwen(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+                                 num_attention_heads=64, num_key_value_heads=4, max_position_embeddings=40960,
+                                 rope_theta=1e6, tie_word_embeddings=False),
+                            architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=128,
+                            attention_bias=False, moe_intermediate_size=1536, num_experts=128,
+                            num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
     "tiny": qwen(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                  rope_theta=1e6, tie_word_embeddings=False),
@@ -79,6 +92,8 @@ CASES = {
     "qwen2.5-72b_oar_g.yaml": ("72b", 64),
     "qwen3-8b_oar_g.yaml": ("qwen3-8b", 8),
     "qwen3-32b_oar_g.yaml": ("qwen3-32b", 32),
+    "qwen3-30b-a3b_oar_g.yaml": ("qwen3-30b-a3b", 8),
+    "qwen3-235b-a22b_oar_g.yaml": ("qwen3-235b-a22b", 128),
     "tiny_cpu.yaml": ("tiny", 2),
     "tiny_chain_cpu.yaml": ("tiny", 2),
 }
@@ -107,7 +122,8 @@ def test_presets_match_the_published_configs():
     for arch, preset in (("math-1.5b", "qwen2.5-math-1.5b"), ("7b", "qwen2.5-7b"),
                          ("math-7b", "qwen2.5-math-7b"), ("14b", "qwen2.5-14b"),
                          ("32b", "qwen2.5-32b"), ("72b", "qwen2.5-72b"), ("qwen3-8b", "qwen3-8b"),
-                         ("qwen3-32b", "qwen3-32b")):
+                         ("qwen3-32b", "qwen3-32b"), ("qwen3-30b-a3b", "qwen3-30b-a3b"),
+                         ("qwen3-235b-a22b", "qwen3-235b-a22b")):
         assert parse_arch(PRESETS[preset]) == parse_arch(HF[arch]), preset
 
 
@@ -295,8 +311,12 @@ def test_tp_must_divide_heads_and_kv_groups():
     small = "qwen2.5-math-1.5b_oar_g.yaml"
     with raises(r"parallel.tp=4 does not divide num_key_value_heads=2"):
         validate(example(small, "parallel.tp=4"), world_size=8, hf_config=HF["math-1.5b"])
-    with raises(r"rollout.tp=4 does not divide num_key_value_heads=2"):
-        validate(example(small, "rollout.tp=4"), world_size=8, hf_config=HF["math-1.5b"])
+    # vLLM's rule for rollout.tp: beyond the KV heads it replicates them (a whole number of times)
+    validate(example(small, "rollout.tp=4"), world_size=8, hf_config=HF["math-1.5b"])
+    with raises(r"rollout.tp=3 is not a multiple of num_key_value_heads=2"):
+        validate(example(small, "rollout.tp=3"), hf_config=HF["math-1.5b"])
+    with raises(r"rollout.tp=8 does not divide num_attention_heads=12"):
+        validate(example(small, "rollout.tp=8"), world_size=8, hf_config=HF["math-1.5b"])
     with raises(r"parallel.pp=3 does not divide num_hidden_layers=4"):
         validate(example("tiny_cpu.yaml", "parallel.tp=1", "parallel.pp=3"), world_size=3,
                  hf_config=HF["tiny"])
@@ -415,20 +435,21 @@ def test_fp8_with_te_spec_is_allowed():
 
 # ------------------------------------------------- combinations megatron / TE cannot build (issue 15)
 
-def test_sequence_parallel_needs_the_te_spec(monkeypatch):
-    """megatron's local-spec norm (WrappedTorchNorm) asserts no SP: refused at validation, naming
-    the keys, with ``auto`` resolved for this machine first (local without CUDA/TE)."""
+def test_fp8_needs_the_te_spec(monkeypatch):
+    """FP8 autocast covers only TE modules: refused at validation, naming the keys, with ``auto``
+    resolved for this machine first (local without CUDA/TE). Sequence parallelism runs under
+    either spec (the local spec's norm supports it)."""
     import megatron_oar.config as config_module
 
     sp = ("qwen2.5-7b_oar_g.yaml", "parallel.sequence_parallel=true")
-    with raises(r"parallel.sequence_parallel=true needs model.spec=te .*got model.spec='local'"):
-        validate(example(*sp, "model.spec=local"), world_size=8, hf_config=HF["7b"])
+    validate(example(*sp, "model.spec=local"), world_size=8, hf_config=HF["7b"])
     monkeypatch.setattr(config_module, "resolve_spec", lambda opts: "local")  # a machine without TE
-    with raises(r"parallel.sequence_parallel=true needs model.spec=te .*model.spec='auto', "
-                r"which resolves to 'local' on this machine"):
-        validate(example(*sp), world_size=8, hf_config=HF["7b"])
+    validate(example(*sp), world_size=8, hf_config=HF["7b"])
     with raises(r"model.fp8='hybrid' needs model.spec=te .*model.spec='auto', which resolves to 'local'"):
         validate(example("qwen2.5-7b_oar_g.yaml", "model.fp8=hybrid"), world_size=8, hf_config=HF["7b"])
+    with raises(r"model.fp8='hybrid' needs model.spec=te .*got model.spec='local'"):
+        validate(example("qwen2.5-7b_oar_g.yaml", "model.fp8=hybrid", "model.spec=local"), world_size=8,
+                 hf_config=HF["7b"])
     validate(example(*sp, "model.spec=te"), world_size=8, hf_config=HF["7b"])  # written for a cluster
     monkeypatch.setattr(config_module, "resolve_spec", lambda opts: "te")  # a machine with TE
     validate(example(*sp), world_size=8, hf_config=HF["7b"])

@@ -372,17 +372,17 @@ def test_failure_while_writing_hf_to_megatron_leaves_nothing(tiny, tmp_path, mon
 
 def test_failure_while_writing_megatron_to_hf_leaves_nothing(tiny, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    real = hf_mapping.mcore_to_hf_layer
+    real = hf_mapping.mcore_to_hf_layer_tensor
     seen: list[list[str]] = []
 
-    def failing(get, arch, i, spec):
+    def failing(arch, i, name, tensor, spec):
         if i == 2:
             tmp = list(tmp_path.glob(".out.tmp-*"))
             seen.append(sorted(p.name for p in tmp[0].iterdir()) if tmp else [])
             raise RuntimeError("injected failure on layer 2")
-        return real(get, arch, i, spec)
+        return real(arch, i, name, tensor, spec)
 
-    monkeypatch.setattr(hf_mapping, "mcore_to_hf_layer", failing)
+    monkeypatch.setattr(hf_mapping, "mcore_to_hf_layer_tensor", failing)
     with pytest.raises(RuntimeError, match="injected failure on layer 2"):
         # tiny shards: layers 0 and 1 are already on disk when layer 2 fails
         megatron_to_hf(tiny.ckpt, out, max_shard_bytes=20 << 10, progress=False)

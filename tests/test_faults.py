@@ -7,11 +7,16 @@ testing/faults.py``) and every run must end with final weights bit-identical to 
   mid-step, a rank hung in generation (``train.phase_timeout_s`` ends it with every thread's
   stack, naming the phase and step), SIGKILL of the other rank between the weight and optimizer
   shards of a checkpoint (the partial save is never used), and SIGTERM to the launcher (every
-  rank finishes the step, checkpoints it and exits); the same command then resumes and finishes;
-* SIGUSR1 to the sbatch script (Slurm's warning before the time limit) in the worst place, during
-  a step's generation: the script passes it on, the workers drop that step at the next phase's
-  entry, checkpoint the one before and exit, the script requeues the job, and the requeued job
+  rank finishes the step, checkpoints it and exits);
+* the same run then continues as a Slurm job (``slurm.sbatch``): SIGUSR1 to the script (Slurm's
+  warning before the time limit) in the worst place, during the first step after the resume's
+  generation: the script passes it on, the workers drop that step at the next phase's entry,
+  checkpoint the one before again and exit, the script requeues the job, and the requeued job
   finishes.
+
+One run carries all the faults (about 6 start-ups of 2 ranks; each start-up imports torch,
+megatron-core, transformers and vLLM and builds an engine, about 10 s on 2 cores): about 2.5 min
+with the uninterrupted reference run.
 
 Each case prints its figures with ``pytest -s`` (``[fault] ...``): recovery is the time from the
 fault until the step it interrupted has been completed again (a start-up of about a minute on
@@ -166,61 +171,6 @@ def reference(model, tmp_path_factory) -> dict[str, torch.Tensor]:
     return final_weights(run)
 
 
-def test_kill_kill_in_save_hang_then_sigterm_one_run_recovers_each(model, reference, tmp_path):
-    """One ``oar train`` run with a fault in each of four torchrun attempts (a checkpoint every 2
-    steps, the last 2 kept), each fault's lost step completed again before the next fault; then
-    the same command again:
-
-    * attempt 0: SIGKILL of rank 1 inside step 3's update -> restart, resume from step 2;
-    * attempt 1: SIGKILL of rank 0 between the weight and optimizer shards of step 4's save ->
-      restart, resume from step 2 (the partial step-4 save is never used);
-    * attempt 2: rank 1 hangs in step 5's generation -> ``train.phase_timeout_s`` ends it with
-      every thread's stack, naming the phase and step -> restart, resume from step 4;
-    * attempt 3: SIGTERM to torchrun inside step 5's update -> every rank finishes step 5,
-      checkpoints it (5 is not a save step: the save is the signal's) and exits;
-    * the same command again resumes from step 5 and finishes: the final weights equal the
-      uninterrupted run's bit for bit, and every step has one metrics record.
-    """
-    faults = ("kill@update:step=3:rank=1:attempt=0,"             # one rank dies mid-step
-              "kill@checkpoint.shards:step=4:rank=0:attempt=1,"  # the other, inside a save
-              "hang@generate:step=5:rank=1:attempt=2,"           # a rank hangs
-              "term-launcher@update:step=5:rank=0:attempt=3")    # the launcher is told to stop
-    run_dir = tmp_path / "run"
-    args = ("checkpoint.interval=2", "launch.max_restarts=3", "train.phase_timeout_s=20")
-    stopped = oar_train(model, run_dir, *args, faults=faults)
-    text = stopped.text[-6000:]
-    assert stopped.rc != 0, text  # torchrun re-raises the signal once the workers are done
-    assert stopped.resumed_steps() == [2, 2, 4], text  # never the partial step-4 save
-    assert "rank 1: phase 'generate' of step 5 ran past train.phase_timeout_s=20 s" in stopped.text, text
-    dump = (run_dir / "hangs" / "attempt2_rank00001.txt").read_text()
-    assert "phase 'generate' of step 5" in dump and "in _fire" in dump and "in train_step" in dump, dump
-    assert "stopped on a signal after step 5 of 6" in stopped.text, text
-    assert checkpoints(stopped) == ["latest", "step_00000004", "step_00000005"], text  # 5: the signal's
-
-    t0 = time.monotonic()
-    resumed = oar_train(model, run_dir, *args)
-    assert resumed.rc == 0, resumed.text[-4000:]
-    assert resumed.resumed_steps() == [5]
-    assert_bit_identical(resumed, reference)
-    assert not [c for c in checkpoints(resumed) if c.endswith(".tmp")], checkpoints(resumed)
-    records = [json.loads(line)["step"] for line in (run_dir / "logs" / "metrics.jsonl").open()]
-    assert records == list(range(1, STEPS + 1)), records  # the re-run steps replaced their records
-
-    killed = stopped.first(r"injecting kill at update")
-    killed_in_save = stopped.first(r"injecting kill at checkpoint\.shards")
-    hung = stopped.first(r"injecting hang at generate")
-    dumped = stopped.first(r"ran past train\.phase_timeout_s")
-    term = stopped.first(r"injecting term-launcher")
-    back = {name: stopped.first(rf"step {n}/6 │", after=t) - t  # the lost step done again
-            for name, n, t in (("kill", 3, killed), ("kill_in_save", 4, killed_in_save), ("hang", 5, hung))}
-    report("sigkill", restarts=2, recovery_s=f"{back['kill']:.0f}/{back['kill_in_save']:.0f}",
-           bit_identical=True)
-    report("hang", detected_after_s=f"{dumped - hung:.0f}", recovery_s=f"{back['hang']:.0f}",
-           other_rank_dumped=(run_dir / "hangs" / "attempt2_rank00000.txt").is_file())
-    report("sigterm", stop_s=f"{stopped.lines[-1][0] - term:.0f}",
-           resume_to_first_step_s=f"{resumed.first(r'step 6/6 │') - t0:.0f}")
-
-
 @pytest.fixture
 def fake_slurm(tmp_path) -> dict:
     """``srun`` that runs its one task here and passes SIGUSR1 on (as srun does), and ``scontrol``
@@ -241,36 +191,85 @@ def fake_slurm(tmp_path) -> dict:
             "MASTER_ADDR": "127.0.0.1"}
 
 
-def test_sbatch_requeues_on_sigusr1_and_the_requeued_job_finishes(model, reference, tmp_path, fake_slurm):
-    """Slurm's SIGUSR1 ahead of the time limit, in the worst place: during step 3's generation
-    (made 8 s long), just after the end-of-step check of step 2. The ranks stop at the next
-    phase's entry, before step 3's update: step 3 is dropped (not finished and saved), the
-    checkpoint is step 2's with the prompt sampler rewound, the job requeues itself, and the
-    requeued job redoes step 3 and finishes with the uninterrupted run's weights, bit for bit."""
+def test_faults_in_turn_then_a_slurm_requeue_one_run_recovers_each(model, reference, tmp_path,
+                                                                  fake_slurm):
+    """One run with a fault in each of four torchrun attempts (a checkpoint every 2 steps, the
+    last 2 kept), each fault's lost step completed again before the next fault; then the run
+    continues as a Slurm job:
+
+    * attempt 0: SIGKILL of rank 1 inside step 3's update -> restart, resume from step 2;
+    * attempt 1: SIGKILL of rank 0 between the weight and optimizer shards of step 4's save ->
+      restart, resume from step 2 (the partial step-4 save is never used);
+    * attempt 2: rank 1 hangs in step 5's generation -> ``train.phase_timeout_s`` ends it with
+      every thread's stack, naming the phase and step -> restart, resume from step 4;
+    * attempt 3: SIGTERM to torchrun inside step 5's update -> every rank finishes step 5,
+      checkpoints it (5 is not a save step: the save is the signal's) and exits;
+    * ``slurm.sbatch`` resumes from step 5, and Slurm's SIGUSR1 comes in the worst place: during
+      step 6's generation (made 8 s long), just after the end-of-step check. The ranks stop at
+      the next phase's entry, before step 6's update: step 6 is dropped (not finished and
+      saved), step 5 is checkpointed again (over the checkpoint it resumed from) with the prompt
+      sampler rewound, and the job requeues itself;
+    * the requeued job resumes from step 5 and finishes: the final weights equal the
+      uninterrupted run's bit for bit, and every step has one metrics record.
+    """
+    faults = ("kill@update:step=3:rank=1:attempt=0,"             # one rank dies mid-step
+              "kill@checkpoint.shards:step=4:rank=0:attempt=1,"  # the other, inside a save
+              "hang@generate:step=5:rank=1:attempt=2,"           # a rank hangs
+              "term-launcher@update:step=5:rank=0:attempt=3")    # the launcher is told to stop
     run_dir = tmp_path / "run"
-    args = ["bash", str(ROOT / "launch_scripts" / "slurm.sbatch"), str(EXAMPLE), *COMMON,
-            f"model.path={model}", f"run_dir={run_dir}", "checkpoint.interval=0"]
+    args = ("checkpoint.interval=2", "launch.max_restarts=3", "train.phase_timeout_s=20")
+    stopped = oar_train(model, run_dir, *args, faults=faults)
+    text = stopped.text[-6000:]
+    assert stopped.rc != 0, text  # torchrun re-raises the signal once the workers are done
+    assert stopped.resumed_steps() == [2, 2, 4], text  # never the partial step-4 save
+    assert "rank 1: phase 'generate' of step 5 ran past train.phase_timeout_s=20 s" in stopped.text, text
+    dump = (run_dir / "hangs" / "attempt2_rank00001.txt").read_text()
+    assert "phase 'generate' of step 5" in dump and "in _fire" in dump and "in train_step" in dump, dump
+    assert "stopped on a signal after step 5 of 6" in stopped.text, text
+    assert checkpoints(stopped) == ["latest", "step_00000004", "step_00000005"], text  # 5: the signal's
+
+    # the run goes on as a Slurm job, which gets SIGUSR1 during the next step's generation
+    sbatch = ["bash", str(ROOT / "launch_scripts" / "slurm.sbatch"), str(EXAMPLE), *COMMON,
+              f"model.path={model}", f"run_dir={run_dir}", *args]
     sent = {}
 
-    def signal_in_step_3s_generation(proc, line):
+    def signal_in_step_6s_generation(proc, line):
         if "sent" not in sent and "injecting stall at generate" in line:
             sent["sent"] = time.monotonic()
             os.kill(proc.pid, signal.SIGUSR1)  # what --signal=B:USR1@600 does
 
-    first = _stream(args, run_dir, _env("stall@generate:step=3:rank=0:seconds=8", **fake_slurm,
-                                        MASTER_PORT=str(free_port())), 900, signal_in_step_3s_generation)
+    job = _stream(sbatch, run_dir, _env("stall@generate:step=6:rank=0:seconds=8", **fake_slurm,
+                                        MASTER_PORT=str(free_port())), 900, signal_in_step_6s_generation)
+    text = job.text[-4000:]
     log = (tmp_path / "scontrol.log").read_text()
-    assert "requeue 4242" in log, (log, first.text[-4000:])
-    assert "stop signal before the update of step 3: the step is dropped" in first.text, first.text[-4000:]
-    assert "stopped on a signal after step 2" in first.text, first.text[-4000:]
-    assert not re.search(r"step 3/6 update", first.text), first.text[-4000:]
-    saved = [c for c in checkpoints(first) if c.startswith("step_")]
-    assert saved == ["step_00000002"], (saved, first.text[-3000:])
-    requeued = _stream(args, run_dir, _env(**fake_slurm, MASTER_PORT=str(free_port()),
-                                          SLURM_RESTART_COUNT="1"), 900)
+    assert "requeue 4242" in log, (log, text)
+    assert job.resumed_steps() == [5], text
+    assert "stop signal before the update of step 6: the step is dropped" in job.text, text
+    assert "stopped on a signal after step 5" in job.text, text
+    assert not re.search(r"step 6/6 update", job.text), text
+    assert checkpoints(job) == ["latest", "step_00000004", "step_00000005"], text
+    t0 = time.monotonic()
+    requeued = _stream(sbatch, run_dir, _env(**fake_slurm, MASTER_PORT=str(free_port()),
+                                            SLURM_RESTART_COUNT="1"), 900)
     assert requeued.rc == 0, requeued.text[-4000:]
-    assert requeued.resumed_steps() == [2]
+    assert requeued.resumed_steps() == [5]
     assert_bit_identical(requeued, reference)
-    report("sigusr1-sbatch", stopped_after_step=2, dropped_step=3,
-           stop_s=f"{first.lines[-1][0] - sent['sent']:.0f}", requeued=True)
+    assert not [c for c in checkpoints(requeued) if c.endswith((".tmp", ".old"))], checkpoints(requeued)
+    records = [json.loads(line)["step"] for line in (run_dir / "logs" / "metrics.jsonl").open()]
+    assert records == list(range(1, STEPS + 1)), records  # the re-run steps replaced their records
 
+    killed = stopped.first(r"injecting kill at update")
+    killed_in_save = stopped.first(r"injecting kill at checkpoint\.shards")
+    hung = stopped.first(r"injecting hang at generate")
+    dumped = stopped.first(r"ran past train\.phase_timeout_s")
+    term = stopped.first(r"injecting term-launcher")
+    back = {name: stopped.first(rf"step {n}/6 │", after=t) - t  # the lost step done again
+            for name, n, t in (("kill", 3, killed), ("kill_in_save", 4, killed_in_save), ("hang", 5, hung))}
+    report("sigkill", restarts=2, recovery_s=f"{back['kill']:.0f}/{back['kill_in_save']:.0f}",
+           bit_identical=True)
+    report("hang", detected_after_s=f"{dumped - hung:.0f}", recovery_s=f"{back['hang']:.0f}",
+           other_rank_dumped=(run_dir / "hangs" / "attempt2_rank00000.txt").is_file())
+    report("sigterm", stop_s=f"{stopped.lines[-1][0] - term:.0f}")
+    report("sigusr1-sbatch", stopped_after_step=5, dropped_step=6,
+           stop_s=f"{job.lines[-1][0] - sent['sent']:.0f}", requeued=True,
+           requeue_to_first_step_s=f"{requeued.first(r'step 6/6 │') - t0:.0f}")

@@ -138,12 +138,26 @@ def test_mask_padded_vocab_on_a_shard():
 
 # ------------------------------------------- what megatron cannot build, refused first (issue 15)
 
-def test_sequence_parallel_needs_the_te_spec():
-    """megatron's local-spec norm (WrappedTorchNorm) asserts no SP at model build: the config
-    builder refuses it first, naming the key."""
+def test_sequence_parallel_under_the_local_spec():
+    """The local spec's norm (TorchRMSNorm, not megatron's WrappedTorchNorm, which asserts no SP)
+    builds under sequence parallelism and marks its weight for megatron's gradient sum over TP;
+    FP8 still needs the TE spec."""
+    from types import SimpleNamespace
+
+    from megatron_oar.models.local_norm import TorchRMSNorm
+
     arch = parse_arch(QWEN25_7B)
-    with pytest.raises(ModelConfigError, match=r"parallel.sequence_parallel=true needs model.spec=te"):
-        transformer_config(arch, ModelOptions(spec="local", sequence_parallel=True), tp=2, pp=1)
+    cfg = transformer_config(arch, ModelOptions(spec="local", sequence_parallel=True), tp=2, pp=1,
+                             perform_initialization=False)
+    assert cfg.sequence_parallel
+    assert TorchRMSNorm(cfg, 16).weight.sequence_parallel is True
+    plain = SimpleNamespace(normalization="RMSNorm", sequence_parallel=False,
+                            layernorm_zero_centered_gamma=False, memory_efficient_layer_norm=False)
+    assert TorchRMSNorm(plain, 16).weight.sequence_parallel is False
+    with pytest.raises(ValueError, match=r"config.normalization='LayerNorm'"):
+        TorchRMSNorm(SimpleNamespace(**{**plain.__dict__, "normalization": "LayerNorm"}), 16)
+    with pytest.raises(ModelConfigError, match=r"model.fp8='hybrid' needs model.spec=te"):
+        transformer_config(arch, ModelOptions(spec="local", fp8="hybrid"), tp=2, pp=1)
 
 
 def test_mxfp8_is_refused_before_blackwell(monkeypatch):
@@ -191,7 +205,7 @@ def test_local_spec_never_uses_apex_fused_norm(monkeypatch, caplog):
     assert not any(isinstance(m, FusedLayerNorm) for m in model.modules())
     # the kernel line says what this model uses (from its TransformerConfig), not what imports
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("model kernels:"))
-    assert "spec=local norm=torch RMSNorm (megatron WrappedTorchNorm)" in line
+    assert "spec=local norm=torch RMSNorm (TorchRMSNorm, sequence-parallel capable)" in line
     assert "grad_accum_fusion=off" in line and "fp8=off" in line and "apex" not in line
     cfg = model.config
     assert f"masked_softmax_fusion={'on' if cfg.masked_softmax_fusion else 'off'}" in line

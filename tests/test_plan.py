@@ -1,5 +1,14 @@
 """`oar plan`: parameter counts equal megatron-core's GPTModel, every example fits its cluster,
-the memory terms follow their documented formulas, and bad layouts are refused."""
+the memory terms follow their documented formulas, and bad layouts are refused.
+
+Mixture of experts (Qwen3-MoE): per-rank parameter counts equal a meta-device GPTModel with MoE
+layers (a tiny model, one with dense and MoE layers, and a 30B-A3B-wide one cut to 2 layers) at
+TP1 and per rank at TP2 x EP2 x PP2 (ETP1); the presets' total and active parameters equal
+transformers' model on the meta device and the model cards; expert memory, the optimizer's
+expert-DP sharding, the dispatcher's and the weight sync's bytes by hand. Cost: the fast tests
+about 20 s on 2 cores (the meta-device builds about 2 s); the slow one runs in one pooled world
+of 4 gloo ranks (about 10 s).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +25,7 @@ from megatron_oar.models import ModelConfigError, parse_arch
 from megatron_oar.models.presets import PRESETS, preset_name, resolve_hf_config
 from megatron_oar.repro.demo_model import DEMO_ARCH
 from tests.distributed import launch
+from tests.tiny import SMALL_QWEN3_MOE
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -28,6 +38,12 @@ MID_TIED = dict(PRESETS["qwen2.5-1.5b"], num_hidden_layers=2)
 # Qwen3: head_dim 128 != hidden / heads, q/k norms, no q/k/v bias; tied (0.6B) and untied (8B)
 QWEN3_TIED = dict(PRESETS["qwen3-0.6b"], num_hidden_layers=2)
 QWEN3 = dict(PRESETS["qwen3-8b"], num_hidden_layers=2)
+# Qwen3-MoE: tiny (4 experts, top-2, every layer MoE), tiny with dense layers 0 and 2
+# (decoder_sparse_step 2), and 30B-A3B's widths (128 experts of 768, top-8) cut to 2 layers
+MOE_TINY = {**SMALL_QWEN3_MOE, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "tie_word_embeddings": False}
+MOE_MIXED = dict(MOE_TINY, num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=False)
+MOE_30B = dict(PRESETS["qwen3-30b-a3b"], num_hidden_layers=2)
 
 
 def _gpt_params(hf: dict) -> int:
@@ -39,8 +55,34 @@ def _gpt_params(hf: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("hf", [TINY, MID, MID_TIED, QWEN3, QWEN3_TIED],
-                         ids=["tiny", "7b-wide", "1.5b-wide-tied", "qwen3-8b-wide", "qwen3-0.6b-wide-tied"])
+def _gpt_params_moe_tp(hf: dict) -> int:
+    """:func:`_gpt_params` of a MoE model at TP > 1, which megatron builds only with sequence
+    parallelism, and megatron's torch norm (the local spec, CPU) refuses that. Parameter shapes
+    do not depend on it: the TransformerConfig is made with SP on (megatron's MoE check passes)
+    and the layers are built with it off (the norms build)."""
+    from megatron_oar.models import builder
+
+    make_config, check_spec = builder.transformer_config, builder.check_spec_features
+
+    def config_without_sp(*args, **kwargs):
+        config = make_config(*args, **kwargs)
+        config.sequence_parallel = False
+        return config
+
+    builder.transformer_config, builder.check_spec_features = config_without_sp, lambda *a: None
+    try:
+        with torch.device("meta"):
+            model = builder.build_gpt_model(
+                hf, builder.ModelOptions(dtype="bf16", sequence_parallel=True),
+                perform_initialization=False, use_cpu_initialization=True)
+    finally:  # the pooled worker runs other tests next
+        builder.transformer_config, builder.check_spec_features = make_config, check_spec
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("hf", [TINY, MID, MID_TIED, QWEN3, QWEN3_TIED, MOE_TINY, MOE_MIXED, MOE_30B],
+                         ids=["tiny", "7b-wide", "1.5b-wide-tied", "qwen3-8b-wide", "qwen3-0.6b-wide-tied",
+                              "moe-tiny", "moe-dense-and-moe-layers", "qwen3-30b-a3b-wide"])
 def test_param_count_equals_gptmodel(hf):
     from megatron_oar.runtime import destroy_runtime, init_runtime
 
@@ -51,26 +93,34 @@ def test_param_count_equals_gptmodel(hf):
         destroy_runtime()
 
 
-def _rank_count_worker(hfs: list[dict], tp: int, pp: int, out: str) -> None:
+def _rank_count_worker(hfs: list[dict], tp: int, pp: int, ep: int, out: str) -> None:
     from megatron.core import parallel_state as ps
 
     from megatron_oar.runtime import ParallelConfig, init_runtime
 
-    init_runtime(ParallelConfig(tp=tp, pp=pp))
-    rows = [[ps.get_pipeline_model_parallel_rank(), _gpt_params(hf)] for hf in hfs]
+    init_runtime(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=1))
+    rows = [[ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
+             _gpt_params_moe_tp(hf) if "num_experts" in hf else _gpt_params(hf)] for hf in hfs]
     Path(out, f"{torch.distributed.get_rank()}.json").write_text(json.dumps(rows))
 
 
 @pytest.mark.slow
 def test_param_count_per_rank_tp2_pp2(tmp_path):
     """Per-rank counts of a real TP2xPP2 GPTModel (first stage: embedding; last stage: final norm,
-    output layer, and for tied embeddings the embedding's copy)."""
+    output layer, and for tied embeddings the embedding's copy), and of MoE models at TP2 x EP2 x
+    PP2 with ETP1 (each rank: half the experts of its stage's MoE layers, whole; the router whole;
+    the attention split by TP). One world of 4 ranks for all of them."""
     hfs = [dict(TINY, num_hidden_layers=4), dict(MID_TIED, num_hidden_layers=4), MID,
-           dict(QWEN3_TIED, num_hidden_layers=4)]
-    launch(_rank_count_worker, 4, hfs, 2, 2, str(tmp_path))
+           dict(QWEN3_TIED, num_hidden_layers=4), dict(MOE_TINY, num_hidden_layers=4), MOE_MIXED,
+           dict(MOE_30B, num_hidden_layers=4)]
+    launch(_rank_count_worker, 4, hfs, 2, 2, 2, str(tmp_path))
+    seen = set()
     for f in tmp_path.glob("*.json"):
-        for hf, (stage, count) in zip(hfs, json.loads(f.read_text())):
-            assert P.stage_params(parse_arch(hf), 2, 2, stage) == count, (hf, stage)
+        for hf, (stage, ep_rank, count) in zip(hfs, json.loads(f.read_text())):
+            a = parse_arch(hf)
+            assert P.stage_params(a, 2, 2, stage, ep=2 if a.is_moe else 1, etp=1) == count, (hf, stage)
+            seen.add((stage, ep_rank))
+    assert seen == {(0, 0), (0, 1), (1, 0), (1, 1)}
 
 
 def test_total_params_match_model_cards():
@@ -266,11 +316,12 @@ def test_launch_section_validation():
 
 
 def test_scaling_doc_tables_are_current(capsys):
-    """docs/scaling.md pastes two `oar plan` outputs, each under the command that prints it;
+    """docs/scaling.md pastes `oar plan` outputs (dense and MoE), each under the command that prints it;
     regenerate them with those commands when the plan changes."""
     doc = (ROOT / "docs" / "scaling.md").read_text()
     names = ["qwen2.5-7b_oar_g", "qwen2.5-14b_oar_g", "qwen2.5-32b_oar_g", "qwen2.5-72b_oar_g"]
-    for configs in (names, ["qwen2.5-72b_oar_g"]):
+    moe = ["qwen3-30b-a3b_oar_g", "qwen3-235b-a22b_oar_g"]
+    for configs in (names, ["qwen2.5-72b_oar_g"], moe, ["qwen3-30b-a3b_oar_g"], ["qwen3-235b-a22b_oar_g"]):
         assert P.main(["--config", *(str(ROOT / f"examples/{n}.yaml") for n in configs)]) == 0
         out = capsys.readouterr().out.strip()
         command = "oar plan --config " + " ".join(f"examples/{n}.yaml" for n in configs)
@@ -302,3 +353,100 @@ def test_time_and_memory_follow_the_batching():
     assert budget.layout["micro_batches_per_rank"] < padded.layout["micro_batches_per_rank"]
     _, small = plan(f"attribution.max_tokens_per_micro_batch={short}")
     assert small.memory_gib["activations: attribution"] < budget.memory_gib["activations: attribution"]
+
+
+# ------------------------------------------------------------------------------ mixture of experts
+
+def test_moe_presets_equal_transformers_and_model_cards():
+    """Total parameters equal transformers' Qwen3MoeForCausalLM on the meta device; total,
+    activated and non-embedding counts equal the model cards (30.5B / 3.3B / 29.9B and
+    235B / 22B / 234B)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    for key, (total, active, body, digits) in {"qwen3-30b-a3b": (30.5, 3.3, 29.9, 1),
+                                               "qwen3-235b-a22b": (235, 22, 234, 0)}.items():
+        hf = PRESETS[key]
+        a = parse_arch(hf)
+        with torch.device("meta"):
+            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{k: v for k, v in hf.items()
+                                                          if k != "architectures"}))
+        assert P.total_params(a) == sum(p.numel() for p in model.parameters()), key
+        embeddings = 2 * a.vocab_size * a.hidden_size
+        tol = 0.6 * 10 ** -digits  # the cards truncate (3.35B active: "3.3B") or round
+        assert P.total_params(a) / 1e9 == pytest.approx(total, abs=tol), key
+        assert P.active_params(a) / 1e9 == pytest.approx(active, abs=tol), key
+        assert (P.total_params(a) - embeddings) / 1e9 == pytest.approx(body, abs=tol), key
+    dense = parse_arch(PRESETS["qwen3-8b"])
+    assert P.active_params(dense) == P.total_params(dense)
+
+
+def test_moe_resident_state_shards_experts_over_expert_dp():
+    """30B-A3B at TP4 x EP8 on 8 GPUs: the dense parameters' Adam state is split over DP 2, the
+    experts' over expert-DP 1 (each rank owns 16 whole experts); at EP4 expert-DP is 2."""
+    a = parse_arch(PRESETS["qwen3-30b-a3b"])
+    pl = _plan("qwen3-30b-a3b_oar_g")
+    dense, experts = P.stage_param_split(a, 4, 1, 0, ep=8, etp=1)
+    assert (dense, experts) == (48 * ((2048 * 5120 + 4096 * 2048) // 4 + 2 * 2048 + 2 * 128 + 128 * 2048)
+                                + 2 * 151936 * 2048 // 4 + 2048, 48 * 16 * 3 * 2048 * 768)
+    assert pl.layout == {**pl.layout, "tp": 4, "dp": 2, "ep": 8, "etp": 1, "edp": 1}
+    assert pl.memory_gib["weights"] == pytest.approx(2 * (dense + experts) / P.GIB)
+    assert pl.memory_gib["gradients"] == pytest.approx(4 * (dense + experts) / P.GIB)
+    assert pl.memory_gib["optimizer"] == pytest.approx((12 * dense / 2 + 12 * experts) / P.GIB)
+    assert pl.moe["expert_state_gib_per_rank"] == pytest.approx(18 * experts / P.GIB)
+    ep4 = _plan("qwen3-30b-a3b_oar_g", "parallel.ep=4")
+    assert ep4.layout["edp"] == 2 and ep4.moe["experts_per_rank"] == 32
+    assert ep4.memory_gib["optimizer"] == pytest.approx((12 * dense / 2 + 12 * 2 * experts / 2) / P.GIB)
+    plain = _plan("qwen3-30b-a3b_oar_g", "optim.use_distributed_optimizer=false")
+    assert plain.memory_gib["optimizer"] == pytest.approx(12 * (dense + experts) / P.GIB)
+
+
+def test_moe_dispatcher_and_weight_sync_bytes_by_hand():
+    from megatron_oar.commands import plan_moe
+    from megatron_oar.rollout.weight_sync import sync_traffic
+
+    a = parse_arch(PRESETS["qwen3-30b-a3b"])
+    row = 8 * 2048 * 2  # top-8 copies of a bf16 token
+    pl = _plan("qwen3-30b-a3b_oar_g")
+    assert pl.moe["dispatcher_kib_per_token_layer"] == {"all_to_all": 2 * row * 7 / 8 / 1024,
+                                                        "etp_gather": 0.0, "total": 2 * row * 7 / 8 / 1024}
+    assert plan_moe.dispatcher_bytes_per_token(a, 4, 2, 2) == {
+        "all_to_all": 2 * row * 3 / 4, "etp_gather": 2 * row, "total": 2 * row * 3 / 4 + 2 * row}
+    # full tensors (vLLM TP8 != TP4), one stage: TP4 all-gathers 3/4 of the attention linears and
+    # of the embedding and output layer; the experts are gathered over EP8 (7/8 of them)
+    attention = (40 * 128 * 2048) * 3 // 4 + (2048 * 4096) * 3 // 4
+    tp_gather = 48 * attention + 2 * (151936 * 2048 * 3 // 4)
+    ep_gather = 48 * (128 * 3 * 2048 * 768 * 7 // 8)
+    assert not pl.sync["shards"] and pl.sync["pp_broadcast"] == 0
+    assert pl.sync["tp_gather"] == pytest.approx(2 * tp_gather / P.GIB)
+    assert pl.sync["ep_gather"] == pytest.approx(2 * ep_gather / P.GIB)
+    assert "EP gather 47.25)" in P.render(pl, "x")
+    # 235B at PP2: a rank also receives the other stage's 47 routers and all its experts whole
+    b = parse_arch(PRESETS["qwen3-235b-a22b"])
+    big = _plan("qwen3-235b-a22b_oar_g")
+    dense_part = sync_traffic(replace(b, intermediate_size=0), tp=4, pp=2, dtype_bytes=2,
+                              shards=False)[0]
+    experts = 128 * 3 * 4096 * 1536
+    assert big.sync["ep_gather"] == pytest.approx(2 * 47 * (experts * 63 // 64) / P.GIB)
+    assert big.sync["pp_broadcast"] == pytest.approx(
+        (dense_part["pp_broadcast"] + 2 * 47 * (128 * 4096 + experts)) / P.GIB)
+
+
+def test_moe_plan_flops_by_active_parameters_and_render():
+    from megatron_oar.models.flops import matmul_params
+
+    a = parse_arch(PRESETS["qwen3-30b-a3b"])
+    pl = _plan("qwen3-30b-a3b_oar_g")
+    # the MFU denominator: a token's matmuls use attention, router and 8 of 128 experts
+    assert matmul_params(a) == 48 * (2048 * 5120 + 4096 * 2048 + 128 * 2048 + 8 * 3 * 2048 * 768) \
+        + 151936 * 2048
+    assert matmul_params(a) < P.active_params(a) < P.total_params(a) / 9
+    assert pl.params_b == pytest.approx(30.53, abs=0.01) and pl.active_params_b == pytest.approx(3.35, abs=0.01)
+    text = P.render(pl, "qwen3-30b-a3b_oar_g")
+    assert "30.53B parameters, 3.35B active" in text and "EP 8 x ETP 1 (expert DP 1)" in text
+    assert "(16 experts per MoE layer per EP rank)" in text and "56.0 KiB received per rank" in text
+    # one node is the edge: a smaller vLLM share leaves no room for a KV cache
+    tiny_kv = _plan("qwen3-30b-a3b_oar_g", "rollout.gpu_memory_utilization=0.1")
+    assert not tiny_kv.fits
+    # a second node doubles DP and expert-DP: the Adam state per GPU shrinks
+    two = _plan("qwen3-30b-a3b_oar_g", nodes=2)
+    assert two.fits and two.layout["edp"] == 2 and two.peak_gib < pl.peak_gib - 20

@@ -6,18 +6,23 @@ Tiny random models from transformers' ``Qwen3MoeConfig`` (hidden 64, 4 heads, he
 released 30B-A3B / 235B-A22B); "B", 4 layers with ``decoder_sparse_step=2`` (dense, MoE, dense,
 MoE: the dense MLPs 96 wide) and ``norm_topk_prob=false``.
 
-The converter does not handle MoE models yet (its slice comes next), so the slow tests load the
-HF weights into each rank's megatron shard directly, through the family's mapping
-(:func:`_load_hf`, TP=1 layouts; EP and PP pick the rank's experts and layers).
+At TP=1 the slow tests load the HF weights into each rank's megatron shard directly, through the
+family's mapping (:func:`_load_hf`; EP and PP pick the rank's experts and layers); at TP > 1 (with
+sequence parallelism, which megatron's MoE layer requires there) they load the checkpoint
+``oar-convert`` wrote (tests/test_qwen3_moe_convert.py tests the converter itself).
 
 Fast (about 10 s with imports): config parsing and refusals naming the field, layout refusals
 naming the key, the megatron settings, megatron's routing == transformers' router on the same
 hidden states, the HF <-> megatron mapping under both specs, a one-process build (names equal the
-mapping's, frozen router) and the converter's refusal. Slow (pooled gloo ranks, about 15 s on
-2 cores; the whole file about 30 s): one world of 2 ranks runs TP1 (as DP2), EP2 and PP2 for both
-models, and a backward pass at EP1 and EP2 (gradients finite and equal); one world of 4 runs
-EP2xPP2 and EP4. Measured: max |dlogit| 2.4e-7 (A) and 2.8e-7 (B) at every layout; EP2 vs EP1
-gradients within 3e-7 of each tensor's largest.
+mapping's, frozen router). Slow (pooled gloo ranks, about 22 s on 2 cores with the pool warm,
+measured under a load average near 20; the whole file about 35 s): one world of 2 ranks runs TP1
+(as DP2), EP2, PP2 and TP2 for both models, TP2 x EP2 with expert TP 1 for B, and a backward pass
+at EP1, EP2 and TP2 with sequence parallelism through megatron's DDP and ``finalize_model_grads``
+(gradients finite and equal; at TP2 those of the TP-replicated norms and routers, which megatron
+sums over TP by their ``sequence_parallel`` mark); one world of 4 runs EP2xPP2 and EP4 for both,
+TP2 x EP2 (expert TP 2) for A. Measured: max |dlogit| 2.4e-7 (A) and 2.8e-7 (B) at the TP1
+layouts, at most 4.2e-7 at TP2; EP2 vs EP1 gradients within 3e-7 of each tensor's largest, TP2's
+(replicated parameters) within 1.1e-6.
 """
 
 from __future__ import annotations
@@ -223,20 +228,6 @@ def test_config_validation_names_the_keys():
         validate(cfg("parallel.etp=0"), world_size=2)
 
 
-def test_converter_refuses_moe_for_now(tmp_path):
-    """Until the converter's MoE slice: a clear refusal naming the config, before any work."""
-    import json
-
-    from checkpoints_convert.convert import ConversionError, hf_to_megatron
-
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
-    with pytest.raises(ConversionError, match=r"config\.json: \['Qwen3MoeForCausalLM'\]: mixture-of-experts "
-                                              r"models are not converted yet"):
-        hf_to_megatron(tmp_path / "hf", tmp_path / "ckpt", progress=False)
-    assert not (tmp_path / "ckpt").exists()
-
-
 # ---------------------------------------------------------------------------------------------
 # fast: megatron's routing == transformers' router
 
@@ -422,28 +413,34 @@ def _load_hf(model, arch, hf_dir: str, spec: str) -> None:
             p.copy_(t)
 
 
-def _build(hf_dir: str, tp: int, pp: int, ep: int):
+def _build(hf_dir: str, tp: int, pp: int, ep: int, etp: int | None = None, ckpt: str | None = None):
+    """This rank's shard at the layout: HF weights through the mapping (TP=1), or at TP > 1 (with
+    sequence parallelism) the converter's checkpoint ``ckpt``."""
     from megatron_oar.models import ModelOptions, build_gpt_model
+    from megatron_oar.models.model_checkpoint import load_model
     from megatron_oar.runtime import ParallelConfig, init_runtime
 
-    init_runtime(ParallelConfig(tp=tp, pp=pp, ep=ep))
+    init_runtime(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp))
     arch = parse_arch(read_config(Path(hf_dir)))
-    model = build_gpt_model(arch, ModelOptions(spec="local"))
-    _load_hf(model, arch, hf_dir, "local")
+    model = build_gpt_model(arch, ModelOptions(spec="local", sequence_parallel=tp > 1))
+    if tp == 1:
+        _load_hf(model, arch, hf_dir, "local")
+    else:
+        load_model(model, ckpt)
     return model, arch
 
 
 def _logits_worker(jobs: list, tokens: torch.Tensor) -> None:
-    """Each (hf_dir, pp, ep, out) in this one world: the logits on data-parallel rank 0 of the
-    last stage."""
+    """Each (hf_dir, ckpt, (tp, pp, ep, etp), out) in this one world: the logits on data- and
+    tensor-parallel rank 0 of the last stage."""
     from megatron.core import parallel_state as ps
 
     from megatron_oar.models.forward import forward_logits
 
-    for hf_dir, pp, ep, out in jobs:
-        model, arch = _build(hf_dir, 1, pp, ep)
+    for hf_dir, ckpt, (tp, pp, ep, etp), out in jobs:
+        model, arch = _build(hf_dir, tp, pp, ep, etp, ckpt)
         logits = forward_logits(model, tokens, micro_batch_size=1, vocab_size=arch.vocab_size)
-        if logits is not None and ps.get_data_parallel_rank() == 0:
+        if logits is not None and ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0:
             torch.save(logits, out)
 
 
@@ -471,15 +468,50 @@ def _grads_worker(hf_dir: str, ep: int, tokens: torch.Tensor, out: str) -> None:
     torch.save(grads, f"{out}.rank{dist.get_rank()}")
 
 
+def _sp_grads_worker(hf_dir: str, ckpt: str, tokens: torch.Tensor, out: str) -> None:
+    """TP2 with sequence parallelism (DP1): the backward pass of both rows through megatron's DDP
+    and ``finalize_model_grads``, which sums the gradients of the parameters marked
+    ``sequence_parallel`` (norms, routers) over TP. Those replicated parameters' gradients, by
+    global name, from TP rank 0."""
+    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from megatron_oar.models.forward import position_ids_for
+
+    gpt, _ = _build(hf_dir, 2, 1, 1, None, ckpt)
+    model = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), gpt)
+    model.train()
+    model.zero_grad_buffer()
+    loss = model(tokens[:, :-1], position_ids_for(tokens[:, :-1]), attention_mask=None, labels=tokens[:, 1:])
+    loss.sum().backward()
+    finalize_model_grads([model])
+    grads = {}
+    for i, name, p in _global_names(gpt):
+        if not getattr(p, "tensor_model_parallel", False):
+            assert p.sequence_parallel, name  # what megatron sums over TP
+            grads[name if i is None else f"{i}.{name}"] = p.main_grad.clone()
+    if dist.get_rank() == 0:
+        torch.save(grads, out)
+
+
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
+    from checkpoints_convert.convert import hf_to_megatron
+
     root = tmp_path_factory.mktemp("qwen3_moe")
     tokens = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(0))
     out = {}
     for name, overrides in (("A", {}), ("B", MODEL_B)):
         hf = make_tiny_qwen3_moe(root / name, seed=7, **overrides)
-        out[name] = dict(hf=hf, ref=hf_logits(hf, tokens))
+        hf_to_megatron(hf, root / f"{name}_ckpt", progress=False)  # for the TP > 1 layouts
+        out[name] = dict(hf=hf, ckpt=root / f"{name}_ckpt", ref=hf_logits(hf, tokens))
     return root, tokens, out
+
+
+def _jobs(root: Path, models: dict, layouts: dict[str, list]) -> list:
+    return [(str(models[name]["hf"]), str(models[name]["ckpt"]), layout,
+             str(root / f"{name}_tp{layout[0]}pp{layout[1]}ep{layout[2]}etp{layout[3]}.pt"))
+            for name, mine in layouts.items() for layout in mine]
 
 
 def test_tiny_models_and_mapping_agree(moe_models):
@@ -493,15 +525,16 @@ def test_tiny_models_and_mapping_agree(moe_models):
 
 @pytest.mark.slow
 def test_logits_and_gradients_world2(moe_models):
-    """TP1 (as DP2), EP2 and PP2 logits equal transformers'; a backward pass at EP2 gives
-    EP1's gradients (finite, within fp32 rounding)."""
+    """TP1 (as DP2), EP2, PP2 and TP2 (sequence parallel, expert TP 2) logits, and TP2 x EP2 with
+    expert TP 1, equal transformers'; a backward pass at EP2 gives EP1's gradients (finite, within
+    fp32 rounding)."""
     root, tokens, models = moe_models
-    layouts = [(1, 1), (1, 2), (2, 1)]  # (pp, ep)
-    jobs = [(str(m["hf"]), pp, ep, str(root / f"{name}_pp{pp}ep{ep}.pt"))
-            for name, m in models.items() for pp, ep in layouts]
+    both = [(1, 1, 1, None), (1, 1, 2, None), (1, 2, 1, None), (2, 1, 1, None)]  # (tp, pp, ep, etp)
+    jobs = _jobs(root, models, {"A": both, "B": both + [(2, 1, 2, 1)]})
     launch(_logits_worker, 2, jobs, tokens)
     _check_logits(jobs, models)
     grads = {}
+    tokens = tokens[:, :23]  # inputs of 22 tokens: split in two by sequence parallelism at TP2
     for ep in (1, 2):
         out = str(root / f"grads_ep{ep}")
         launch(_grads_worker, 2, str(models["A"]["hf"]), ep, tokens, out)
@@ -511,7 +544,17 @@ def test_logits_and_gradients_world2(moe_models):
                 assert k not in merged or torch.equal(merged[k], v), k  # replicas agree
                 merged[k] = v
         grads[ep] = merged
-    assert grads[1].keys() == grads[2].keys()
+    launch(_sp_grads_worker, 2, str(models["A"]["hf"]), str(models["A"]["ckpt"]), tokens,
+           str(root / "grads_tp2"))
+    grads["tp2"] = torch.load(root / "grads_tp2")
+    assert len(grads["tp2"]) == 1 + 2 * 5  # final norm; per layer 2 norms, q/k norms, router
+    assert grads[1].keys() == grads[2].keys() >= grads["tp2"].keys()
+    sp_worst = 0.0
+    for k, a in grads["tp2"].items():  # the TP-replicated parameters under sequence parallelism
+        rel = (a - grads[1][k]).abs().max().item() / grads[1][k].abs().max().item()
+        sp_worst = max(sp_worst, rel)
+        assert rel <= GRAD_TOL, (k, rel)
+    print(f"TP2 (SP) vs TP1 gradients of the replicated parameters: worst {sp_worst:.2e}")
     worst = 0.0
     for k, a in grads[1].items():
         b = grads[2][k]
@@ -526,20 +569,21 @@ def test_logits_and_gradients_world2(moe_models):
 
 @pytest.mark.slow
 def test_logits_world4(moe_models):
-    """EP2 x PP2 and EP4 (one expert per rank) logits equal transformers'."""
+    """EP2 x PP2 and EP4 (one expert per rank) logits, and TP2 x EP2 (sequence parallel, expert
+    TP 2) for A, equal transformers'."""
     root, tokens, models = moe_models
-    jobs = [(str(m["hf"]), pp, ep, str(root / f"{name}_pp{pp}ep{ep}.pt"))
-            for name, m in models.items() for pp, ep in ((2, 2), (1, 4))]
+    both = [(1, 2, 2, None), (1, 1, 4, None)]
+    jobs = _jobs(root, models, {"A": both + [(2, 1, 2, None)], "B": both})
     launch(_logits_worker, 4, jobs, tokens)
     _check_logits(jobs, models)
 
 
 def _check_logits(jobs, models) -> None:
-    for hf_dir, pp, ep, out in jobs:
+    for hf_dir, _, layout, out in jobs:
         name = Path(hf_dir).name
         got, ref = torch.load(out), models[name]["ref"]
         diff = (got - ref).abs().max().item()
-        print(f"qwen3-moe {name} pp={pp} ep={ep} max|dlogit|={diff:.3e}")
+        print(f"qwen3-moe {name} (tp, pp, ep, etp)={layout} max|dlogit|={diff:.3e}")
         assert got.shape == ref.shape
-        assert diff <= TOL, (name, pp, ep, diff)
+        assert diff <= TOL, (name, layout, diff)
         assert torch.equal(got.argmax(-1), ref.argmax(-1))

@@ -36,6 +36,14 @@ preset, :mod:`megatron_oar.models.presets`); nothing is allocated. Per GPU it ad
   host memory. KV bytes per token: 2 (K and V) * layers * KV heads per rollout rank * head_dim *
   2 bytes (vLLM docs, "Memory and KV cache").
 * ``Hardware.reserve_gib`` for the CUDA context, NCCL buffers and allocator fragmentation.
+* **Mixture of experts** (Qwen3-MoE; :mod:`megatron_oar.commands.plan_moe` has the formulas):
+  each rank holds ``num_experts / EP`` experts of its stage's MoE layers, each split over ETP,
+  next to the dense parts split over TP; the experts' Adam state is split over the
+  expert-data-parallel group (world / (ETP x EP x PP)), the dense parts' over DP. A MoE layer's
+  activations add the router's and the routed copies'. The plan also prints the total and
+  active parameters, the experts' memory per GPU and the alltoall dispatcher's bytes per token
+  and MoE layer; FLOPs count the active parameters (``models/flops.py``), and decode reads the
+  experts its tokens are routed to.
 
 The weight sync's traffic: the bytes one rank receives per step, TP all-gathers and PP
 broadcasts, the largest over the pipeline stages (``rollout.weight_sync.sync_traffic``, the
@@ -68,9 +76,18 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megatron_oar.commands import plan_moe
+from megatron_oar.commands.plan_moe import expert_params
 from megatron_oar.models import QwenArch, parse_arch
 from megatron_oar.models.families import family_of
-from megatron_oar.models.flops import forward_flops, linear_weights, matmul_params
+from megatron_oar.models.flops import (
+    attention_weights,
+    forward_flops,
+    linear_weights,
+    matmul_params,
+    mlp_weights,
+    router_weights,
+)
 from megatron_oar.rollout.weight_sync import sync_traffic
 from megatron_oar.training.phases import CHECKPOINT, EVAL, NOTHING, STEP, WEIGHTS, WEIGHTS_KV_CACHE, Phase
 
@@ -93,59 +110,115 @@ class Hardware:
 
 # ------------------------------------------------------------------------------ parameters
 
-def layer_params(a: QwenArch, tp: int = 1) -> int:
-    """Parameters of one decoder layer on one TP rank: the linears and the QKV bias (Qwen2) split
-    by TP, two RMSNorm weights and Qwen3's q/k RMSNorms (head_dim each) that every rank holds whole."""
+def layer_param_split(a: QwenArch, tp: int = 1, i: int = 0, *, ep: int = 1,
+                      etp: int | None = None) -> tuple[int, int]:
+    """``(dense, expert)`` parameters of decoder layer ``i`` on one rank. Dense: the linears and
+    the QKV bias (Qwen2) split by TP, two RMSNorm weights and Qwen3's q/k RMSNorms (head_dim each)
+    that every rank holds whole, and a MoE layer's router (whole on every rank). Expert: a MoE
+    layer's ``num_experts / EP`` experts, each split over ETP (default: TP)."""
     qkv_bias = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim if a.qkv_bias else 0
-    qk_norms = 2 * a.head_dim if a.qk_norm else 0
-    return (linear_weights(a) + qkv_bias) // tp + 2 * a.hidden_size + qk_norms
+    norms = 2 * a.hidden_size + (2 * a.head_dim if a.qk_norm else 0)
+    if a.is_moe_layer(i):
+        return ((attention_weights(a) + qkv_bias) // tp + norms + router_weights(a),
+                expert_params(a, ep, tp if etp is None else etp))
+    return (linear_weights(a) + qkv_bias) // tp + norms, 0
 
 
-def stage_params(a: QwenArch, tp: int, pp: int, stage: int, vocab_multiple: int = 128) -> int:
-    """Parameters on one rank of pipeline ``stage`` (megatron-core's GPTModel sharding)."""
+def layer_params(a: QwenArch, tp: int = 1, i: int = 0, *, ep: int = 1, etp: int | None = None) -> int:
+    """Parameters of decoder layer ``i`` on one rank (:func:`layer_param_split`, both parts)."""
+    return sum(layer_param_split(a, tp, i, ep=ep, etp=etp))
+
+
+def stage_param_split(a: QwenArch, tp: int, pp: int, stage: int, vocab_multiple: int = 128, *,
+                      ep: int = 1, etp: int | None = None) -> tuple[int, int]:
+    """``(dense, expert)`` parameters on one rank of pipeline ``stage`` (megatron-core's GPTModel
+    sharding; the embedding, output layer and final norm are dense)."""
     vocab = a.padded_vocab_size(vocab_multiple) * a.hidden_size // tp
-    n = (a.num_layers // pp) * layer_params(a, tp)
+    dense = experts = 0
+    for i in plan_moe.stage_layers(a, pp, stage):
+        d, e = layer_param_split(a, tp, i, ep=ep, etp=etp)
+        dense, experts = dense + d, experts + e
     first, last = stage == 0, stage == pp - 1
     if first:
-        n += vocab  # word embeddings
+        dense += vocab  # word embeddings
     if last:
-        n += a.hidden_size  # final norm
+        dense += a.hidden_size  # final norm
         # the output layer; tied embeddings keep a copy on the last stage when pp > 1
         if not a.tie_word_embeddings or not first:
-            n += vocab
-    return n
+            dense += vocab
+    return dense, experts
+
+
+def stage_params(a: QwenArch, tp: int, pp: int, stage: int, vocab_multiple: int = 128, *,
+                 ep: int = 1, etp: int | None = None) -> int:
+    """Parameters on one rank of pipeline ``stage`` (megatron-core's GPTModel sharding)."""
+    return sum(stage_param_split(a, tp, pp, stage, vocab_multiple, ep=ep, etp=etp))
 
 
 def total_params(a: QwenArch) -> int:
     """Parameters of the HF model (unpadded vocabulary, as model cards count them)."""
     vocab = a.vocab_size * a.hidden_size
-    return (a.num_layers * layer_params(a) + a.hidden_size
+    return (sum(layer_params(a, 1, i) for i in range(a.num_layers)) + a.hidden_size
             + vocab * (1 if a.tie_word_embeddings else 2))
+
+
+def active_params(a: QwenArch) -> int:
+    """Parameters one token uses (model cards' "activated"): :func:`total_params` less, in every
+    MoE layer, the experts it is not routed to (attention, embeddings, norms, router and the
+    ``moe_topk`` experts remain); a dense model's total."""
+    moe_layers = sum(a.is_moe_layer(i) for i in range(a.num_layers))
+    return total_params(a) - moe_layers * (a.num_experts - a.moe_topk) * mlp_weights(
+        a, a.moe_intermediate_size)
 
 
 # ------------------------------------------------------------------------------ activations
 
-def _layer_act_bytes(a: QwenArch, s: int, b: int, tp: int, sp: bool, flash: bool,
-                     keep_linear_inputs: bool = True) -> float:
-    """Bytes one layer keeps for backward for ``b`` sequences of ``s`` tokens (16-bit)."""
+def _layer_act_bytes(a: QwenArch, s: int, b: float, tp: int, sp: bool, flash: bool,
+                     keep_linear_inputs: bool = True, *, moe: bool = False, etp: int = 1) -> float:
+    """Bytes one layer keeps for backward for ``b`` sequences of ``s`` tokens (16-bit); ``moe``:
+    a MoE layer, whose router and experts (:func:`plan_moe.moe_mlp_act_bytes`) replace FC1's and
+    SwiGLU's outputs."""
     h, f, d = a.hidden_size, a.intermediate_size, a.head_dim
     norm_and_linear_inputs = (4 if keep_linear_inputs else 2) * h
-    sharded = (a.num_heads + 2 * a.num_kv_heads) * d + a.num_heads * d + 3 * f
+    sharded = (a.num_heads + 2 * a.num_kv_heads) * d + a.num_heads * d + (0 if moe else 3 * f)
     per_token = 2 * (norm_and_linear_inputs / (tp if sp else 1) + sharded / tp)
     if not flash:
         per_token += 6 * a.num_heads / tp * s
-    return per_token * s * b
+    experts = plan_moe.moe_mlp_act_bytes(a, s, b, tp, etp) if moe else 0.0
+    return per_token * s * b + experts
 
 
-def update_activation_bytes(a: QwenArch, *, s: int, b: int, tp: int, pp: int, sp: bool,
-                            flash: bool, recompute: str | None, microbatches: int) -> float:
+def _stage_act_bytes(a: QwenArch, s: int, b: float, tp: int, pp: int, sp: bool, flash: bool,
+                     etp: int = 1) -> float:
+    """Bytes the layers of the heaviest pipeline stage keep for backward (one micro-batch)."""
+    dense = _layer_act_bytes(a, s, b, tp, sp, flash)
+    if not a.is_moe:
+        return dense * (a.num_layers // pp)
+    moe = _layer_act_bytes(a, s, b, tp, sp, flash, moe=True, etp=etp)
+    n_moe = max(plan_moe.moe_layers_in_stage(a, pp, k) for k in range(pp))
+    return moe * n_moe + dense * (a.num_layers // pp - n_moe)
+
+
+def _one_layer_act_bytes(a: QwenArch, s: int, b: float, tp: int, sp: bool, flash: bool,
+                         etp: int = 1) -> float:
+    """The working set of one layer at a time: the larger of a dense and a MoE layer's."""
+    dense = _layer_act_bytes(a, s, b, tp, sp, flash)
+    if not a.is_moe:
+        return dense
+    moe = _layer_act_bytes(a, s, b, tp, sp, flash, moe=True, etp=etp)
+    return moe if all(a.moe_layers) else max(moe, dense)
+
+
+def update_activation_bytes(a: QwenArch, *, s: int, b: float, tp: int, pp: int, sp: bool,
+                            flash: bool, recompute: str | None, microbatches: int,
+                            etp: int = 1) -> float:
     layers = a.num_layers // pp
     in_flight = min(pp, microbatches)
     if recompute == "full":
         kept = 2 * a.hidden_size * s * b / (tp if sp else 1) * layers * in_flight
-        return kept + _layer_act_bytes(a, s, b, tp, sp, flash)
+        return kept + _one_layer_act_bytes(a, s, b, tp, sp, flash, etp)
     flash = flash or recompute == "selective"
-    return _layer_act_bytes(a, s, b, tp, sp, flash) * layers * in_flight
+    return _stage_act_bytes(a, s, b, tp, pp, sp, flash, etp) * in_flight
 
 
 def logits_bytes(a: QwenArch, s: int, b: int, tp: int, vocab_multiple: int) -> float:
@@ -160,11 +233,13 @@ class Plan:
     source: str
     params_b: float
     layout: dict
+    active_params_b: float = 0.0  # parameters a token uses (a dense model's: all of them)
     memory_gib: dict = field(default_factory=dict)   # per GPU, by component
     phases_gib: dict = field(default_factory=dict)   # per GPU, by phase of the trainer's loop
     phase_vllm_holds: dict = field(default_factory=dict)  # phase -> what vLLM holds (phases.NOTHING, ...)
     vllm: dict = field(default_factory=dict)
     sync: dict = field(default_factory=dict)         # weight-sync bytes received per rank per step
+    moe: dict = field(default_factory=dict)          # a MoE model's experts, layout and traffic
     flops: dict = field(default_factory=dict)        # per step, PFLOP
     time_s: dict = field(default_factory=dict)       # per step, by phase
     hardware: dict = field(default_factory=dict)
@@ -204,7 +279,8 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     microbatches = (rows // t.micro_batch_size if t.batching == "padded"
                     else math.ceil(rows * s / cfg.micro_batch_tokens))
 
-    mem = _resident_memory(cfg, a, dp)
+    experts = plan_moe.expert_layout(a, world, par.tp, par.pp, par.ep, par.etp)
+    mem = _resident_memory(cfg, a, dp, experts["edp"])
     resident = sum(mem.values())
     act = _activation_memory(cfg, a, s=s, dp=dp, samples=samples, microbatches=microbatches)
     mem.update({f"activations: {k}": v for k, v in act.items()})
@@ -219,11 +295,12 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
               for p in trainer_phases(cfg)}
     plan = Plan(
         model=f"{family_of(a).name}, {a.num_layers} layers, hidden {a.hidden_size}",
-        source=source, params_b=total_params(a) / 1e9,
+        source=source, params_b=total_params(a) / 1e9, active_params_b=active_params(a) / 1e9,
         layout={"nodes": nodes, "gpus": world, "tp": par.tp, "pp": par.pp, "dp": dp,
                 "sequence_parallel": par.sequence_parallel, "recompute": m.recompute, "fp8": m.fp8,
                 "rollout_tp": r.tp, "engines": v["engines"], "seq_len": s, "sleep_level": r.sleep_level,
-                "micro_batches_per_rank": microbatches},
+                "micro_batches_per_rank": microbatches,
+                **({"ep": experts["ep"], "etp": experts["etp"], "edp": experts["edp"]} if a.is_moe else {})},
         memory_gib={k: x / GIB for k, x in mem.items()},
         phases_gib={k: x / GIB for k, x in phases.items()},
         phase_vllm_holds={p.name: p.vllm_holds for p in trainer_phases(cfg)},
@@ -233,6 +310,7 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
               "host_offload_gib_per_node": (v["weights"] * gpus_per_node / GIB
                                             if r.sleep_level == 1 else 0.0)},
         sync=_sync_traffic(cfg, a),
+        moe=_moe_summary(cfg, a, experts) if a.is_moe else {},
         hardware=asdict(hw))
     _verdict(plan, cfg, hw, v)
     if not plan.fits:
@@ -244,20 +322,30 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     return plan
 
 
-def _resident_memory(cfg, a: QwenArch, dp: int) -> dict[str, float]:
-    """Bytes per GPU of Megatron's resident state on the heaviest pipeline stage."""
+def _resident_memory(cfg, a: QwenArch, dp: int, edp: int = 1) -> dict[str, float]:
+    """Bytes per GPU of Megatron's resident state on the heaviest pipeline stage. A MoE model's
+    expert parameters keep their Adam state sharded over the expert-data-parallel group
+    (``edp``), the others over DP."""
     m, par = cfg.model, cfg.parallel
     wbytes = 4 if m.dtype == "fp32" else 2
-    p_rank = max(stage_params(a, par.tp, par.pp, k, m.vocab_multiple) for k in range(par.pp))
-    linear_rank = (a.num_layers // par.pp) * linear_weights(a) // par.tp  # FP8 copies weights, not biases
-    opt_bytes = (12 if wbytes == 2 else 8) / (dp if cfg.optim.use_distributed_optimizer else 1)
-    return {
-        "weights": p_rank * wbytes,
-        "gradients": p_rank * 4,
-        "optimizer": p_rank * opt_bytes,
-        "fp8 weight copies": linear_rank * 2 if m.fp8 else 0,
-        "reference model": p_rank * wbytes if cfg.loss.kl_coef > 0 else 0,
-    }
+    opt_bytes = 12 if wbytes == 2 else 8
+    shard = cfg.optim.use_distributed_optimizer
+
+    def stage(k: int) -> dict[str, float]:
+        dense, experts = stage_param_split(a, par.tp, par.pp, k, m.vocab_multiple, ep=par.ep, etp=par.etp)
+        # FP8 copies linear weights (attention, MLP, experts), not biases, norms or the router
+        linear = sum(attention_weights(a) // par.tp + (
+            expert_params(a, par.ep, par.tp if par.etp is None else par.etp) if a.is_moe_layer(i)
+            else mlp_weights(a, a.intermediate_size) // par.tp) for i in plan_moe.stage_layers(a, par.pp, k))
+        return {
+            "weights": (dense + experts) * wbytes,
+            "gradients": (dense + experts) * 4,
+            "optimizer": dense * opt_bytes / (dp if shard else 1) + experts * opt_bytes / (edp if shard else 1),
+            "fp8 weight copies": linear * 2 if m.fp8 else 0,
+            "reference model": (dense + experts) * wbytes if cfg.loss.kl_coef > 0 else 0,
+        }
+
+    return max((stage(k) for k in range(par.pp)), key=lambda x: sum(x.values()))
 
 
 def _activation_memory(cfg, a: QwenArch, *, s: int, dp: int, samples: int,
@@ -269,22 +357,40 @@ def _activation_memory(cfg, a: QwenArch, *, s: int, dp: int, samples: int,
     # rows of a full-length micro-batch: token budgets (and packing) hold micro_batch_tokens tokens
     mbs = (cfg.micro_batch_tokens / s if cfg.train.batching != "padded" else cfg.train.micro_batch_size)
     flash = m.spec in ("te", "auto")  # auto resolves to TE on a CUDA machine that has it
+    etp = tp if par.etp is None else par.etp
     update = update_activation_bytes(a, s=s, b=mbs, tp=tp, pp=pp, sp=sp, flash=flash,
-                                     recompute=m.recompute, microbatches=microbatches)
+                                     recompute=m.recompute, microbatches=microbatches, etp=etp)
     update += logits_bytes(a, s, mbs, tp, m.vocab_multiple)
-    forward = _layer_act_bytes(a, s, mbs, tp, sp, flash) + logits_bytes(a, s, mbs, tp, m.vocab_multiple)
+    forward = _one_layer_act_bytes(a, s, mbs, tp, sp, flash, etp) + logits_bytes(a, s, mbs, tp, m.vocab_multiple)
     attr = 0.0
     # attribution micro-batches of full-length rows: a token budget holds budget / s of them
     budgeted = at.batching == "token_budget"
     seqs = at.max_tokens_per_micro_batch / s if budgeted else at.micro_batch_size
     copies = at.max_tokens_per_copy_micro_batch / s if budgeted else at.perturb_micro_batch_size
     if cfg.uses_attribution and at.method in ("oar_g", "oar_p_screened"):
-        attr = (_layer_act_bytes(a, s, seqs, tp, sp, flash)
-                * (a.num_layers // pp) * min(pp, max(1, math.ceil(samples / (seqs * dp))))
+        attr = (_stage_act_bytes(a, s, seqs, tp, pp, sp, flash, etp)
+                * min(pp, max(1, math.ceil(samples / (seqs * dp))))
                 + 4.0 * s * seqs * a.hidden_size)
     if cfg.uses_attribution and at.method in ("oar_p", "oar_p_screened"):  # screened: the larger
-        attr = max(attr, _layer_act_bytes(a, s, copies, tp, sp, flash))
+        attr = max(attr, _one_layer_act_bytes(a, s, copies, tp, sp, flash, etp))
     return {"update": update, "old-logprob": forward, "attribution": attr}
+
+
+def _moe_summary(cfg, a: QwenArch, experts: dict) -> dict:
+    """A MoE model's experts, their layout and memory per rank (the heaviest stage), and the
+    alltoall dispatcher's traffic."""
+    m, par = cfg.model, cfg.parallel
+    wbytes = 4 if m.dtype == "fp32" else 2
+    split = max((stage_param_split(a, par.tp, par.pp, k, m.vocab_multiple, ep=par.ep, etp=par.etp)
+                 for k in range(par.pp)), key=sum)
+    opt = (12 if wbytes == 2 else 8) / (experts["edp"] if cfg.optim.use_distributed_optimizer else 1)
+    return {**experts, "num_experts": a.num_experts, "topk": a.moe_topk,
+            "moe_layers_per_stage": max(plan_moe.moe_layers_in_stage(a, par.pp, k) for k in range(par.pp)),
+            "dense_params_per_rank_b": split[0] / 1e9, "expert_params_per_rank_b": split[1] / 1e9,
+            "expert_state_gib_per_rank": split[1] * (wbytes + 4 + opt) / GIB,
+            "dispatcher_kib_per_token_layer": {
+                k: v / 1024 for k, v in plan_moe.dispatcher_bytes_per_token(
+                    a, experts["ep"], experts["etp"], wbytes).items()}}
 
 
 def _vllm_memory(cfg, a: QwenArch, hw: Hardware, *, world: int, samples: int) -> dict[str, float]:
@@ -311,8 +417,13 @@ def _sync_traffic(cfg, a: QwenArch) -> dict:
     wbytes = 4 if cfg.model.dtype == "fp32" else 2
 
     def worst(shards: bool) -> dict:
-        stages = sync_traffic(a, tp=par.tp, pp=par.pp, dtype_bytes=wbytes, shards=shards,
-                              vocab_multiple=cfg.model.vocab_multiple)
+        if a.is_moe:  # sync_traffic counts dense MLPs; the experts' bytes are counted here
+            stages = plan_moe.moe_sync_traffic(
+                a, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.tp if par.etp is None else par.etp,
+                dtype_bytes=wbytes, shards=shards, vocab_multiple=cfg.model.vocab_multiple)
+        else:
+            stages = sync_traffic(a, tp=par.tp, pp=par.pp, dtype_bytes=wbytes, shards=shards,
+                                  vocab_multiple=cfg.model.vocab_multiple)
         return {k: v / GIB for k, v in max(stages, key=lambda x: x["total"]).items()}
 
     shards = r.sync_shards and par.tp == r.tp > 1
@@ -371,7 +482,8 @@ def _advice(plan, cfg, mem, act_update, act_attr) -> list[str]:
         tips.append("a smaller rollout.gpu_memory_utilization (if the KV cache still holds a "
                     "sequence)")
     if mem["optimizer"] + mem["gradients"] > 0.3 * plan.hardware["gpu_mem_gib"] * GIB:
-        tips.append("more model parallelism (parallel.tp / parallel.pp) or more nodes")
+        tips.append("more model parallelism (parallel.tp / parallel.pp"
+                    + (" / parallel.ep" if plan.moe else "") + ") or more nodes")
     return tips
 
 
@@ -407,6 +519,10 @@ def _estimate_time(plan: Plan, cfg, a: QwenArch, hw: Hardware, *, world, samples
     prefill = seqs * prompt * fwd_token / (rtp * hw.peak_tflops * 1e12 * hw.mfu)
     waves = math.ceil(seqs / concurrent)
     ctx = prompt + resp / 2
+    if a.is_moe:  # a decode step reads the experts its tokens are routed to, not all of them
+        moe_layers = sum(a.is_moe_layer(i) for i in range(a.num_layers))
+        experts = moe_layers * expert_params(a) / total_params(a)  # their share of the weights
+        vllm_weights *= 1 - experts + experts * plan_moe.experts_read_fraction(a, concurrent)
     step_bytes = vllm_weights + concurrent * ctx * kv_per_token
     step_flop = concurrent * (2 * n_mm + 4 * a.num_layers * a.num_heads * a.head_dim * ctx) / rtp
     per_step = max(step_bytes / (hw.hbm_tb_s * 1e12 * hw.bandwidth_eff),
@@ -421,10 +537,13 @@ def _estimate_time(plan: Plan, cfg, a: QwenArch, hw: Hardware, *, world, samples
 # ------------------------------------------------------------------------------ output
 
 def render(plan: Plan, name: str) -> str:
-    L, v = plan.layout, plan.vllm
-    lines = [f"# plan: {name} ({plan.params_b:.2f}B parameters, {plan.source})",
+    L, v, moe = plan.layout, plan.vllm, plan.moe
+    active = f", {plan.active_params_b:.2f}B active" if moe else ""
+    experts = f", EP {L['ep']} x ETP {L['etp']} (expert DP {L['edp']})" if moe else ""
+    lines = [f"# plan: {name} ({plan.params_b:.2f}B parameters{active}, {plan.source})",
              f"{L['nodes']} node(s), {L['gpus']} GPUs of {plan.hardware['gpu_mem_gib']:g} GiB; "
-             f"TP {L['tp']} x PP {L['pp']} x DP {L['dp']}, SP {'on' if L['sequence_parallel'] else 'off'}, "
+             f"TP {L['tp']} x PP {L['pp']} x DP {L['dp']}{experts}, "
+             f"SP {'on' if L['sequence_parallel'] else 'off'}, "
              f"recompute {L['recompute'] or 'none'}, FP8 {L['fp8'] or 'off'}; vLLM TP {L['rollout_tp']} "
              f"({L['engines']} engines); sequences of {L['seq_len']} tokens, "
              f"{L['micro_batches_per_rank']} micro-batches per rank per optimizer step", "",
@@ -441,8 +560,10 @@ def render(plan: Plan, name: str) -> str:
               f"vLLM: KV cache {v['kv_tokens']:,} tokens per engine, {v['concurrent_sequences']} of "
               f"{v['sequences_per_engine']} sequences at once; host memory for sleeping weights "
               f"{v['host_offload_gib_per_node']:.0f} GiB per node", "",
-              sync_line(plan.sync), "",
-              "| phase | PFLOP | s |", "|---|---:|---:|"]
+              sync_line(plan.sync), ""]
+    if moe:
+        lines += moe_lines(moe) + [""]
+    lines += ["| phase | PFLOP | s |", "|---|---:|---:|"]
     lines += [f"| {k} | {plan.flops.get(k, 0):.1f} | {sec:.1f} |"
               for k, sec in plan.time_s.items() if k != "total"]
     lines += [f"| **step** | {sum(plan.flops.values()):.1f} | **{plan.time_s['total']:.1f}** |", "",
@@ -461,15 +582,31 @@ def sync_line(sync: dict) -> str:
     """``weight sync: X GiB received per rank per step (of which TP gather ..., PP ...)``."""
     line = (f"weight sync: {sync['total']:.2f} GiB received per rank per step (of which TP gather "
             f"{sync['tp_gather']:.2f}, PP broadcast {sync['pp_broadcast']:.2f})")
+    if "ep_gather" in sync:
+        line = line[:-1] + f", EP gather {sync['ep_gather']:.2f})"
     if sync["shards"]:
         line += f", as shards; full tensors would be {sync['full_tensors_gib']:.2f} GiB"
     return line
 
 
+def moe_lines(moe: dict) -> list[str]:
+    """A MoE plan's experts per rank and its dispatcher traffic, two lines."""
+    d = moe["dispatcher_kib_per_token_layer"]
+    return [f"MoE: {moe['num_experts']} experts, {moe['topk']} per token, "
+            f"{moe['moe_layers_per_stage']} MoE layers per pipeline stage; per GPU "
+            f"{moe['dense_params_per_rank_b']:.2f}B dense + {moe['expert_params_per_rank_b']:.2f}B expert "
+            f"parameters ({moe['experts_per_rank']} experts per MoE layer per EP rank), the experts' "
+            f"weights + gradients + Adam {moe['expert_state_gib_per_rank']:.2f} GiB",
+            f"dispatcher (alltoall, uniform routing): {d['total']:.1f} KiB received per rank per token "
+            f"per MoE layer in a forward (all-to-all {d['all_to_all']:.1f}, ETP all-gather "
+            f"{d['etp_gather']:.1f}); a backward moves as much again"]
+
+
 def summary_row(name: str, plan: Plan) -> str:
     L = plan.layout
     model_states = plan.memory_gib['weights'] + plan.memory_gib['gradients'] + plan.memory_gib['optimizer']
-    return (f"| {name} | {L['nodes']}x{L['gpus'] // L['nodes']} | {L['tp']}/{L['pp']}/{L['dp']} | "
+    experts = f", EP {L['ep']}" if plan.moe else ""
+    return (f"| {name} | {L['nodes']}x{L['gpus'] // L['nodes']} | {L['tp']}/{L['pp']}/{L['dp']}{experts} | "
             f"{L['rollout_tp']} | {model_states:.1f} | "
             f"{plan.rollout_peak_gib:.1f} | {plan.train_peak_gib:.1f} | "
             f"{plan.vllm['kv_tokens'] // 1000}k | {plan.time_s['total']:.0f} | "
@@ -492,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, help="default: the config's launch.nodes")
     p.add_argument("--gpus-per-node", type=int, help="default: launch.gpus_per_node")
     p.add_argument("--gpu-mem-gib", type=float, help="default: launch.gpu_mem_gib")
-    p.add_argument("--arch", help="a Qwen2.5 preset when model.path has no config.json here")
+    p.add_argument("--arch", help="a preset (models/presets.py: Qwen2.5, Qwen3, Qwen3-MoE) when "
+                   "model.path has no config.json here")
     p.add_argument("--mfu", type=float, default=Hardware.mfu)
     p.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops)
     p.add_argument("--hbm-tb-s", type=float, default=Hardware.hbm_tb_s)

@@ -118,24 +118,18 @@ def resolve_spec(opts: ModelOptions) -> str:
 def check_spec_features(opts: ModelOptions, spec: str) -> None:
     """Raises naming the keys when the resolved layer ``spec`` cannot serve the options.
 
-    Sequence parallelism and FP8 need the Transformer Engine spec: megatron's local spec builds
-    its RMSNorm as ``WrappedTorchNorm``, which asserts ``not config.sequence_parallel``, and FP8
-    autocast only covers TE modules.
+    FP8 needs the Transformer Engine spec: FP8 autocast only covers TE modules. Sequence
+    parallelism runs under either spec (the local spec's norm is
+    :class:`~megatron_oar.models.local_norm.TorchRMSNorm`, which megatron's SP path accepts).
     """
-    if spec == "te":
+    if spec == "te" or not opts.fp8:
         return
     got = f"model.spec={opts.spec!r}"
     if opts.spec == "auto":
         got += (f", which resolves to {spec!r} on this machine (no CUDA or no transformer-engine; "
                 "model.spec=te asks for it explicitly)")
-    if opts.fp8:
-        raise ModelConfigError(f"model.fp8={opts.fp8!r} needs model.spec=te (Transformer Engine); "
-                               f"got {got}")
-    if opts.sequence_parallel:
-        raise ModelConfigError(
-            f"parallel.sequence_parallel=true needs model.spec=te (Transformer Engine): megatron's "
-            f"local-spec norm (WrappedTorchNorm) does not support sequence parallelism; got {got}. "
-            "Set parallel.sequence_parallel=false to train with the local spec")
+    raise ModelConfigError(f"model.fp8={opts.fp8!r} needs model.spec=te (Transformer Engine); "
+                           f"got {got}")
 
 
 # MXFP8 (block-scaled FP8 with E8M0 scales) runs on the tensor cores of Blackwell (sm_100) and
@@ -205,8 +199,7 @@ def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
             raise ModelConfigError(
                 f"parallel.tp={tp} with a mixture-of-experts model needs "
                 "parallel.sequence_parallel=true (megatron's MoE layer refuses tensor parallelism "
-                "without sequence parallelism in training), and with it model.spec=te (GPU); on "
-                "CPU split the experts with parallel.ep at parallel.tp=1")
+                "without sequence parallelism in training)")
         kwargs.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp,
                       moe_token_dispatcher_type=resolve_moe_dispatcher(opts),
                       # TE spec: TEGroupedMLP (grouped GEMM); local spec: SequentialMLP
@@ -321,11 +314,12 @@ def _layer_spec(spec: str, qk_layernorm: bool, num_experts: int | None = None,
             num_experts=num_experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=qk_layernorm)
         norm = TENorm
     else:
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        from megatron_oar.models.local_norm import TorchRMSNorm
 
         layer = specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=grouped_gemm,
                                                qk_layernorm=qk_layernorm, normalization="RMSNorm")
-        norm = WrappedTorchNorm
+        norm = TorchRMSNorm  # megatron's WrappedTorchNorm, but usable with sequence parallelism
+        layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
     if qk_layernorm:
         attn = layer.submodules.self_attention.submodules
         attn.q_layernorm = attn.k_layernorm = norm

@@ -13,10 +13,13 @@ layer has and their HF names is the architecture's family
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from megatron_oar.models.arch import QwenArch
 from megatron_oar.models.families import family_of
+from megatron_oar.models.families.qwen3_moe import expert_name, parse_expert_name
 from megatron_oar.models.gpt_layout import (  # noqa: F401  (re-exported names)
     CHECKPOINT_SPEC,
     FC1_W,
@@ -78,16 +81,73 @@ def hf_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def checkpoint_shapes(arch: QwenArch, padded_vocab: int) -> dict[str, tuple[int, ...]]:
-    """Global shapes of the torch_dist checkpoint's tensors (layer-stacked on axis 0)."""
+# A MoE layer's experts in a torch_dist checkpoint, as megatron-core's own experts write them
+# (``SequentialMLP.sharded_state_dict``, and ``TEGroupedMLP``'s, interchangeably): one tensor per
+# projection with an axis of *global* expert ids after the layer axis. A model at EP > 1 maps its
+# local experts onto it (``ep_rank * num_local_experts + local``), so one checkpoint loads at any EP.
+CKPT_EXPERTS = "mlp.experts.experts.{fc}.weight"
+
+
+@dataclass(frozen=True)
+class CheckpointTensor:
+    """One tensor of the torch_dist checkpoint: its key and global shape, and where its data comes
+    from. ``layers``: the decoder layers it holds (empty: embedding, final norm, output layer);
+    ``stacked``: axis 0 is the layer number (megatron stacks homogeneous layers; with MoE and dense
+    layers mixed each layer has keys of its own, ``decoder.layers.{i}.``); ``rel``: the layer-
+    relative megatron name (TE spec); ``expert_fc``: an experts tensor (``rel`` is
+    ``CKPT_EXPERTS``), whose next axis is the global expert id."""
+
+    key: str
+    shape: tuple[int, ...]
+    layers: tuple[int, ...] = ()
+    stacked: bool = False
+    rel: str = ""
+    expert_fc: str | None = None
+
+    def layer_name(self, expert: int | None = None) -> str:
+        """The layer-relative megatron name (TE spec) of this tensor, or of one of its experts."""
+        if self.expert_fc is None:
+            return self.rel
+        return expert_name(CHECKPOINT_SPEC, expert, self.expert_fc)
+
+
+def homogeneous_layers(arch: QwenArch) -> bool:
+    """megatron's ``TransformerBlock.sharded_state_dict`` rule: layers stack on one axis unless
+    ``moe_layer_freq`` is a list or an int > 1 (MoE and dense layers mixed)."""
+    freq = family_of(arch).megatron_config(arch).get("moe_layer_freq", 1)
+    return isinstance(freq, int) and freq <= 1
+
+
+def checkpoint_layout(arch: QwenArch, padded_vocab: int) -> dict[str, CheckpointTensor]:
+    """Every tensor of the torch_dist checkpoint (what the converter writes and megatron's
+    ``model.sharded_state_dict()`` saves, at any TP/PP/EP), by key."""
     h, L = arch.hidden_size, arch.num_layers
-    layer = family_of(arch).layer_shapes(arch)
-    shapes = {MC_LAYER_PREFIX + k: (L, *v) for k, v in layer.items()}
-    shapes[MC_EMBED] = (padded_vocab, h)
-    shapes[MC_NORM] = (h,)
+    family = family_of(arch)
+    stacked = homogeneous_layers(arch)
+    out = {MC_EMBED: CheckpointTensor(MC_EMBED, (padded_vocab, h)),
+           MC_NORM: CheckpointTensor(MC_NORM, (h,))}
     if not arch.tie_word_embeddings:
-        shapes[MC_HEAD] = (padded_vocab, h)
-    return shapes
+        out[MC_HEAD] = CheckpointTensor(MC_HEAD, (padded_vocab, h))
+    for i in range(1 if stacked else L):
+        per_layer: dict[str, tuple[tuple[int, ...], str | None]] = {}
+        for name, shape in family.layer_shapes_at(arch, i).items():
+            parsed = parse_expert_name(name)
+            if parsed is None:
+                per_layer[name] = (shape, None)
+            elif parsed[1] == 0:
+                per_layer[CKPT_EXPERTS.format(fc=parsed[2])] = ((arch.num_experts, *shape), parsed[2])
+        for rel, (shape, fc) in per_layer.items():
+            if stacked:
+                key, layers, shape = MC_LAYER_PREFIX + rel, tuple(range(L)), (L, *shape)
+            else:
+                key, layers = f"{MC_LAYER_PREFIX}{i}.{rel}", (i,)
+            out[key] = CheckpointTensor(key, shape, layers, stacked, rel, fc)
+    return out
+
+
+def checkpoint_shapes(arch: QwenArch, padded_vocab: int) -> dict[str, tuple[int, ...]]:
+    """Global shapes of the torch_dist checkpoint's tensors (:func:`checkpoint_layout`)."""
+    return {k: t.shape for k, t in checkpoint_layout(arch, padded_vocab).items()}
 
 
 def hf_to_mcore_layer_tensor(get: Getter, arch: QwenArch, i: int, name: str,

@@ -4,7 +4,7 @@ Directory layout written by the converter (and, for the model part, the trainer)
 
     CKPT/
       oar_checkpoint.json   format version, dtype, vocab sizes, layout it was written at
-      model/                megatron-core torch_dist checkpoint; reloads at any TP/PP
+      model/                megatron-core torch_dist checkpoint; reloads at any TP/PP (and EP)
       hf/                   config.json, generation config and tokenizer files, for export
 
 Saves go to ``CKPT.tmp`` and are renamed into place once complete, so a crash never
@@ -43,6 +43,8 @@ class CheckpointMeta:
     vocab_multiple: int = 128
     written_tp: int = 1
     written_pp: int = 1
+    written_ep: int = 1  # a MoE model's expert parallelism (the checkpoint loads at any EP)
+    written_etp: int | None = None  # its expert TP (None: the TP)
     format_version: int = FORMAT_VERSION
 
     def write(self, ckpt_dir: Path) -> None:
@@ -145,7 +147,8 @@ def copy_hf_side_files(src: str | Path, dst: Path) -> None:
 
 
 def load_model(model, ckpt_dir: str | Path) -> CheckpointMeta:
-    """Collective: loads this rank's shards of ``model`` from ``ckpt_dir`` (any TP/PP)."""
+    """Collective: loads this rank's shards of ``model`` from ``ckpt_dir`` (any TP/PP/EP: megatron
+    maps a MoE layer's local experts onto the checkpoint's global expert ids)."""
     from megatron.core import dist_checkpointing
 
     meta = CheckpointMeta.read(ckpt_dir)

