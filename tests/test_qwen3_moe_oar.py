@@ -11,8 +11,8 @@ Tiny random Qwen3-MoE (2 layers, both MoE, 4 experts, top-2, ``norm_topk_prob``;
 0.3 as in tests/test_attribution.py, routers std 0.2), HF weights loaded into each rank's shard
 (``tests/test_qwen3_moe._load_hf``). Slow: one pooled world of 2 gloo ranks runs EP1 (as DP2)
 and EP2, both ranks scoring the same batch (megatron's allgather dispatcher gathers over the EP
-ranks, which then hold equal shapes); measured 14 s on the shared 2 cores at load 8, plus the
-transformers reference (under 1 s).
+ranks, which then hold equal shapes); measured 6 s on the shared 2 cores at load 4 (14 s at
+load 8) in a warm world, plus the transformers reference (about 1 s).
 """
 
 from __future__ import annotations
