@@ -38,6 +38,7 @@ from megatron_oar.methods import ATTRIBUTION_METHODS, CREDIT_METHODS, shaping_sc
 from megatron_oar.models import DTYPES, ModelConfigError, ModelOptions, check_layout, parse_arch
 from megatron_oar.models.builder import (
     MOE_DISPATCHERS,
+    ROUTING_REPLAY_MODES,
     check_fp8_recipe_device,
     check_spec_features,
     resolve_spec,
@@ -52,7 +53,8 @@ log = logging.getLogger(__name__)
 
 # copy -> the one key it is copied from (Config.sync); YAML and overrides may set only the latter
 DERIVED = {"model.sequence_parallel": "parallel.sequence_parallel", "shaping.scheme": "credit",
-           "attribution.method": "credit", "rollout.n": "train.group_size"}
+           "attribution.method": "credit", "rollout.n": "train.group_size",
+           "rollout.return_routed_experts": "model.routing_replay"}
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 # train.max_tokens_per_micro_batch=null: this many rows of the longest possible length
 # (data.max_prompt_tokens + rollout.max_new_tokens), the padded path's default micro-batch
@@ -271,6 +273,7 @@ class Config:
         if method is not None:
             self.attribution.method = method
         self.rollout.n = self.train.group_size
+        self.rollout.return_routed_experts = self.model.routing_replay == "rollout"
 
     @property
     def uses_attribution(self) -> bool:
@@ -467,6 +470,11 @@ def _check_model_and_layout(cfg: Config, world_size: int | None) -> int:
     _one_of("model.fp8_recipe", m.fp8_recipe, FP8_RECIPES)
     _one_of("model.recompute", m.recompute, (None, "selective", "full"))
     _one_of("model.moe_dispatcher", m.moe_dispatcher, MOE_DISPATCHERS)
+    _one_of("model.routing_replay", m.routing_replay, ROUTING_REPLAY_MODES)
+    _need(m.routing_replay == "none" or m.recompute != "full",
+          f"model.routing_replay={m.routing_replay!r} with model.recompute='full': the recomputed "
+          "forward in the backward would route again (megatron-core 0.16 sets no replay action for "
+          "it); use model.recompute=selective or null")
     _at_least(cfg, "model.vocab_multiple parallel.tp parallel.pp parallel.ep")
     _need(p.etp is None or p.etp >= 1, f"parallel.etp={p.etp}: must be >= 1 (or null: parallel.tp)")
     _need(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel needs parallel.tp > 1")
@@ -564,6 +572,9 @@ def _check_model_shape(cfg: Config, hf_config: dict) -> None:
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
     _check_vllm_tp(arch, r.tp)
+    _need(m.routing_replay == "none" or arch.is_moe,
+          f"model.routing_replay={m.routing_replay!r} needs a mixture-of-experts model; "
+          f"{m.path or 'model'}/config.json is a dense {arch.family} model")
     _need(r.max_model_len <= arch.max_position_embeddings,
           f"rollout.max_model_len={r.max_model_len} exceeds the model's "
           f"max_position_embeddings={arch.max_position_embeddings}")

@@ -38,9 +38,13 @@ class ModelOptions:
     # (auto: alltoall on CUDA, allgather on CPU, where alltoall's CUDA streams do not exist)
     moe_dispatcher: str = "auto"
     freeze_router: bool = False  # MoE: the routers' weights get no gradient (not trained)
+    # MoE: none | training | rollout (training/routing_replay.py); not none: megatron's routers
+    # get their RouterReplay (moe_enable_routing_replay)
+    routing_replay: str = "none"
 
 
 MOE_DISPATCHERS = ("auto", "alltoall", "allgather")
+ROUTING_REPLAY_MODES = ("none", "training", "rollout")  # model.routing_replay
 
 
 def check_layout(arch: QwenArch, tp: int, pp: int, vocab_multiple: int = 128,
@@ -200,7 +204,8 @@ def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
                       moe_token_dispatcher_type=resolve_moe_dispatcher(opts),
                       # TE spec: TEGroupedMLP (grouped GEMM); local spec: SequentialMLP
                       moe_grouped_gemm=spec == "te",
-                      moe_permute_fusion=False, moe_router_fusion=False)
+                      moe_permute_fusion=False, moe_router_fusion=False,
+                      moe_enable_routing_replay=opts.routing_replay != "none")
     elif opts.moe_dispatcher not in MOE_DISPATCHERS:
         resolve_moe_dispatcher(opts)  # the same error for a dense model
     return TransformerConfig(

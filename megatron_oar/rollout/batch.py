@@ -22,6 +22,7 @@ class Completion:
     finish_reason: str
     stop_reason: int | str | None
     text: str
+    routed_experts: object = None  # vLLM's [tokens, layers, k] array (rollout.return_routed_experts)
 
 
 @dataclass
@@ -50,6 +51,9 @@ class RolloutBatch:
     logprobs_mode: str
     gen_seconds: float = 0.0
     meta: dict = field(default_factory=dict)
+    # per prompt and completion, vLLM's routed experts [prompt + response - 1, layers, k]
+    # (numpy; rollout.return_routed_experts, MoE models), else None
+    routed_experts: list[list] | None = None
 
     def __post_init__(self) -> None:
         p = len(self.prompt_ids)
@@ -84,7 +88,8 @@ class RolloutBatch:
 
     def completion(self, i: int, j: int) -> Completion:
         return Completion(i, j, self.prompt_ids[i], self.response_ids[i][j], self.logprobs[i][j],
-                          self.finish_reasons[i][j], self.stop_reasons[i][j], self.texts[i][j])
+                          self.finish_reasons[i][j], self.stop_reasons[i][j], self.texts[i][j],
+                          None if self.routed_experts is None else self.routed_experts[i][j])
 
     def completions(self) -> Iterator[Completion]:
         """Every completion, prompt-major: flat index ``i * n + j``."""
@@ -152,4 +157,6 @@ class RolloutBatch:
             logprobs_mode=first.logprobs_mode,
             gen_seconds=max(b.gen_seconds for b in batches),
             meta={"parts": [len(b.prompt_ids) for b in batches]},
+            routed_experts=None if all(b.routed_experts is None for b in batches) else [
+                x for b in batches for x in (b.routed_experts or [[None] * b.n] * len(b.prompt_ids))],
         )

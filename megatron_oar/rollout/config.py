@@ -83,6 +83,9 @@ class RolloutConfig:
     sleep_level: int = 2
     max_logprob_mismatch: float | None = 0.5  # nats per response token, mean over the step; null: off
     logprobs_mode: str = "raw_logprobs"
+    # vLLM returns each sequence's routed experts (MoE; needs its V2 GPU model runner); derived
+    # from model.routing_replay=rollout
+    return_routed_experts: bool = False
     # sampling defaults
     n: int = 1
     temperature: float = 1.0

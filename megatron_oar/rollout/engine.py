@@ -248,6 +248,13 @@ class RolloutEngine:
             from megatron_oar.rollout.vllm_patches import patch_cpu_moe_reload
 
             patch_cpu_moe_reload()
+        if cfg.return_routed_experts:  # model.routing_replay=rollout
+            if not torch.cuda.is_available() or "enable_return_routed_experts" not in EngineArgs.__dataclass_fields__:
+                raise RuntimeError("model.routing_replay=rollout needs vLLM's routed experts "
+                                   "(enable_return_routed_experts, its V2 GPU model runner): this "
+                                   f"vLLM {getattr(vllm, '__version__', '?')} on "
+                                   f"{'CUDA' if torch.cuda.is_available() else 'CPU'} has none")
+            kwargs["enable_return_routed_experts"] = True
         with _preserve_process_state():
             llm = LLM(**kwargs)
         reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
@@ -626,7 +633,7 @@ def _completions(prompts: list[list[int]], outputs, n: int) -> dict[str, list]:
     if len(outputs) != len(prompts):
         raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
     out: dict[str, list] = {k: [] for k in ("response_ids", "logprobs", "finish_reasons",
-                                            "stop_reasons", "texts")}
+                                            "stop_reasons", "texts", "routed_experts")}
     for i, (prompt, result) in enumerate(zip(prompts, outputs)):
         if list(result.prompt_token_ids) != prompt:
             raise RuntimeError(f"vLLM output {i} belongs to another prompt")
@@ -639,4 +646,8 @@ def _completions(prompts: list[list[int]], outputs, n: int) -> dict[str, list]:
         out["finish_reasons"].append([str(c.finish_reason) for c in comps])
         out["stop_reasons"].append([c.stop_reason for c in comps])
         out["texts"].append([c.text for c in comps])
+        # [prompt + response - 1, layers, k] (rollout.return_routed_experts), else None
+        out["routed_experts"].append([getattr(c, "routed_experts", None) for c in comps])
+    if all(r is None for group in out["routed_experts"] for r in group):
+        out["routed_experts"] = None
     return out

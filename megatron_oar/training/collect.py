@@ -48,6 +48,7 @@ class Sample:
     accuracy: float = 0.0
     format: float = 0.0
     status: str = ""
+    routed_experts: object = None  # vLLM's [tokens, layers, k] (model.routing_replay=rollout)
 
 
 @dataclass
@@ -75,7 +76,8 @@ def generate_samples(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, 
     out = []
     for c in batch.completions():
         out.append(Sample(c.prompt_ids, c.response_ids, c.logprobs, c.finish_reason, c.text,
-                          prompts[c.prompt_index].answer, c.prompt_index))
+                          prompts[c.prompt_index].answer, c.prompt_index,
+                          routed_experts=c.routed_experts))
     return out
 
 

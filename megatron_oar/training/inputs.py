@@ -48,6 +48,9 @@ class TrainBatch(SequenceBatch):
     entropy: torch.Tensor | None = None       # [B, L]
     ref_logprobs: torch.Tensor | None = None  # [B, L] reference policy (loss.kl_coef > 0)
     advantages: torch.Tensor | None = None    # [B, L] token advantages (credit assignment)
+    # [B, L, n, k] top-k experts per token of this pipeline stage's n MoE layers, -1 where none
+    # (model.routing_replay: recorded by the old-logprob pass, or vLLM's; training.routing_replay)
+    routed_experts: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor | list[int]) -> TrainBatch:
         """The rows ``rows`` of every per-sequence tensor, trimmed to their longest sequence."""
@@ -58,7 +61,7 @@ class TrainBatch(SequenceBatch):
             t = getattr(self, f.name)
             if t is not None:
                 t = t[rows.to(t.device)]
-                out[f.name] = t[:, :length] if t.dim() == 2 else t
+                out[f.name] = t[:, :length] if t.dim() >= 2 else t
         return TrainBatch(**out)
 
 

@@ -17,6 +17,11 @@ parallelism, FP8) and trim the logits back before anything reads them; with ``ba
 each micro-batch runs as one THD sequence and the logits are unpacked to its rows instead
 (``models.forward.MicroInput``), so everything after the model is the same as ``token_budget``.
 
+On a MoE model ``routing`` (a :class:`~megatron_oar.training.routing_replay.RoutingLog`) says
+what the passes do with the routing (``model.routing_replay``): the old-logprob pass records it
+(``training``) or replays vLLM's (``rollout``) into ``batch.routed_experts``, the update replays
+that, and both count the routing metrics (``training/routing_replay.py``).
+
 Under FP8 every DP rank runs the same number of micro-batches in the update
 (:func:`equal_micro_batches`): Transformer Engine's delayed scaling all-reduces amax over TP x DP
 at each FP8 autocast exit of a grad-enabled forward and in the backward, so ranks with different
@@ -42,6 +47,7 @@ from megatron_oar.models.micro_batches import micro_batches
 from megatron_oar.models.padding import pad_to, sequence_multiple
 from megatron_oar.models.parallel import broadcast_from_stage, unwrap
 from megatron_oar.training.inputs import TrainBatch
+from megatron_oar.training.routing_replay import RoutingLog, RoutingPass
 
 
 def no_grad_fp8(model, *, trained: bool) -> bool:
@@ -78,22 +84,39 @@ def _shifted(values: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def old_logprob_pass(model, batch: TrainBatch, vocab_size: int, micro_batch_size: int, *,
                      sites: ProbeSites | None = None, batching: str = "padded",
-                     max_tokens: int | None = None,
-                     fp8: bool = True) -> tuple[torch.Tensor, torch.Tensor, ProbeOutput | None]:
+                     max_tokens: int | None = None, fp8: bool = True,
+                     routing: RoutingLog | None = None) -> tuple[torch.Tensor, torch.Tensor, ProbeOutput | None]:
     """``(logprobs [B, L], entropy [B, L], teacher)`` under the current weights, forward only,
     in micro-batches as :func:`update_step` groups them; ``fp8=False`` runs it outside FP8
     autocast on an FP8 model (the trainer: :func:`no_grad_fp8`).
 
     Log-probs and entropies are returned on every pipeline stage (broadcast from the last);
     the teacher (vocab-parallel, ``sites`` order) exists on the last stage only, else None.
+    ``routing``: on a MoE model, the step's routing mode and metrics; with ``training`` this
+    pass sets ``batch.routed_experts`` (its routing), with ``rollout`` it replays them.
     """
     with _precision(model, fp8):
-        return _old_logprobs(model, batch, vocab_size, micro_batch_size, sites, batching, max_tokens)
+        return _old_logprobs(model, batch, vocab_size, micro_batch_size, sites, batching, max_tokens,
+                             routing)
+
+
+def _old_logprob_routing(model, batch: TrainBatch, groups: list[list[int]],
+                         routing: RoutingLog | None) -> RoutingPass | None:
+    if routing is None:
+        return None
+    replay = batch.routed_experts if routing.mode == "rollout" else None
+    if routing.mode == "rollout" and replay is None:
+        raise ValueError("model.routing_replay=rollout: the batch has no routed experts from vLLM")
+    return RoutingPass(model, groups, batch.lengths.tolist(), batch.tokens.shape[1],
+                       record=routing.mode == "training", replay=replay, log=routing,
+                       agree="rollout_old", load=True)
 
 
 def _old_logprobs(model, batch: TrainBatch, vocab_size: int, micro_batch_size: int,
-                  sites: ProbeSites | None, batching: str, max_tokens: int | None):
+                  sites: ProbeSites | None, batching: str, max_tokens: int | None,
+                  routing: RoutingLog | None = None):
     groups = _groups(model, batch, micro_batch_size, batching, max_tokens)
+    route = _old_logprob_routing(model, batch, groups, routing)
     picked: list[tuple[torch.Tensor, torch.Tensor]] = []  # (site indices, their logits)
     counter = [0]
 
@@ -110,7 +133,10 @@ def _old_logprobs(model, batch: TrainBatch, vocab_size: int, micro_batch_size: i
         ent = vp.entropy(logits[:, :-1], vocab_size)
         return torch.stack([_shifted(lp.float()), _shifted(ent.float())], dim=1)
 
-    out = _run_grouped(model, batch, groups, batching, per_micro)
+    with route or contextlib.nullcontext():
+        out = _run_grouped(model, batch, groups, batching, per_micro)
+    if route is not None and route.record:
+        batch.routed_experts = route.routed
     if out is None:  # not the last pipeline stage
         out = torch.zeros(batch.size, 2, batch.tokens.shape[1], dtype=torch.float32,
                           device=batch.tokens.device)
@@ -193,7 +219,7 @@ def _filler(batch: TrainBatch) -> TrainBatch:
 
 def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_size: int,
                 micro_batch_size: int, *, batching: str = "padded",
-                max_tokens: int | None = None) -> StepResult:
+                max_tokens: int | None = None, routing: RoutingLog | None = None) -> StepResult:
     """One optimizer step on ``batch`` (this DP rank's share of one mini-batch).
 
     Micro-batches as ``models.micro_batches`` groups them (``batching``: ``padded``, rows of
@@ -202,8 +228,9 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
     sequence). The loss is the exact mini-batch loss of Eq. 18
     (token / sequence counts are global over DP), so the grouping and DP change nothing but
     rounding. Under FP8 every DP rank runs as many micro-batches as the one with the most, the
-    others filled with micro-batches that add nothing (:func:`equal_micro_batches`). Collective
-    over the world.
+    others filled with micro-batches that add nothing (:func:`equal_micro_batches`). With
+    ``routing`` in a replay mode the forward (hence the backward) uses ``batch.routed_experts``.
+    Collective over the world.
     """
     model, optimizer = policy.model, policy.optimizer
     multiple = sequence_multiple(model.config)
@@ -213,6 +240,8 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
     dp_group = ps.get_data_parallel_group()
     if equal_micro_batches(model.config):  # TE's amax all-reduces pair up across DP
         agreed = _agreed_count(len(micros), dp_group, batch.tokens.device)
+        filler = [int(batch.lengths.argmin())]
+        groups = groups + [filler] * (agreed - len(micros))
         micros += [_filler(batch) for _ in range(agreed - len(micros))]
     if batching == "padded":
         width = max(m.tokens.shape[1] for m in micros)
@@ -244,9 +273,19 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
 
         return inp(chunk), loss_func
 
+    route = contextlib.nullcontext()
+    if routing is not None and routing.mode != "none":
+        if batch.routed_experts is None:
+            raise ValueError(f"model.routing_replay={routing.mode}: the batch has no routed experts "
+                             "(the old-logprob pass records them, or vLLM returns them)")
+        route = RoutingPass(model, groups, batch.lengths.tolist(), batch.tokens.shape[1],
+                            replay=batch.routed_experts, log=routing,
+                            agree="old_update" if routing.mode == "training" else "rollout_update")
+
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    records = run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=False)
+    with route:
+        records = run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=False)
 
     # megatron's optimizer.step(), split so the non-finite guard sits between gradient
     # preparation and the update. prepare_grads runs once: with fp16 it unscales the gradients

@@ -24,9 +24,11 @@ from megatron_oar.training.inputs import TrainBatch
 def step_metrics(trainer, *, data, batch: TrainBatch, credit, updates: list, attr_stats: dict,
                  attr_work: list[tuple[int, float, int]], mismatch: float, sync_seconds: float,
                  sync_gib_per_rank: float,
-                 lengths: list[int], split, t0: float) -> dict[str, float]:
+                 lengths: list[int], split, t0: float, routing=None) -> dict[str, float]:
     """Every metric of one step of ``trainer`` (a :class:`~megatron_oar.training.trainer.Trainer`)
-    after its update; ``t0``: the step's start (``time.perf_counter()``). Collective over DP."""
+    after its update; ``t0``: the step's start (``time.perf_counter()``); ``routing``: a MoE
+    model's :class:`~megatron_oar.training.routing_replay.RoutingLog` (``routing/*``).
+    Collective over the world."""
     cfg, policy = trainer.cfg, trainer.policy
     forwards = 1 + (trainer.reference is not None) + 3 * cfg.train.ppo_epochs  # update: fwd + bwd
     model_tflop = model_flops(trainer.arch, batch.lengths.tolist(), attr_work, forwards=forwards) / 1e12
@@ -46,6 +48,8 @@ def step_metrics(trainer, *, data, batch: TrainBatch, credit, updates: list, att
     metrics["rollout/sync_gib_per_rank"] = sync_gib_per_rank  # received over TP/PP, the most of any rank
     metrics["perf/dp_token_imbalance"] = token_imbalance(lengths, split)
     metrics["perf/tokens_per_s"] = data.metrics["rollout/gen_tokens"] / (time.perf_counter() - t0)
+    if routing is not None:  # agreement between the passes' routings, expert load per layer
+        metrics.update(routing.metrics(trainer.rt.device))
     return metrics
 
 

@@ -11,6 +11,7 @@ One step (the phases of ``training/phases.py``, one logger phase and console lin
     prompts --rollout (vLLM)--> completions --verify--> rewards;  vLLM sleeps
       --Eq. 2--> A_i
       --old-logprob pass--> log-probs, entropy, probe teacher P0   (one Megatron forward)
+      (MoE, model.routing_replay: it records the routing, or replays vLLM's; the update replays it)
       (vLLM's log-probs must agree with these: rollout.max_logprob_mismatch)
       --attribution (oar_g / oar_p)--> importance I_t              (only rows with A_i != 0)
       --credit (Eqs. 14-17 / random / entropy)--> A_t
@@ -56,6 +57,7 @@ from megatron_oar.training.logger import MetricsLogger
 from megatron_oar.training.policy import build_policy, build_reference, init_checkpoint
 from megatron_oar.training.policy_passes import no_grad_fp8, old_logprob_pass, reference_logprobs, update_step
 from megatron_oar.training.preemption import Preemption, StepDropped
+from megatron_oar.training.routing_replay import RoutingLog, attach_rollout_routing
 from megatron_oar.training.run_context import start_run
 from megatron_oar.training.step_metrics import step_metrics
 from megatron_oar.training.watchdog import PhaseWatchdog
@@ -229,6 +231,10 @@ class Trainer:
                                   device=self.rt.device)
         mbs = cfg.train.micro_batch_size
         vocab = self.arch.vocab_size
+        # MoE: what the passes do with the routing (model.routing_replay), and its metrics
+        routing = RoutingLog(cfg.model.routing_replay) if self.arch.is_moe else None
+        if routing is not None and routing.mode == "rollout":  # vLLM's routing, replayed
+            attach_rollout_routing(self.policy.model, batch, data.samples)
 
         sites = None
         if cfg.uses_attribution:
@@ -238,7 +244,8 @@ class Trainer:
         logprob_fp8 = no_grad_fp8(self.policy.model, trained=self.updated)  # bf16 before the first update
         with self.phase("logprob", n):
             batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(
-                self.policy.model, batch, vocab, mbs, sites=sites, fp8=logprob_fp8, **grouping)
+                self.policy.model, batch, vocab, mbs, sites=sites, fp8=logprob_fp8, routing=routing,
+                **grouping)
             if self.reference is not None:
                 batch.ref_logprobs = reference_logprobs(self.reference, batch, vocab, mbs, **grouping)
         mismatch = check_policy_agreement(batch.rollout_logprobs, batch.old_logprobs, batch.loss_mask,
@@ -260,13 +267,14 @@ class Trainer:
         batch.advantages = credit.advantages
 
         with self.phase("update", n):
-            updates = self.update(batch)
+            updates = self.update(batch, routing)
             self.updated = True  # its forwards ran under FP8 autocast with grad: scales set
 
         return step_metrics(self, data=data, batch=batch, credit=credit, updates=updates,
                             attr_stats=attr_stats, attr_work=attr_work, mismatch=mismatch,
                             sync_seconds=sync.seconds,
-                            sync_gib_per_rank=sync.max_received_bytes / 2**30, lengths=lengths, split=split, t0=t0)
+                            sync_gib_per_rank=sync.max_received_bytes / 2**30, lengths=lengths, split=split, t0=t0,
+                            routing=routing)
 
     def wake_rollout(self, step: int):
         """Collective: vLLM back on the GPU with the current policy (phases.WAKE): its weights
@@ -294,7 +302,7 @@ class Trainer:
             self.engine.sleep()
         return metrics
 
-    def update(self, batch: TrainBatch) -> list:
+    def update(self, batch: TrainBatch, routing: RoutingLog | None = None) -> list:
         """``ppo_epochs`` passes of ``mini_batches`` optimizer steps; the non-finite guard."""
         t = self.cfg.train
         per = batch.size // t.mini_batches
@@ -304,7 +312,7 @@ class Trainer:
                 mini = batch.select(list(range(m * per, (m + 1) * per)))
                 results.append(update_step(self.policy, mini, self.cfg.loss, self.arch.vocab_size,
                                            t.micro_batch_size, batching=t.batching,
-                                           max_tokens=self.cfg.micro_batch_tokens))
+                                           max_tokens=self.cfg.micro_batch_tokens, routing=routing))
         skipped = sum(not r.applied and not r.overflow for r in results)
         self.loss_scale_overflows += sum(r.overflow for r in results)
         self.nonfinite_total += skipped

@@ -1,0 +1,348 @@
+"""Routing replay for mixture-of-experts models (``model.routing_replay``), and the routing metrics.
+
+A MoE policy's log-probs depend on which experts each token is routed to; if the update's
+forward routes a token to other experts than the pass that produced ``old_logprobs`` (or than
+vLLM did while sampling), the PPO ratio compares two different sub-networks. The modes:
+
+* ``none``: every pass routes on its own weights (megatron's default).
+* ``training``: the old-logprob pass records the top-k experts of every (token, MoE layer), and
+  the update's forward replays them (the ratio compares the same experts). Without activation
+  recompute megatron's backward never re-runs the router, so the backward uses the routing the
+  forward used.
+* ``rollout``: vLLM's routed experts (``enable_return_routed_experts``) of every sampled token are
+  replayed in the old-logprob pass and in the update (R3-style: the three passes share one routing).
+
+The mechanism is megatron-core's own: ``TransformerConfig.moe_enable_routing_replay`` gives every
+``TopKRouter`` a ``RouterReplay``, whose ``RECORD`` action keeps the top-k indices the router
+computed and whose ``REPLAY_FORWARD`` action uses given indices instead of its own top-k (the
+routing probabilities are still the router's, gathered at the replayed experts, so gradients
+reach the router). We drive each model's own instances (not the class-wide list, which holds
+every model built in the process) and set their targets per micro-batch from a forward pre-hook.
+
+Routing is stored per batch row and token column, ``routed [B, L, n, k]`` (``n``: this pipeline
+stage's MoE layers, in order; ``-1``: not recorded), so the update may group its micro-batches
+differently from the old-logprob pass (mini-batches, token budgets, packing); each micro-batch's
+router tokens are mapped to (row, column) from the model call's own layout (padded ``[s, b]``
+sequence-first, or THD packed), and under sequence parallelism to this TP rank's contiguous share.
+Tokens without a recorded routing (padding, and vLLM's last sampled token, never fed back to the
+model) get experts ``0..k-1``; no loss, probe or earlier token reads them.
+
+Metrics (:class:`RoutingLog`): the share of top-k choices a pass would make on its own that equal
+the replayed ones (``routing/agree_*``, per (token, layer) the overlap of the two expert sets
+divided by ``k``: slot order is not compared), and the per-layer expert load of the old-logprob
+pass (tokens per expert, max over mean). Attribution passes (OAR-G, OAR-P) never replay: a masked
+copy of a response routes on its own (that is the counterfactual), and OAR-G's gradient runs
+through the router of the sequence as the policy sees it.
+
+Bound: megatron-core 0.16.x, whose ``RouterReplay`` API this module uses (``router_replay.py``
+appeared in 0.16; its methods are development API that may change).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from megatron_oar.models.builder import ROUTING_REPLAY_MODES, moe_layer_pattern
+from megatron_oar.models.parallel import unwrap
+
+# routed [B, L, n, k] on the CPU: 2 bytes per (token, MoE layer, slot), -1 where none (experts
+# must number fewer than 2**15: RoutingPass checks)
+ROUTED_DTYPE = torch.int16
+# RouterReplay's API as read in 0.16.1 (router_replay.py: per-instance set_target_indices,
+# get_recorded_indices, set_router_replay_action; TopKRouter.router_replay): development API
+MEGATRON_CORE_RANGE = ((0, 16), (0, 17))
+
+
+@functools.cache
+def check_megatron_core() -> None:
+    from importlib.metadata import version
+
+    v = tuple(int(x) for x in version("megatron-core").split(".")[:2])
+    lo, hi = MEGATRON_CORE_RANGE
+    if not lo <= v < hi:
+        raise RuntimeError(f"model.routing_replay drives megatron-core's RouterReplay as 0.16 ships it; "
+                           f"megatron-core {version('megatron-core')} is outside the tested range "
+                           f"[{'.'.join(map(str, lo))}, {'.'.join(map(str, hi))})")
+
+
+def moe_routers(model) -> list:
+    """This stage's ``TopKRouter`` modules in layer order."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in unwrap(model).modules() if isinstance(m, TopKRouter)]
+
+
+def stage_moe_layers(model) -> tuple[list[int], list[int], int]:
+    """``(decoder layers, MoE indices, MoE layers in all)`` of this stage's routers: each one's
+    global decoder layer (0-based: what vLLM's routed experts are indexed by) and its index among
+    the model's MoE layers (the metrics')."""
+    pattern = moe_layer_pattern(unwrap(model).config)
+    layers = [r.layer_number - 1 for r in moe_routers(model)]
+    return layers, [sum(pattern[:i]) for i in layers], int(sum(pattern))
+
+
+def router_tokens(args: tuple, kwargs: dict, rows: list[int], lengths: list[int],
+                  tp_rank: int, tp_size: int, sequence_parallel: bool):
+    """``(row, col, valid)`` of each token the routers of one model call see, in their order.
+
+    ``args``/``kwargs``: the call (``input_ids [m, S]``; ``packed_seq_params`` when packed);
+    ``rows``: the batch rows of the micro-batch; ``lengths``: every batch row's real length.
+    """
+    ids = args[0] if args else kwargs["input_ids"]
+    packed = kwargs.get("packed_seq_params")
+    dev = ids.device
+    m, s = ids.shape
+    rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+    lens = torch.tensor(lengths, dtype=torch.long, device=dev)[rows_t]
+    if packed is not None:  # THD: [1, T] -> tokens in order, row k at cu_seqlens_q_padded[k]
+        cu = packed.cu_seqlens_q_padded.to(dev).long()
+        t = torch.arange(s, device=dev)
+        k = torch.searchsorted(cu, t, right=True) - 1
+        row, col = rows_t[k], t - cu[k]
+        valid = col < lens[k]
+    else:  # [m, S] -> [S, m] sequence-first, flattened
+        j = torch.arange(s * m, device=dev)
+        b, col = j % m, j // m
+        row, valid = rows_t[b], col < lens[b]
+    if sequence_parallel and tp_size > 1:  # this rank's contiguous share of the sequence axis
+        n = row.numel() // tp_size
+        sl = slice(tp_rank * n, (tp_rank + 1) * n)
+        row, col, valid = row[sl], col[sl], valid[sl]
+    return row, col, valid
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor, experts: int) -> torch.Tensor:
+    """Per token, how many of the top-k experts ``a [n, k]`` are also in ``b [n, k]``."""
+    ma = torch.zeros(a.shape[0], experts, dtype=torch.bool, device=a.device).scatter(1, a.long(), True)
+    mb = torch.zeros_like(ma).scatter(1, b.long(), True)
+    return (ma & mb).sum(-1)
+
+
+@dataclass
+class RoutingLog:
+    """One step's routing mode and metrics, filled by the passes (``policy_passes``).
+
+    ``agree[name] = (equal choices, choices)`` and ``load [n_moe_layers, experts]`` are this
+    rank's counts; :meth:`metrics` reduces them over the world (collective)."""
+
+    mode: str = "none"
+    agree: dict[str, list[float]] = field(default_factory=dict)
+    load: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROUTING_REPLAY_MODES:
+            raise ValueError(f"model.routing_replay={self.mode!r}; expected one of {list(ROUTING_REPLAY_MODES)}")
+
+    def count_agreement(self, name: str, equal: float, total: float) -> None:
+        box = self.agree.setdefault(name, [0.0, 0.0])
+        box[0] += equal
+        box[1] += total
+
+    def metrics(self, device) -> dict[str, float]:
+        """``routing/agree_<a>_<b>`` (share of top-k choices equal) and ``routing/load_max_mean``
+        (the worst layer) with ``routing/load_max_mean/layer<i>``. Collective over the world."""
+        names = sorted(self.agree)
+        box = [names, None if self.load is None else tuple(self.load.shape)]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:  # pipeline stages without MoE layers hold no load
+            boxes = [None] * world
+            dist.all_gather_object(boxes, box)
+            names = sorted({n for b in boxes for n in b[0]})
+            shape = next((b[1] for b in boxes if b[1] is not None), None)
+        else:
+            shape = box[1]
+        counts = torch.tensor([self.agree.get(n, [0.0, 0.0]) for n in names] or [[0.0, 0.0]],
+                              dtype=torch.float64, device=device)
+        load = torch.zeros(shape or (0,), dtype=torch.float64, device=device)
+        if self.load is not None:
+            load += self.load.to(device, torch.float64)
+        if world > 1:
+            dist.all_reduce(counts)
+            dist.all_reduce(load)
+        out = {f"routing/agree_{n}": float(counts[i, 0] / counts[i, 1].clamp_min(1)) for i, n in enumerate(names)}
+        if load.numel():
+            ratio = load.max(-1).values / load.mean(-1).clamp_min(1e-30)
+            out.update({f"routing/load_max_mean/layer{i}": float(r) for i, r in enumerate(ratio)})
+            out["routing/load_max_mean"] = float(ratio.max())
+        return out
+
+
+class RoutingPass:
+    """One Megatron pass over a batch's micro-batches, routing as asked.
+
+    ``rows``: the batch rows of each micro-batch, in the schedule's order; ``lengths``: the
+    batch rows' real lengths; ``width``: the batch's columns. ``record``: fill :attr:`routed`
+    (``[B, width, n, k]``) with this pass's routing (megatron's ``RECORD``); ``replay``: a
+    ``routed`` tensor to force (``REPLAY_FORWARD``); ``log``/``agree``: count how many of the
+    pass's own top-k choices equal the replayed ones, as ``log.agree[agree]``; ``load``: count
+    the experts' tokens into ``log.load``. Use as a context manager around the pass."""
+
+    def __init__(self, model, rows: list[list[int]], lengths: list[int], width: int, *,
+                 record: bool = False, replay: torch.Tensor | None = None,
+                 log: RoutingLog | None = None, agree: str | None = None, load: bool = False):
+        self.model, self.rows, self.lengths, self.width = model, rows, lengths, width
+        self.routers = moe_routers(model)
+        config = unwrap(model).config
+        if self.routers and (record or replay is not None):
+            check_megatron_core()
+        if self.routers and any(r.router_replay is None for r in self.routers) and (record or replay is not None):
+            raise RuntimeError("routing replay needs the model built with model.routing_replay set "
+                               "(megatron's moe_enable_routing_replay)")
+        if config.moe_router_fusion:
+            raise RuntimeError("routing replay needs moe_router_fusion=False (TE's fused top-k bypasses it)")
+        self.k, self.experts = config.moe_router_topk, config.num_moe_experts
+        if self.routers and self.experts >= 2**15:
+            raise ValueError(f"{self.experts} experts do not fit the routing's int16 storage")
+        self.sp = bool(config.sequence_parallel)
+        self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        self.record, self.replay, self.log, self.agree_name, self.load = record, replay, log, agree, load
+        self.routed = None
+        if record:
+            self.routed = torch.full((len(lengths), width, len(self.routers), self.k), -1, dtype=ROUTED_DTYPE)
+        if replay is not None and replay.shape[2] != len(self.routers):
+            raise ValueError(f"replayed routing has {replay.shape[2]} MoE layers, this stage has {len(self.routers)}")
+        self.counts = torch.zeros(len(self.routers), self.experts or 1, dtype=torch.float64)
+        self.micro = -1
+        self.tokens = None  # (row, col, valid) of the current micro-batch
+        self.targets = self.known = None  # its replayed top-k [n, layers, k], and where recorded
+        self._handles = []
+
+    # ------------------------------------------------------------------ hooks
+
+    def _pre(self, module, args, kwargs):
+        self.micro += 1
+        rows = self.rows[self.micro]
+        self.tokens = router_tokens(args, kwargs, rows, self.lengths, self.tp_rank, self.tp_size, self.sp)
+        if self.replay is not None:
+            self.targets, self.known = self._targets(*self.tokens)
+            for i, r in enumerate(self.routers):
+                r.router_replay.set_target_indices(self.targets[:, i])
+
+    def _targets(self, row, col, valid) -> tuple[torch.Tensor, torch.Tensor]:
+        """The replayed top-k ``[n, layers, k]`` of this micro-batch's router tokens (``0..k-1``
+        where none was recorded) and where one was ``[n, layers]``, gathered once for all layers."""
+        n, layers = row.numel(), self.replay.shape[2]
+        inside = (valid & (col < self.replay.shape[1])).cpu()
+        got = self.replay[row.cpu()[inside], col.cpu()[inside]].long()  # [m, layers, k]
+        known = torch.zeros(n, layers, dtype=torch.bool)
+        known[inside] = (got >= 0).all(-1)
+        out = torch.arange(self.k).expand(n, layers, self.k).clone()
+        out[inside] = torch.where(known[inside, :, None], got, out[inside])
+        return out.to(row.device), known.to(row.device)
+
+    def _router_post(self, layer: int):
+        def hook(router, args, output):
+            row, col, valid = self.tokens
+            with torch.no_grad():
+                if self.record:
+                    idx = router.router_replay.get_recorded_indices().detach()
+                    v = valid.cpu()
+                    self.routed[row.cpu()[v], col.cpu()[v], layer] = idx[v.to(idx.device)].to(ROUTED_DTYPE).cpu()
+                if self.log is None:
+                    return
+                own = self._own_topk(router, args, output)
+                if self.load:
+                    self.counts[layer] += torch.bincount(own[valid].flatten().cpu(),
+                                                         minlength=self.experts).double()
+                if self.replay is not None and self.agree_name:
+                    known = self.known[:, layer]
+                    n = int(known.sum())
+                    if n:
+                        target = self.targets[known, layer].to(own.device)
+                        equal = _overlap(own[known.to(own.device)], target, self.experts).sum()
+                        self._add(float(equal), float(n * self.k))
+        return hook
+
+    def _add(self, equal: float, total: float) -> None:
+        if self.sp or self.tp_rank == 0:  # without SP every TP rank sees the same tokens
+            self.log.count_agreement(self.agree_name, equal, total)
+
+    def _own_topk(self, router, args, output) -> torch.Tensor:
+        """The experts the router would choose itself: its routing map, or, when it replayed,
+        the top-k of its gating logits (softmax is monotonic; Qwen3-MoE has no expert bias or
+        groups, refused by the family otherwise)."""
+        action = getattr(router.router_replay, "router_replay_action", None)
+        if action is None or action.value == "record":
+            routing_map = output[1]
+            return routing_map.int().topk(self.k, dim=-1).indices
+        logits = router.gating(args[0]).view(-1, self.experts)
+        return logits.topk(self.k, dim=-1).indices
+
+    # ------------------------------------------------------------------ context
+
+    def __enter__(self) -> RoutingPass:
+        if not self.routers:
+            return self
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if self.record or self.replay is not None:
+            action = RouterReplayAction.RECORD if self.record else RouterReplayAction.REPLAY_FORWARD
+            for r in self.routers:
+                r.router_replay.clear_indices()
+                r.router_replay.set_router_replay_action(action)
+        self._handles.append(unwrap(self.model).register_forward_pre_hook(self._pre, with_kwargs=True))
+        for i, r in enumerate(self.routers):
+            self._handles.append(r.register_forward_hook(self._router_post(i)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for r in self.routers:  # attribution passes and the next step route on their own
+            if r.router_replay is not None:
+                r.router_replay.clear_router_replay_action()
+                r.router_replay.clear_indices()
+        if exc[0] is not None:
+            return
+        if self.routed is not None and self.tp_size > 1 and self.sp:  # each TP rank saw its share
+            full = self.routed.to(_device(), torch.int32)  # gloo reduces no int16
+            dist.all_reduce(full, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+            self.routed = full.to(ROUTED_DTYPE).cpu()
+        if self.log is not None and self.load and self.routers:
+            if self.sp or self.tp_rank == 0:
+                _, numbers, total = stage_moe_layers(self.model)
+                if self.log.load is None:
+                    self.log.load = torch.zeros(total, self.experts, dtype=torch.float64)
+                for i, n in enumerate(numbers):
+                    self.log.load[n] += self.counts[i]
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def rollout_routing(per_sample: list, lengths: list[int], width: int, moe_layers: list[int],
+                    topk: int) -> torch.Tensor:
+    """vLLM's routed experts of each row (``[tokens, num_hidden_layers, k]`` arrays, or None) as
+    ``routed [B, width, n, k]`` for the MoE layers ``moe_layers`` (global layer indices; vLLM
+    indexes every decoder layer). vLLM returns the prompt's tokens and every sampled token but
+    the last (never fed back to the model): columns past what it returned stay ``-1``."""
+    out = torch.full((len(per_sample), width, len(moe_layers), topk), -1, dtype=ROUTED_DTYPE)
+    for i, ids in enumerate(per_sample):
+        if ids is None:
+            continue
+        t = torch.as_tensor(ids)
+        if t.dim() != 3 or t.shape[2] != topk or t.shape[1] <= max(moe_layers, default=0):
+            raise ValueError(f"row {i}: vLLM's routed experts have shape {tuple(t.shape)}; expected "
+                             f"[tokens, layers > {max(moe_layers, default=0)}, {topk}]")
+        n = min(t.shape[0], lengths[i], width)
+        out[i, :n] = t[:n, moe_layers].to(ROUTED_DTYPE)
+    return out
+
+
+def attach_rollout_routing(model, batch, samples: list) -> None:
+    """``batch.routed_experts`` from the rollout's samples (``batch.sample_ids`` index them):
+    vLLM's routing of this stage's MoE layers (``model.routing_replay=rollout``)."""
+    per_sample = [samples[int(i)].routed_experts for i in batch.sample_ids]
+    if all(r is None for r in per_sample):
+        raise ValueError("model.routing_replay=rollout: vLLM returned no routed experts "
+                         "(rollout.return_routed_experts; vLLM's V2 GPU model runner)")
+    layers, _, _ = stage_moe_layers(model)
+    batch.routed_experts = rollout_routing(per_sample, batch.lengths.tolist(), batch.tokens.shape[1],
+                                           layers, unwrap(model).config.moe_router_topk)

@@ -1,0 +1,453 @@
+"""Routing replay (``model.routing_replay``) and the routing metrics on a tiny Qwen3-MoE.
+
+Tiny random Qwen3-MoE "A" (2 layers, both MoE, 4 experts, top-2, ``norm_topk_prob``; fp32,
+local spec), converted once and loaded by ``build_policy`` (megatron DDP and optimizer).
+
+Fast (a few seconds): the metrics' arithmetic on hand-made routings, the token layout of padded
+and packed micro-batches under sequence parallelism, vLLM's routed experts (recorded arrays, as
+vLLM returns them) into ``routed [B, L, n, k]`` and through ``RolloutBatch`` -> ``Sample`` ->
+the batch, and the config key's refusals.
+
+Slow (one pooled world of 2 gloo ranks, one job running EP2 (as DP2 for the dense part), PP2
+and TP2 with sequence parallelism; measured 31-36 s on the shared 2 cores at load 4-9, the
+world's start included; the conversion 1 s):
+the old-logprob pass records the routing transformers computes; the update on unchanged weights
+reproduces the old log-probs exactly (ratio 1, agreement 1); after the
+routers' weights change (expert rows rolled: every token's own routing moves), the update
+replays the recorded routing exactly and its loss and router gradients equal transformers with
+the routing forced by hand; without replay the update routes on its own (the rolled routing);
+``rollout`` mode replays vLLM-style ids in the old-logprob pass (transformers' log-probs with
+that routing forced).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_oar.training.routing_replay import RoutingLog, _overlap, rollout_routing, router_tokens
+from tests.distributed import launch, save_gathered
+from tests.tiny import make_tiny_qwen3_moe
+
+# DP rank r takes rows r, r + 2, ...: equal lengths pairwise, since megatron's allgather dispatcher
+# (the CPU one) gathers the routing over the EP ranks, which must then hold equally many tokens
+LENGTHS = [14, 14, 9, 9, 17, 17]
+PROMPT = 4
+TOL = 1e-4
+
+# ---------------------------------------------------------------------------------------------
+# fast
+
+
+def test_overlap_and_metrics_arithmetic():
+    a = torch.tensor([[0, 1], [2, 3], [1, 3]])
+    b = torch.tensor([[1, 0], [2, 0], [0, 2]])  # same set (order ignored), one of two, none
+    assert _overlap(a, b, 4).tolist() == [2, 1, 0]
+    log = RoutingLog("training")
+    log.count_agreement("old_update", 3.0, 6.0)
+    log.count_agreement("old_update", 1.0, 2.0)
+    log.load = torch.tensor([[4.0, 0.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0]])
+    m = log.metrics(torch.device("cpu"))
+    assert m["routing/agree_old_update"] == pytest.approx(0.5)
+    assert m["routing/load_max_mean/layer0"] == pytest.approx(2.0)  # 4 / mean 2
+    assert m["routing/load_max_mean/layer1"] == pytest.approx(1.0)
+    assert m["routing/load_max_mean"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match=r"model\.routing_replay='sometimes'"):
+        RoutingLog("sometimes")
+
+
+def test_router_token_layout():
+    """Padded micro-batches: the routers see ``[s, b]`` flattened sequence-first; packed: the
+    rows back to back at their padded offsets; SP: each TP rank its contiguous share."""
+    from megatron_oar.models.packing import pack, packed_seq_params
+
+    lengths = [5, 3, 4]
+    ids = torch.zeros(2, 6, dtype=torch.long)  # rows 2 and 0 of the batch, padded to 6
+    row, col, valid = router_tokens((ids,), {}, [2, 0], lengths, 0, 1, False)
+    assert row.tolist() == [2, 0] * 6 and col.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert valid.tolist() == [True] * 8 + [False, True, False, False]
+    r1, c1, _ = router_tokens((ids,), {}, [2, 0], lengths, 1, 2, True)
+    assert r1.tolist() == row[6:].tolist() and c1.tolist() == col[6:].tolist()
+    packed = pack(torch.zeros(2, 5, dtype=torch.long), [3, 5], multiple=2)  # rows 1 and 0
+    kw = {"packed_seq_params": packed_seq_params(packed)}
+    row, col, valid = router_tokens((packed.tokens,), kw, [1, 0], lengths, 0, 1, False)
+    assert row.tolist() == [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]
+    assert col.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
+    assert valid.tolist() == [True, True, True, False, True, True, True, True, True, False]
+
+
+def test_rollout_routing_from_vllm_arrays():
+    """vLLM's ``[prompt + response - 1, num_hidden_layers, k]`` per sequence -> this stage's MoE
+    layers, ``-1`` past what vLLM returned; a wrong shape names the row."""
+    g = np.random.default_rng(0)
+    a = g.integers(0, 8, size=(6, 4, 2))  # 7 tokens: the last one's routing is never returned
+    b = g.integers(0, 8, size=(3, 4, 2))
+    out = rollout_routing([a, b, None], [7, 4, 2], 8, [1, 3], 2)
+    assert out.shape == (3, 8, 2, 2) and out.dtype == torch.int16
+    assert torch.equal(out[0, :6], torch.as_tensor(a[:, [1, 3]], dtype=torch.int16))
+    assert (out[0, 6:] == -1).all() and (out[1, 3:] == -1).all() and (out[2] == -1).all()
+    with pytest.raises(ValueError, match=r"row 1: vLLM's routed experts have shape \(3, 2, 2\)"):
+        rollout_routing([a, b[:, :2]], [7, 4], 8, [1, 3], 2)
+
+
+def test_rollout_batch_carries_routed_experts():
+    """engine output -> RolloutBatch (concat over rollout groups) -> Sample -> ``routed``."""
+    from megatron_oar.rollout.batch import RolloutBatch
+    from megatron_oar.rollout.engine import _completions
+
+    g = np.random.default_rng(1)
+    prompts = [[5, 6, 7], [8, 9]]
+    outs, want = [], {}
+    for i, p in enumerate(prompts):
+        comps = []
+        for j in range(2):
+            resp = [1, 2, 3][: j + 2]
+            ids = g.integers(0, 4, size=(len(p) + len(resp) - 1, 2, 2))
+            want[(i, j)] = ids
+            comps.append(SimpleNamespace(index=j, token_ids=resp, logprobs=[{t: SimpleNamespace(logprob=-1.0)}
+                                                                             for t in resp],
+                                         finish_reason="stop", stop_reason=None, text="", routed_experts=ids))
+        outs.append(SimpleNamespace(prompt_token_ids=p, outputs=comps))
+    fields = _completions(prompts, outs, 2)
+    part = RolloutBatch(prompt_ids=prompts, seeds=[0, 1], n=2, temperature=1.0, top_p=1.0, top_k=0,
+                        logprobs_mode="raw_logprobs", **fields)
+    plain = RolloutBatch(prompt_ids=[[4]], response_ids=[[[1], [2]]], logprobs=[[[-1.0], [-1.0]]],
+                         finish_reasons=[["stop"] * 2], stop_reasons=[[None] * 2], texts=[[""] * 2],
+                         seeds=[2], n=2, temperature=1.0, top_p=1.0, top_k=0, logprobs_mode="raw_logprobs")
+    joined = RolloutBatch.concat([part, plain])
+    got = {(c.prompt_index, c.sample_index): c.routed_experts for c in joined.completions()}
+    assert all(got[k] is want[k] for k in want) and got[(2, 0)] is None
+    assert RolloutBatch.concat([plain]).routed_experts is None
+
+    # the trainer's path: generate_samples -> Sample.routed_experts -> routed [B, L, n, k]
+    from megatron_oar.data.readers import Example
+    from megatron_oar.training.collect import generate_samples
+
+    engine = SimpleNamespace(dp_size=1, dp_rank=0, generate=lambda ids, **_: part, gather=lambda b: b)
+    tok = type("Tok", (), {"chat_template": None,
+                           "__call__": lambda self, text, **_: {"input_ids": [1, 2]}})()
+    examples = [Example("p0", "a0", "s", 0), Example("p1", "a1", "s", 1)]
+    samples = generate_samples(engine, tok, examples, "answer_tag", [0, 1])
+    assert [s.routed_experts is want[(s.group, j % 2)] for j, s in enumerate(samples)] == [True] * 4
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    routed = rollout_routing([s.routed_experts for s in samples], lengths, max(lengths), [0, 1], 2)
+    for r, s in enumerate(samples):
+        n = lengths[r] - 1  # vLLM's last token has no routing
+        assert torch.equal(routed[r, :n], torch.as_tensor(s.routed_experts, dtype=torch.int16))
+        assert (routed[r, n:] == -1).all()
+
+
+def test_config_key_validated():
+    from megatron_oar.config import ConfigError, validate
+    from tests.test_config import example
+    from tests.test_qwen3_moe import QWEN3_30B_A3B
+
+    def cfg(*overrides):
+        return example("tiny_cpu.yaml", "parallel.tp=1", *overrides)
+
+    c = cfg("model.routing_replay=rollout")
+    validate(c, world_size=1, hf_config=QWEN3_30B_A3B)
+    assert c.rollout.return_routed_experts  # derived: vLLM asked for its routing
+    with pytest.raises(ConfigError, match=r"model\.routing_replay='always'"):
+        validate(cfg("model.routing_replay=always"), world_size=1)
+    with pytest.raises(ConfigError, match=r"model\.routing_replay='training' with model\.recompute='full'"):
+        validate(cfg("model.routing_replay=training", "model.recompute=full"), world_size=1)
+    with pytest.raises(ConfigError, match=r"model\.routing_replay='training' needs a mixture-of-experts"):
+        validate(cfg("model.routing_replay=training"), world_size=1,
+                 hf_config={**QWEN3_30B_A3B, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"})
+
+
+# ---------------------------------------------------------------------------------------------
+# slow
+
+
+def make_batch(vocab: int, rows: list[int]):
+    from megatron_oar.training.inputs import TrainBatch
+
+    g = torch.Generator().manual_seed(3)
+    n, width = len(LENGTHS), max(LENGTHS)
+    tokens = torch.randint(0, vocab, (n, width), generator=g)
+    lengths = torch.tensor(LENGTHS)
+    cols = torch.arange(width)
+    tokens[cols >= lengths[:, None]] = 0
+    mask = (cols >= PROMPT) & (cols < lengths[:, None])
+    adv = torch.randn(n, width, generator=g) * mask
+    seq_adv = torch.randn(n, generator=g)
+    full = TrainBatch(tokens, torch.full((n,), PROMPT), lengths, torch.arange(n), torch.zeros(n, dtype=torch.bool),
+                      loss_mask=mask, rollout_logprobs=torch.zeros(n, width), seq_adv=seq_adv)
+    full.advantages = adv
+    return full.select(rows) if rows is not None else full
+
+
+def _policy(ckpt: str, mode: str, tp: int):
+    from megatron_oar.config import ModelConfig, OptimConfig
+    from megatron_oar.models import parse_arch
+    from megatron_oar.training.policy import build_policy
+    from tests.tiny import read_config
+
+    hf = read_config(Path(ckpt) / "hf")
+    # lr 1e-30: Adam's step is below fp32 resolution, so the weights change only where the test
+    # changes them; no clipping, so the gradient buffers hold the loss's gradients
+    policy = build_policy(hf, ModelConfig(path=ckpt, spec="local", routing_replay=mode, sequence_parallel=tp > 1),
+                          OptimConfig(lr=1e-30, clip_grad=0.0, use_distributed_optimizer=False),
+                          checkpoint=ckpt, total_optimizer_steps=10)
+    return policy, parse_arch(hf)
+
+
+class _Capture:
+    """Every router call's chosen experts (sorted), per stage layer, in call order."""
+
+    def __init__(self, model):
+        from megatron_oar.training.routing_replay import moe_routers
+
+        self.calls = {i: [] for i in range(len(moe_routers(model)))}
+        self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(moe_routers(model))]
+
+    def _hook(self, i):
+        def hook(router, args, output):
+            self.calls[i].append(output[1].int().topk(router.topk, dim=-1).indices.sort(-1).values.detach())
+        return hook
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _layout(model, batch, groups):
+    """``(row, col, valid)`` of the router tokens of each micro-batch of ``groups`` (token budget;
+    this TP rank's share under SP), built as the update builds its inputs."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_oar.models.forward import MicroInput
+    from megatron_oar.models.padding import sequence_multiple
+
+    out = []
+    for g in groups:
+        width = int(batch.lengths[g].max())
+        inp = MicroInput(batch.tokens[g, :width], sequence_multiple(model.config))
+        out.append(router_tokens((inp.tokens,), {}, g, batch.lengths.tolist(), ps.get_tensor_model_parallel_rank(),
+                                 ps.get_tensor_model_parallel_world_size(), model.config.sequence_parallel))
+    return out
+
+
+def _replay_worker(ckpt: str, layouts: list, out: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_oar.algorithms import PolicyLossConfig
+    from megatron_oar.models.micro_batches import micro_batches
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+    from megatron_oar.training.policy_passes import old_logprob_pass, update_step
+    from megatron_oar.training.routing_replay import attach_rollout_routing, moe_routers, stage_moe_layers
+
+    results = {}
+    loss_cfg = PolicyLossConfig()
+    for tp, pp, ep in layouts:
+        init_runtime(ParallelConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1))
+        policy, arch = _policy(ckpt, "training", tp)
+        model = policy.model
+        dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        batch = make_batch(arch.vocab_size, list(range(r, len(LENGTHS), dp)))
+        res = {"sample_ids": batch.sample_ids, "layers": stage_moe_layers(model)[0]}
+
+        # old-logprob pass: records the routing (token budget 40: other groups than the update's)
+        log = RoutingLog("training")
+        old, _, _ = old_logprob_pass(model, batch, arch.vocab_size, 2, batching="token_budget",
+                                     max_tokens=40, routing=log)
+        batch.old_logprobs = old
+        res["routed"] = batch.routed_experts.clone()
+        res["old"] = old
+
+        # unchanged weights, the same grouping: the update's first forward reproduces them
+        log1 = RoutingLog("training")
+        step = update_step(policy, batch, loss_cfg, arch.vocab_size, 2, batching="token_budget",
+                           max_tokens=40, routing=log1)
+        res["ratio"] = (step.stats["ratio_mean"], step.stats["ratio_max"])
+        res["agree_unchanged"] = log1.metrics(torch.device("cpu"))
+
+        # the routers' expert rows rolled by one: every token's own top-k moves to (e + 1) mod E
+        with torch.no_grad():
+            for router in moe_routers(model):
+                router.weight.copy_(torch.roll(router.weight, 1, dims=0))
+        groups = micro_batches(batch.lengths.tolist(), batching="token_budget", rows_per_micro=2, max_tokens=30)
+        layout = _layout(policy.gpt, batch, groups)
+        # replayed: every layer routes as recorded; without replay, the first MoE layer routes
+        # exactly one expert on from what was recorded
+        for mode, shift in (("training", 0), ("none", 1)):
+            log2 = RoutingLog(mode)
+            cap = _Capture(model)
+            step = update_step(policy, batch, loss_cfg, arch.vocab_size, 2, batching="token_budget",
+                               max_tokens=30, routing=log2 if mode != "none" else None)
+            cap.close()
+            match = True
+            for layer, calls in cap.calls.items():
+                assert len(calls) == len(groups)
+                if mode == "none" and res["layers"][layer] != 0:
+                    continue  # deeper layers' inputs changed with the first layer's routing
+                for got, (row, col, valid) in zip(calls, layout):
+                    want = (batch.routed_experts[row[valid], col[valid], layer].long() + shift) % arch.num_experts
+                    match &= torch.equal(got[valid], want.sort(-1).values)
+            res[f"match_{mode}"] = match
+            if mode == "training":
+                res["agree_rolled"] = log2.metrics(torch.device("cpu"))
+                res["loss"] = step.stats["loss"]
+                res["router_grads"] = {layer: router.weight.main_grad.clone() for layer, router in
+                                       zip(res["layers"], moe_routers(model))}
+        # rollout mode: vLLM-style ids ([len - 1, num_hidden_layers, k] per row: the recorded
+        # routing of the original weights) replayed by the old-logprob pass
+        gathered = [torch.full((len(LENGTHS), max(LENGTHS), 1, arch.moe_topk), -1, dtype=torch.int32)
+                    for _ in range(arch.num_layers)]
+        width = batch.routed_experts.shape[1]
+        for j, layer in enumerate(res["layers"]):
+            gathered[layer][batch.sample_ids, :width] = batch.routed_experts[:, :, j:j + 1].int()
+        for t in gathered:  # every stage's layers on every rank, as vLLM returns them
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        full = torch.cat(gathered, dim=2)
+        samples = [SimpleNamespace(routed_experts=full[i, :LENGTHS[i] - 1].numpy()) for i in range(len(LENGTHS))]
+        rollout = make_batch(arch.vocab_size, list(range(r, len(LENGTHS), dp)))
+        attach_rollout_routing(model, rollout, samples)
+        log3 = RoutingLog("rollout")
+        lp3, _, _ = old_logprob_pass(model, rollout, arch.vocab_size, 2, batching="token_budget",
+                                     max_tokens=40, routing=log3)
+        res["rollout_old"] = lp3
+        res["rollout_metrics"] = log3.metrics(torch.device("cpu"))
+        results[f"tp{tp}pp{pp}ep{ep}"] = res
+    save_gathered(results, out)
+    del dist
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    from checkpoints_convert.convert import hf_to_megatron
+
+    root = tmp_path_factory.mktemp("routing_replay")
+    hf = make_tiny_qwen3_moe(root / "A", seed=7)
+    hf_to_megatron(hf, root / "ckpt", progress=False)
+    return root, hf
+
+
+def _hf_forced(hf_dir, batch, routed: dict | None, roll: bool):
+    """transformers' log-probs ``[B, L]`` (row by row), with each MoE layer's top-k forced to
+    ``routed[layer][row]`` (``[len, k]``; None: its own), routers rolled as the worker rolled
+    them; the model too, for gradients. Also each row's own top-k per layer."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as mq
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    gates = [layer.mlp.gate for layer in model.model.layers]
+    if roll:
+        with torch.no_grad():
+            for g in gates:
+                g.weight.copy_(torch.roll(g.weight, 1, dims=0))
+    own: dict[int, list] = {i: [] for i in range(len(gates))}
+
+    def forced(self, hidden):
+        hidden = hidden.reshape(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden, self.weight)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        idx = probs.topk(self.top_k, dim=-1).indices
+        own[self._layer].append(idx)
+        if self._forced is not None:
+            idx = self._forced.long()
+        top = probs.gather(1, idx)
+        if self.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        return logits, top.to(logits.dtype), idx
+
+    saved = mq.Qwen3MoeTopKRouter.forward
+    mq.Qwen3MoeTopKRouter.forward = forced
+    try:
+        lps = torch.zeros(batch.tokens.shape)
+        rows = []
+        for i in range(batch.size):
+            n = int(batch.lengths[i])
+            for j, g in enumerate(gates):
+                g._layer, g._forced = j, None if routed is None else routed[j][i][:n]
+            logits = model(batch.tokens[i:i + 1, :n]).logits[0]
+            lp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, batch.tokens[i, 1:n, None])[:, 0]
+            rows.append(torch.cat([lp.new_zeros(1), lp]))
+        lps = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        lps = torch.nn.functional.pad(lps, (0, batch.tokens.shape[1] - lps.shape[1]))
+    finally:
+        mq.Qwen3MoeTopKRouter.forward = saved
+    return lps, model, own
+
+
+@pytest.mark.slow
+def test_training_replay_world2(tiny_moe):
+    from megatron_oar.algorithms import PolicyLossConfig, ppo_clip_loss
+    from megatron_oar.models import parse_arch
+    from tests.tiny import read_config
+
+    root, hf = tiny_moe
+    layouts = [(1, 1, 2), (1, 2, 1), (2, 1, 1)]  # (tp, pp, ep): EP2 (its dense part DP2), PP2, TP2 + SP
+    out = str(root / "replay.pt")
+    launch(_replay_worker, 2, str(root / "ckpt"), layouts, out)
+    ranks = torch.load(out, weights_only=False)
+    arch = parse_arch(read_config(hf))
+    full = make_batch(arch.vocab_size, None)
+    # transformers' own routing of the original weights: what the old-logprob pass must record
+    _, _, own = _hf_forced(hf, full, None, roll=False)
+    ref = None
+    for name in (f"tp{tp}pp{pp}ep{ep}" for tp, pp, ep in layouts):
+        routed = torch.full((full.size, full.tokens.shape[1], arch.num_layers, arch.moe_topk), -1, dtype=torch.int16)
+        old = torch.zeros(full.tokens.shape)
+        for rank in ranks:
+            res = rank[name]
+            ids = res["sample_ids"]
+            w = res["routed"].shape[1]
+            for j, layer in enumerate(res["layers"]):
+                routed[ids, :w, layer] = res["routed"][:, :, j]
+            old[ids, :res["old"].shape[1]] = res["old"].float()
+            assert res["match_training"], f"{name}: the update did not route as recorded"
+            assert res["match_none"], f"{name}: without replay the update must route on its own"
+            mean, peak = res["ratio"]
+            print(f"{name}: unchanged weights ratio mean {mean} max {peak}; agreement "
+                  f"{res['agree_unchanged']} rolled {res['agree_rolled']}")
+            assert mean == 1.0 and peak == 1.0, name
+            assert res["agree_unchanged"]["routing/agree_old_update"] == 1.0
+            assert res["agree_rolled"]["routing/agree_old_update"] < 0.9
+        for i in range(full.size):
+            n = int(full.lengths[i])
+            for layer in range(arch.num_layers):
+                got = routed[i, :n, layer].long().sort(-1).values
+                assert torch.equal(got, own[layer][i].sort(-1).values), (name, i, layer)
+            assert (routed[i, n:] == -1).all()
+        # rolled routers, routing forced to the recorded one: transformers' loss and gradients
+        # (every layout recorded the same routing, checked above: one reference)
+        if ref is None:
+            forced = {layer: [routed[i, :, layer] for i in range(full.size)] for layer in range(arch.num_layers)}
+            lp, model, _ = _hf_forced(hf, full, forced, roll=True)
+            mask = full.loss_mask
+            loss, _ = ppo_clip_loss(lp, old, full.advantages, mask, PolicyLossConfig(),
+                                    num_tokens=int(mask.sum()), num_seqs=int(mask.any(-1).sum()))
+            loss.backward()
+            ref = lp.detach(), model, loss
+        lp, model, loss = ref
+        got_loss = ranks[0][name]["loss"]
+        print(f"{name}: replayed update loss {got_loss:.6f}, transformers forced {float(loss):.6f}")
+        assert abs(got_loss - float(loss)) <= TOL * max(abs(float(loss)), 1e-3), name
+        rollout_lp = torch.zeros(full.tokens.shape)
+        for rank in ranks:
+            res = rank[name]
+            rollout_lp[res["sample_ids"], :res["rollout_old"].shape[1]] = res["rollout_old"].float()
+            m = res["rollout_metrics"]
+            print(f"{name}: rollout mode {m}")
+            # the pass's own choices (rolled routers, replayed history) against vLLM's, whose last
+            # token per row is missing (not counted); the update's replay is training mode's
+            assert 0 < m["routing/agree_rollout_old"] < 0.9
+            assert m["routing/load_max_mean"] >= 1.0
+        # vLLM-style ids replayed: transformers with the same routing forced, to fp32 rounding
+        err = float(((rollout_lp - lp) * full.loss_mask).abs().max())
+        print(f"{name}: rollout-replayed old log-probs vs transformers forced: max|d| {err:.2e}")
+        assert err <= TOL, name
+        for rank in ranks:
+            for layer, g in rank[name]["router_grads"].items():
+                want = model.model.layers[layer].mlp.gate.weight.grad
+                rel = float((g - want).abs().max() / want.abs().max())
+                print(f"{name}: router gradient of layer {layer} vs transformers forced: rel {rel:.2e}")
+                assert rel <= TOL, (name, layer, rel)
