@@ -69,7 +69,8 @@ CASES = {
 }
 
 
-def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
+def _worker(ckpt: str, tp: int, pp: int, out: str, names: tuple[str, ...] | None = None) -> None:
+    """The ``CASES`` ``names`` (all by default) at TP x PP, with the checks of the test below."""
     from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
@@ -89,8 +90,8 @@ def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
     before = forward_logits(model, batch.tokens, vocab_size=meta.vocab_size)
     model.train()
     results = {}
-    for name, cfg in CASES.items():
-        attr = compute_importance(model, batch, cfg, vocab_size=meta.vocab_size, seq_adv=SEQ_ADV,
+    for name in CASES if names is None else names:
+        attr = compute_importance(model, batch, CASES[name], vocab_size=meta.vocab_size, seq_adv=SEQ_ADV,
                                   step=3, tokenizer=tok)
         results[name] = (attr.importance, attr.score_mask, attr.kinds, attr.stats)
     after = forward_logits(model, batch.tokens, vocab_size=meta.vocab_size)
@@ -112,7 +113,6 @@ def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def setup(request, tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root = tmp_path_factory.mktemp("attr_tied" if request.param else "attr_untied")
     # larger weights than HF's default init, so that masking a token moves the probe well above
@@ -120,11 +120,23 @@ def setup(request, tmp_path_factory):
     hf = make_tiny_qwen2(root / "hf", tied=request.param, seed=5, initializer_range=0.3)
     ckpt = root / "ckpt"
     hf_to_megatron(hf, ckpt, progress=False)
+    return root, ckpt, reference_importance(hf, CASES)
+
+
+def reference_importance(hf, names) -> dict:
+    """The transformers reference's importance (``tests/attribution_reference.py``) of the
+    ``CASES`` ``names`` on :func:`make_batch`, for the HF model at ``hf`` (fp32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_oar.attribution import locate_probes
+    from megatron_oar.attribution.spans import SpanFinder
+
     tok = AutoTokenizer.from_pretrained(str(hf))
     model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
     batch = make_batch(tok)
     refs = {}
-    for name, cfg in CASES.items():
+    for name in names:
+        cfg = CASES[name]
         sites = locate_probes(batch, cfg.probe, 3, SpanFinder(tok, cfg.probe.answer_pattern))
         rows = [i for i in range(batch.size) if sites.kinds[i] != "none" and SEQ_ADV[i] != 0
                 and sites.score_mask[i].any()]
@@ -132,7 +144,7 @@ def setup(request, tmp_path_factory):
             refs[name] = ref.oar_g(model, batch, sites, rows, cfg.sigma, cfg.seed, 3)
         else:
             refs[name] = ref.oar_p(model, batch, sites, rows, tok.pad_token_id, cfg.probe.joint_importance)
-    return root, ckpt, refs
+    return refs
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -116,6 +116,7 @@ def _run_worker(hf_dir: str, run_dir: str, out: str) -> None:
     trace: list = []
     passes: list = []  # per Megatron pass: name, its fp8 / teacher_fp8 arguments, FP8 autocasts entered
     engine = RecordingEngine(cfg.rollout, AutoTokenizer.from_pretrained(hf_dir), trace)
+    originals = {name: getattr(trainer_mod, name) for name in MEGATRON_PASSES}  # restored below
     for name in MEGATRON_PASSES:  # each pass records what the engine held while it ran
         def recorded(*args, _name=name, _fn=getattr(trainer_mod, name), **kwargs):
             trace.append((_name, sorted(engine.asleep)))
@@ -142,8 +143,10 @@ def _run_worker(hf_dir: str, run_dir: str, out: str) -> None:
     trainer.logger.phase = traced_phase
     try:
         trainer.run()
-    finally:
+    finally:  # this pooled rank process runs later jobs
         transformer_block.get_fp8_context = get_fp8_context
+        for name, fn in originals.items():
+            setattr(trainer_mod, name, fn)
     Path(out).write_text(json.dumps({"trace": trace, "passes": passes,
                                      "plan": [p.name for p in trainer_phases(cfg)]}))
 

@@ -271,41 +271,23 @@ ATTR_CASES = ("oar_g_answer_mean", "oar_p_answer_mean")
 
 
 def _attr_worker(ckpt: str, tp: int, pp: int, out: str) -> None:
-    """test_attribution's worker, restricted to ATTR_CASES."""
+    """test_attribution's worker, restricted to ATTR_CASES (as an argument: the pooled rank
+    process runs later jobs, so no module state of test_attribution may change here)."""
     from tests import test_attribution as ta
 
-    ta.CASES = {k: ta.CASES[k] for k in ATTR_CASES}  # this spawned process's copy only
-    ta._worker(ckpt, tp, pp, out)
+    ta._worker(ckpt, tp, pp, out, ATTR_CASES)
 
 
 @pytest.fixture(scope="module")
 def attribution_setup(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megatron_oar.attribution import locate_probes
-    from megatron_oar.attribution.spans import SpanFinder
-    from tests import attribution_reference as ref
-    from tests.test_attribution import CASES, SEQ_ADV, make_batch
+    from tests.test_attribution import reference_importance
 
     root = tmp_path_factory.mktemp("qwen3_attr")
     # std 0.3 weights, as in test_attribution (masking a token must move the probe above rounding)
     hf = make_tiny_qwen3(root / "hf", seed=5, initializer_range=0.3)
     ckpt = root / "ckpt"
     hf_to_megatron(hf, ckpt, progress=False)
-    tok = AutoTokenizer.from_pretrained(str(hf))
-    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
-    batch = make_batch(tok)
-    refs = {}
-    for name in ATTR_CASES:
-        cfg = CASES[name]
-        sites = locate_probes(batch, cfg.probe, 3, SpanFinder(tok, cfg.probe.answer_pattern))
-        rows = [i for i in range(batch.size) if sites.kinds[i] != "none" and SEQ_ADV[i] != 0
-                and sites.score_mask[i].any()]
-        if cfg.method == "oar_g":
-            refs[name] = ref.oar_g(model, batch, sites, rows, cfg.sigma, cfg.seed, 3)
-        else:
-            refs[name] = ref.oar_p(model, batch, sites, rows, tok.pad_token_id, cfg.probe.joint_importance)
-    return root, ckpt, refs
+    return root, ckpt, reference_importance(hf, ATTR_CASES)
 
 
 @pytest.mark.slow

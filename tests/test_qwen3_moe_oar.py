@@ -75,29 +75,11 @@ def _worker(hf_dir: str, eps: list[int], out: str) -> None:
 
 @pytest.fixture(scope="module")
 def moe_attribution(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megatron_oar.attribution import locate_probes
-    from megatron_oar.attribution.spans import SpanFinder
-    from tests import attribution_reference as ref
-    from tests.test_attribution import CASES, SEQ_ADV, make_batch
+    from tests.test_attribution import reference_importance
 
     root = tmp_path_factory.mktemp("qwen3_moe_oar")
     hf = make_tiny_qwen3_moe(root / "hf", seed=5, initializer_range=0.3)
-    tok = AutoTokenizer.from_pretrained(str(hf))
-    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
-    batch = make_batch(tok)
-    refs = {}
-    for name in ATTR_CASES:
-        cfg = CASES[name]
-        sites = locate_probes(batch, cfg.probe, 3, SpanFinder(tok, cfg.probe.answer_pattern))
-        rows = [i for i in range(batch.size) if sites.kinds[i] != "none" and SEQ_ADV[i] != 0
-                and sites.score_mask[i].any()]
-        if cfg.method == "oar_g":
-            refs[name] = ref.oar_g(model, batch, sites, rows, cfg.sigma, cfg.seed, 3)
-        else:
-            refs[name] = ref.oar_p(model, batch, sites, rows, tok.pad_token_id, cfg.probe.joint_importance)
-    return root, hf, refs
+    return root, hf, reference_importance(hf, ATTR_CASES)
 
 
 @pytest.mark.slow
