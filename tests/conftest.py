@@ -143,8 +143,10 @@ def pytest_sessionfinish(session, exitstatus):
     if not os.path.isdir("/proc"):
         return
     # multiprocessing's resource tracker and forkserver (the reward pool's) serve this process
-    # and end with it (each exits when the pipe from its parent closes)
-    ours = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+    # and end with it (each exits when the pipe from its parent closes); so does torch inductor's
+    # compile-worker pool, which torch.compile starts on CUDA (vLLM's CUDA graphs, tests/gpu)
+    ours = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",
+            "torch/_inductor/compile_worker/__main__.py")
     deadline = time.monotonic() + GRACE_S
     while True:
         _reap()

@@ -210,3 +210,22 @@ def test_local_spec_never_uses_apex_fused_norm(monkeypatch, caplog):
     cfg = model.config
     assert f"masked_softmax_fusion={'on' if cfg.masked_softmax_fusion else 'off'}" in line
     assert f"bias_activation_fusion={'on' if cfg.bias_activation_fusion else 'off'}" in line
+
+
+@pytest.mark.parametrize("cpu_init", [False, True])
+def test_local_norm_is_built_where_megatron_builds_its_layers(monkeypatch, cpu_init):
+    """On CUDA, megatron builds its layers on the current device unless ``use_cpu_initialization``
+    (the trainer and ``oar-convert verify`` never call ``.cuda()``); the local spec's norm must
+    follow, or the first forward mixes devices (seen on an H100: ``weight is on cpu``). CUDA is
+    faked here with the meta device."""
+    from types import SimpleNamespace
+
+    from megatron_oar.models.local_norm import TorchRMSNorm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("meta"))
+    config = SimpleNamespace(normalization="RMSNorm", layernorm_zero_centered_gamma=False,
+                             memory_efficient_layer_norm=False, sequence_parallel=False,
+                             use_cpu_initialization=cpu_init)
+    norm = TorchRMSNorm(config, 16)
+    assert norm.weight.device.type == ("cpu" if cpu_init else "meta")

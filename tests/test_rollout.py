@@ -153,6 +153,17 @@ def test_engine_names_the_vllm_version_it_needs(monkeypatch, tmp_path, missing):
 
     assert RolloutEngine._has_reload_weights()  # the installed vLLM has both
     if missing == "reload_weights":
+        import importlib
+
+        v2 = importlib.import_module("vllm.v1.worker.gpu.model_runner").GPUModelRunner
+        # vLLM 0.24's V2 runner forwards its arguments to the V1 runner's reload: accepted
+        monkeypatch.setattr(v2, "reload_weights", lambda self, *args, **kwargs: None)
+        assert RolloutEngine._has_reload_weights()
+        monkeypatch.setattr(v2, "reload_weights", lambda self: None)
+        assert not RolloutEngine._has_reload_weights()
+        monkeypatch.undo()
+        monkeypatch.setattr(GPUModelRunner, "reload_weights", lambda self, *args, **kwargs: None)
+        assert not RolloutEngine._has_reload_weights()  # the V1 runner itself must name it
         monkeypatch.setattr(GPUModelRunner, "reload_weights", lambda self: None)
         assert not RolloutEngine._has_reload_weights()
         what = r"Worker.reload_weights\(weights_iterator=...\)"

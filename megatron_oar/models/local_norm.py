@@ -28,5 +28,10 @@ class TorchRMSNorm(torch.nn.RMSNorm):
         if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
             raise ValueError("TorchRMSNorm: zero-centred gamma and memory-efficient layer norm "
                              "are Transformer Engine features (model.spec=te)")
-        super().__init__(normalized_shape=hidden_size, eps=eps)
+        # where megatron's own layers put their parameters (``_initialize_affine_weight_gpu``):
+        # the current CUDA device unless ``use_cpu_initialization``; the trainer and
+        # ``oar-convert verify`` build on the GPU and never call ``.cuda()``
+        on_gpu = torch.cuda.is_available() and not config.use_cpu_initialization
+        super().__init__(normalized_shape=hidden_size, eps=eps,
+                         device=torch.cuda.current_device() if on_gpu else None)
         self.weight.sequence_parallel = bool(config.sequence_parallel)

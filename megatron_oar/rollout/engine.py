@@ -286,11 +286,17 @@ class RolloutEngine:
             runners.append(v2.GPUModelRunner)
         except (ImportError, AttributeError):  # no V2 runner in this release
             pass
-        def takes_iterator(runner) -> bool:
+        def takes_iterator(runner, forwards: bool) -> bool:
             reload = getattr(runner, "reload_weights", None)
-            return reload is not None and "weights_iterator" in inspect.signature(reload).parameters
+            if reload is None:
+                return False
+            params = inspect.signature(reload).parameters
+            # vLLM 0.24's V2 runner forwards ``*args, **kwargs`` to the V1 runner's reload
+            return "weights_iterator" in params or forwards and any(
+                p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
-        return hasattr(Worker, "reload_weights") and all(takes_iterator(r) for r in runners)
+        return (hasattr(Worker, "reload_weights") and takes_iterator(GPUModelRunner, False)
+                and all(takes_iterator(r, True) for r in runners[1:]))
 
     @property
     def llm(self):
