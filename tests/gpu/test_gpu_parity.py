@@ -84,7 +84,7 @@ def test_cli_verify_on_gpu(converted, capsys):
     rc = main(["verify", "--hf", str(hf), "--ckpt", str(ckpt), "--dtype", "fp32", "--tol", "1e-3"])
     out = capsys.readouterr().out
     print(out)
-    assert rc == 0 and "verify tp=1 pp=1 dtype=fp32" in out and " OK" in out
+    assert rc == 0 and "verify tp=1 pp=1 ep=1 dtype=fp32" in out and " OK" in out
 
 
 @pytest.mark.skipif(not HAVE_TE, reason="transformer-engine not installed")
