@@ -271,10 +271,13 @@ def test_wake_up_frees_torch_cache_first(monkeypatch):
     assert calls == ["sleep(2)", "free", "wake_up(['weights'])", "free", "wake_up(['kv_cache'])"]
 
 
-def test_sleep_frees_what_a_partial_wake_left_awake(monkeypatch):
+@pytest.mark.parametrize("vllm_release", ["0.24", "0.32"])
+def test_sleep_frees_what_a_partial_wake_left_awake(monkeypatch, vllm_release):
     """A sync wakes the weights and may fail before the KV cache wakes; sleep() must still free
-    them. The fake follows vLLM 0.32: its allocator sleeps what is awake and skips what sleeps,
-    and its executor ignores a sleep while the weights sleep ("Executor is already sleeping")."""
+    them. The fake follows vLLM: its allocator sleeps what is awake and skips what sleeps, and
+    its executor ignores a sleep ("Executor is already sleeping") while anything sleeps (0.24,
+    `abstract.py`: `if self.is_sleeping`; seen on an H100, where woken weights stayed awake) or
+    while the weights sleep (0.32: `if "weights" in self.sleeping_tags`)."""
     from megatron_oar.rollout import engine as engine_mod
     from megatron_oar.rollout.config import RolloutConfig
 
@@ -283,7 +286,8 @@ def test_sleep_frees_what_a_partial_wake_left_awake(monkeypatch):
             self.asleep: set[str] = set()
 
         def sleep(self, level):
-            if "weights" not in self.asleep:
+            ignored = bool(self.asleep) if vllm_release == "0.24" else "weights" in self.asleep
+            if not ignored:
                 self.asleep = {"weights", "kv_cache"}
 
         def wake_up(self, tags):
