@@ -10,10 +10,12 @@ converted once and loaded by ``build_policy``, ``model.routing_replay=training``
 One pooled world of 2 gloo ranks runs the passes at EP1 (plain DP2: each rank's rows alone,
 no fillers) and at EP2, and records megatron's schedule calls per pass: the old-logprob pass
 (recording the routing), the update (replaying it), OAR-G, serial OAR-P (one schedule call per
-masked copy: the number of schedule calls is agreed too) and screened OAR-P with rank 1 scoring
-no row at all (its teacher, OAR-G and OAR-P run filler calls only). EP2 gives EP1's results
-(log-probs, recorded routing, expert load, update loss and gradient norm, importance) at fp32
-rounding; at EP1 the ranks run different numbers of model calls, at EP2 both the most.
+masked copy: the number of schedule calls is agreed too), screened OAR-P with rank 1 scoring
+no row at all (its teacher, OAR-G and OAR-P run filler calls only) and the rollout sync check
+(3 sequences: 2 and 1 per rank; 1 sequence: rank 1 checks none). EP2 gives EP1's results
+(log-probs, recorded routing, expert load, update loss and gradient norm, importance, the sync
+check's differences) at fp32 rounding; at EP1 the ranks run different numbers of model calls,
+at EP2 both the most.
 Also: which layouts' expert groups span DP ranks (TP1 x EP2 yes; EP2 inside TP2 no).
 
 Cost: measured 12 s on the shared 2 cores (one warm world; the conversion 1 s).
@@ -48,12 +50,25 @@ def _batch(vocab: int, rows: list[int]):
     return full.select(rows)
 
 
+def _rollout(vocab: int, n: int):
+    """The first ``n`` rows as a rollout batch (one completion per prompt) whose "vLLM"
+    log-probs are 0: the sync check's difference is Megatron's own log-probs."""
+    from megatron_oar.rollout.batch import RolloutBatch
+
+    tokens = _batch(vocab, list(range(n))).tokens.tolist()
+    return RolloutBatch(prompt_ids=[t[:PROMPT] for t in tokens], response_ids=[[t[PROMPT:]] for t in tokens],
+                        logprobs=[[[0.0] * (LENGTH - PROMPT)] for _ in tokens], finish_reasons=[["stop"]] * n,
+                        stop_reasons=[[None]] * n, texts=[[""]] * n, seeds=list(range(n)), n=1,
+                        temperature=1.0, top_p=1.0, top_k=-1, logprobs_mode="raw_logprobs")
+
+
 def _worker(ckpt: str, out: str) -> None:
     from megatron.core import parallel_state as ps
 
     from megatron_oar.algorithms import PolicyLossConfig
     from megatron_oar.attribution import AttributionConfig, ProbeConfig, compute_importance
     from megatron_oar.models import equal_calls, forward
+    from megatron_oar.rollout.sync_check import logprob_agreement
     from megatron_oar.runtime import ParallelConfig, init_runtime
     from megatron_oar.training.policy_passes import old_logprob_pass, update_step
     from megatron_oar.training.routing_replay import RoutingLog
@@ -104,6 +119,10 @@ def _worker(ckpt: str, out: str) -> None:
                 seq_adv = batch.seq_adv * (0 if name == "screened_idle" and d == 1 else 1)
                 res[name] = compute_importance(policy.model, batch, cfg, vocab_size=arch.vocab_size,
                                                seq_adv=seq_adv, step=2).importance
+            for n in (3, 1):  # the sync check: rows 0, 2 and 1 (2 and 1 calls); row 0 and none
+                key[0] = f"sync{n}"
+                check = logprob_agreement(policy.model, _rollout(arch.vocab_size, n), arch.vocab_size)
+                res[key[0]] = (check.mean_abs_diff, check.max_abs_diff, check.num_tokens)
             res["calls"] = dict(calls)
             results[ep] = res
         init_runtime(ParallelConfig(tp=2, ep=2, etp=1, sequence_parallel=True))  # EP inside TP
@@ -134,9 +153,9 @@ def test_every_pass_runs_equal_model_calls_when_ep_spans_dp(runs):
         print(f"{name}: model calls per schedule, EP1 {plain[0][name]} / {plain[1].get(name)}, "
               f"EP2 {equal[0][name]} / {equal[1][name]}")
     # without the agreement the ranks' counts differ in every pass (rank 1 skips screened OAR-P)
-    for name in ("old_logprob", "update", "oar_g", "oar_p_serial"):
+    for name in ("old_logprob", "update", "oar_g", "oar_p_serial", "sync3"):
         assert plain[0][name] != plain[1][name], name
-    assert "screened_idle" not in plain[1]
+    assert "screened_idle" not in plain[1] and "sync1" not in plain[1]  # nothing to score / check
     assert len(plain[0]["oar_p_serial"]) > len(plain[1]["oar_p_serial"])  # schedule calls too
     for name in plain[0]:  # with it, both run the most of each pass
         assert equal[0][name] == equal[1][name], name
@@ -159,6 +178,9 @@ def test_filler_calls_change_no_result(runs):
         assert filled["ratio"] == (1.0, 1.0)
         assert filled["loss"] == pytest.approx(plain["loss"], rel=TOL)
         assert filled["grad_norm"] == pytest.approx(plain["grad_norm"], rel=TOL)
+        for name in ("sync3", "sync1"):  # the same log-probs checked, over both ranks' rows
+            assert filled[name][2] == plain[name][2] > 0
+            assert filled[name][:2] == pytest.approx(plain[name][:2], rel=TOL), name
         for name in ("oar_g", "oar_p_serial", "screened_idle"):
             want, got = plain[name], filled[name]
             if rank == 1 and name == "screened_idle":
