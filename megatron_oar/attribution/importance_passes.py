@@ -86,12 +86,12 @@ def probe_teacher(model, batch: SequenceBatch, sites: ProbeSites, rows: list[int
             outputs[r] = probe.take([j])
         return probe.score.sum() * 0
 
-    with attribution_mode(model, allow_fp8) as gpt, torch.no_grad():
+    with attribution_mode(model, allow_fp8), torch.no_grad():
         run_probe_schedule(model, micros, vocab_size, forward_only=True, last_stage=last_stage,
                            filler=_filler(batch, rows))
-        width = output_weight(gpt).shape[0]  # V/TP
     if not parallel_state.is_pipeline_last_stage():
         return None
+    width = output_weight(unwrap(model)).shape[0]  # V/TP
     # float64, as ProbeOutput.from_position_logits makes it (zeros for rows not scored, and for
     # every row of a rank that scores none but runs the pass to pair the others' calls)
     logp = torch.zeros(batch.size, width, dtype=torch.float64, device=batch.tokens.device)
