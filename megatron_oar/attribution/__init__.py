@@ -148,8 +148,9 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
     copies = 0
     own_teachers: dict[bool, ProbeOutput | None] = {}
     # a rank that scores no row still runs the passes where its model calls pair other DP
-    # ranks' (models.equal_calls): its passes run filler calls only
-    if rows or equal_calls(unwrap(model).config, forward_only=False):
+    # ranks' (models.equal_calls; FP8 matters only to OAR-G's backward under allow_fp8): its
+    # passes run filler calls only
+    if rows or equal_calls(unwrap(model).config, forward_only=not cfg.allow_fp8):
         model_fp8 = bool(getattr(unwrap(model).config, "fp8", None))
         external = teacher is not None or external_teacher
         sequences = {"batching": cfg.batching, "max_tokens": cfg.max_tokens_per_micro_batch}

@@ -241,7 +241,8 @@ def run(cfg, *, trajectories: int, per_prompt: int, methods: list[str], k_percen
         mine = list(range(dp_rank, len(trajs), dp))
         # a rank without trajectories whose model calls pair other DP ranks' (models.equal_calls)
         # scores the first one as a filler and keeps nothing
-        filler = not mine and bool(trajs) and equal_calls(unwrap(model).config, forward_only=False)
+        filler = not mine and bool(trajs) and equal_calls(unwrap(model).config,
+                                                          forward_only=not cfg.attribution.allow_fp8)
         run = [0] if filler else mine
         part = score_tokens(model, [trajs[i] for i in run], run, cfg, methods, tok,
                             arch.vocab_size, pad_id, seed)
