@@ -18,8 +18,8 @@ check's differences) at fp32 rounding; at EP1 the ranks run different numbers of
 at EP2 both the most.
 Also: which layouts' expert groups span DP ranks (TP1 x EP2 yes; EP2 inside TP2 no).
 
-Cost: 23 s for the file on the shared 2 cores at load 21 (one pooled world of 2 ranks started
-for it, the conversion 1 s, both layouts' passes); less in a suite whose pool is warm.
+Cost (the shared 2 cores): 11 s in a warm pool of 2-rank worlds at load 13-18 (the conversion
+and both layouts' passes); 23-31 s run alone at load 19-21, the pool's start included.
 """
 
 from __future__ import annotations
