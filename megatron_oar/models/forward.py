@@ -10,6 +10,10 @@ Tokens are right-padded to the model's sequence multiple (``models.padding``) an
 trimmed back before ``fn`` sees them; or, with ``batching=packed``, a micro-batch's rows run as
 one THD sequence (``models.packing``) and the logits are unpacked to rows. :class:`MicroInput` is
 that one difference, for these passes and the update step.
+
+Every pass reaches megatron's schedule through :func:`run_schedule`, which, where the DP ranks
+must make equally many model calls (``models.equal_calls``: MoE expert groups spanning DP
+ranks, FP8 with a backward), runs filler calls after a short rank's own micro-batches.
 """
 
 from __future__ import annotations
