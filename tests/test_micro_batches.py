@@ -210,20 +210,19 @@ def test_dp_token_balancing_changes_only_rounding(runs):
 # TE's delayed scaling all-reduces amax over TP x DP at every FP8 autocast exit of a grad-enabled
 # pass (and in its backward): DP ranks running different numbers of micro-batches in the update
 # would pair those collectives wrongly and hang. A CPU model cannot run TE's FP8, so the FP8 run
-# switches the agreement on through ``policy_passes.equal_micro_batches`` (what ``model.fp8`` set
+# switches the agreement on through ``models.equal_calls.equal_calls`` (what ``model.fp8`` set
 # decides) and megatron's schedule is wrapped to record each pass's micro-batch count.
 
 def _fp8_worker(ckpt: str, out: str) -> None:
     from megatron.core import parallel_state as ps
 
-    from megatron_oar.models import forward
+    from megatron_oar.models import equal_calls, forward
     from megatron_oar.runtime import ParallelConfig, init_runtime
-    from megatron_oar.training import policy_passes
 
     init_runtime(ParallelConfig(tp=1, pp=1))
     dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = list(range(d, 5, dp))  # widths 27, 15, 28 and 26, 29: 2 and 1 micro-batches of 60 tokens
-    real_schedule, real_rule = forward.get_forward_backward_func, policy_passes.equal_micro_batches
+    real_schedule, real_rule = forward.get_forward_backward_func, equal_calls.equal_calls
     results = {}
     try:
         for fp8 in (False, True):
@@ -238,12 +237,13 @@ def _fp8_worker(ckpt: str, out: str) -> None:
                 return run
 
             forward.get_forward_backward_func = recording
-            policy_passes.equal_micro_batches = lambda config, fp8=fp8: fp8  # model.fp8 set or not
+            # model.fp8 set or not: FP8's rule, for the passes with a backward
+            equal_calls.equal_calls = lambda config, forward_only, fp8=fp8: fp8 and not forward_only
             results[fp8] = {"calls": calls,
                             **_passes(ckpt, rows, "token_budget", sharded_optimizer=False)}
     finally:
         forward.get_forward_backward_func = real_schedule
-        policy_passes.equal_micro_batches = real_rule
+        equal_calls.equal_calls = real_rule
     save_gathered(results, out)
 
 

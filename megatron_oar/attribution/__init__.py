@@ -29,6 +29,7 @@ from megatron_oar.attribution.importance_passes import oar_g, oar_p, oar_p_scree
 from megatron_oar.attribution.probes import NONE, ProbeConfig, ProbeOutput, ProbeSites, locate_probes
 from megatron_oar.attribution.spans import SpanFinder
 from megatron_oar.methods import ATTRIBUTION_METHODS
+from megatron_oar.models.equal_calls import equal_calls
 from megatron_oar.models.parallel import unwrap
 from megatron_oar.models.sequence_batch import SequenceBatch
 
@@ -146,7 +147,10 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
     importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
     copies = 0
     own_teachers: dict[bool, ProbeOutput | None] = {}
-    if rows:
+    # a rank that scores no row still runs the passes where its model calls pair other DP
+    # ranks' (models.equal_calls; FP8 matters only to OAR-G's backward under allow_fp8): its
+    # passes run filler calls only
+    if rows or equal_calls(unwrap(model).config, forward_only=not cfg.allow_fp8):
         model_fp8 = bool(getattr(unwrap(model).config, "fp8", None))
         external = teacher is not None or external_teacher
         sequences = {"batching": cfg.batching, "max_tokens": cfg.max_tokens_per_micro_batch}

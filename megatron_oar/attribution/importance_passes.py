@@ -19,11 +19,14 @@ from megatron_oar.attribution.schedule import (
     Micro,
     attribution_mode,
     clean_embeddings,
+    filler_tokens,
+    output_weight,
     run_probe_schedule,
 )
+from megatron_oar.models.equal_calls import agreed_count, equal_calls
 from megatron_oar.models.micro_batches import micro_batches
 from megatron_oar.models.padding import padded_length, sequence_multiple
-from megatron_oar.models.parallel import broadcast_from_stage
+from megatron_oar.models.parallel import broadcast_from_stage, unwrap
 from megatron_oar.models.sequence_batch import SequenceBatch
 from megatron_oar.seeds import OAR_G_NOISE, derive_seed
 
@@ -56,6 +59,8 @@ def _sequence_micros(batch: SequenceBatch, sites: ProbeSites, rows: list[int], s
                      max_tokens: int | None, multiple: int) -> list[Micro]:
     """Micro-batches of whole scored sequences: ``padded``, each at the longest of ``rows``;
     ``token_budget``, each cut to its own longest row."""
+    if not rows:  # a rank that scores nothing (it may still run filler calls)
+        return []
     lengths = batch.lengths.tolist()
     width = max(lengths[r] for r in rows) if batching == "padded" else None
     return [Micro(batch.tokens[g, :width or max(lengths[r] for r in g)], sites.take(g), g)
@@ -82,12 +87,15 @@ def probe_teacher(model, batch: SequenceBatch, sites: ProbeSites, rows: list[int
         return probe.score.sum() * 0
 
     with attribution_mode(model, allow_fp8), torch.no_grad():
-        run_probe_schedule(model, micros, vocab_size, forward_only=True, last_stage=last_stage)
+        run_probe_schedule(model, micros, vocab_size, forward_only=True, last_stage=last_stage,
+                           filler=_filler(batch, rows))
     if not parallel_state.is_pipeline_last_stage():
         return None
-    any_out = next(iter(outputs.values()))
-    logp = any_out.logp.new_zeros(batch.size, any_out.logp.shape[-1])
-    score = any_out.score.new_zeros(batch.size)
+    width = output_weight(unwrap(model)).shape[0]  # V/TP
+    # float64, as ProbeOutput.from_position_logits makes it (zeros for rows not scored, and for
+    # every row of a rank that scores none but runs the pass to pair the others' calls)
+    logp = torch.zeros(batch.size, width, dtype=torch.float64, device=batch.tokens.device)
+    score = torch.zeros(batch.size, dtype=torch.float64, device=batch.tokens.device)
     for r, out in outputs.items():
         logp[r], score[r] = out.logp[0], out.score[0]
     return ProbeOutput(logp, score)
@@ -123,7 +131,7 @@ def oar_g(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput |
 
     with attribution_mode(model, allow_fp8):
         run_probe_schedule(model, micros, vocab_size, forward_only=False, first_stage=first_stage,
-                           last_stage=last_stage)
+                           last_stage=last_stage, filler=_filler(batch, rows))
     if parallel_state.is_pipeline_first_stage():
         for micro in micros:
             x, emb = micro.extra
@@ -182,7 +190,9 @@ def oar_p(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput |
     mask = sites.score_mask if positions is None else sites.score_mask & positions.to(sites.score_mask.device)
     copies = [(i, int(t)) for i in rows for t in mask[i].nonzero().flatten()]
     multiple = sequence_multiple(model.config)
-    if serial:
+    if not copies:
+        calls = []
+    elif serial:
         calls = [m for c in copies for m in _copy_micros(batch, sites, [c], 1, pad_id, batching="padded", bucket=1)]
     else:
         calls = _copy_micros(batch, sites, copies, micro_batch_size, pad_id, batching=batching,
@@ -193,10 +203,21 @@ def oar_p(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput |
         importance[micro.rows, micro.extra] = d.to(importance.device, importance.dtype)
         return d.sum() * 0
 
+    if equal_calls(unwrap(model).config, forward_only=True):  # every rank runs as many schedules
+        calls += [[] for _ in range(agreed_count(len(calls)) - len(calls))]
     with attribution_mode(model), torch.no_grad():
         for micros in calls:
-            run_probe_schedule(model, micros, vocab_size, forward_only=True, last_stage=last_stage)
+            run_probe_schedule(model, micros, vocab_size, forward_only=True, last_stage=last_stage,
+                               filler=_filler(batch, rows))
     return broadcast_from_stage(importance, first=False), len(copies)
+
+
+def _filler(batch: SequenceBatch, rows: list[int]) -> torch.Tensor | None:
+    """The input of a pass's filler calls, if it runs any (``schedule.filler_tokens``; None for
+    an empty batch)."""
+    if not batch.size:
+        return None
+    return filler_tokens(batch.tokens, batch.lengths.tolist(), rows)
 
 
 def screen_count(n: int, fraction: float) -> int:

@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel import (
 )
 
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
-from megatron_oar.models.forward import MicroInput, run_schedule
+from megatron_oar.models.forward import MicroInput, run_schedule, schedule_calls
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 from megatron_oar.models.parallel import unwrap
 
@@ -120,8 +120,19 @@ FirstStageFn = Callable[[object, Micro], torch.Tensor]
 LastStageFn = Callable[[Micro, ProbeOutput], torch.Tensor]
 
 
+def filler_tokens(tokens: torch.Tensor, lengths: list[int], rows: list[int]) -> torch.Tensor:
+    """A real row as a filler call's input (``models.equal_calls``): the shortest of ``rows``
+    (of every row when ``rows`` is empty), ``[1, length]``."""
+    pick = min(rows or range(len(lengths)), key=lambda r: lengths[r], default=None)
+    if pick is None:
+        raise ValueError("an empty batch has no row for the filler calls that pair other DP ranks' "
+                         "model calls (models.equal_calls)")
+    return tokens[pick:pick + 1, :lengths[pick]]
+
+
 def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_only: bool,
-                       last_stage: LastStageFn, first_stage: FirstStageFn | None = None) -> None:
+                       last_stage: LastStageFn, first_stage: FirstStageFn | None = None,
+                       filler: torch.Tensor | None = None) -> None:
     """Run ``micros`` through megatron's schedule, inside attribution_mode. Micro-batches may
     differ in rows and length (pipeline stages then exchange shapes: ``variable_shapes``).
 
@@ -129,12 +140,16 @@ def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_o
     model's own embedding); ``last_stage(micro, probe_output)`` returns a scalar whose gradient
     the backward pass propagates (ignored when ``forward_only``). Both see ``micro`` unpadded:
     the padding to the sequence multiple is added here (zeros in the decoder input).
+
+    Where the DP ranks must run equally many model calls (``models.equal_calls``) a rank with
+    fewer runs filler calls on ``filler`` (tokens ``[1, s]``, :func:`filler_tokens`; default: its
+    smallest micro-batch; a rank without micro-batches must give it): the clean embedding in
+    (a leaf that takes the backward's gradient), no callback sees it, its loss is 0.
     """
-    if not micros:
-        return
     gpt = unwrap(model)
-    inputs = [MicroInput(m.tokens, sequence_multiple(gpt.config)) for m in micros]
-    n = len(micros)
+    multiple = sequence_multiple(gpt.config)
+    inputs = [MicroInput(m.tokens, multiple) for m in micros]
+    n = schedule_calls(model, len(micros), forward_only)
 
     def step(data_iter, chunk):
         micro, inp = next(data_iter)
@@ -148,10 +163,17 @@ def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_o
             probe = ProbeOutput.from_position_logits(probe_logits(gpt, out, micro.sites), micro.sites,
                                                      vocab_size)
             objective = last_stage(micro, probe)
-            # the schedule divides by the number of micro-batches: undo it so every
+            # the schedule divides by the number of model calls: undo it so every
             # sequence's gradient is d J_i / d input, whatever the micro-batching
             return objective * n, {}
 
         return hidden, loss
 
-    run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=forward_only)
+    def call_filler(chunk, inp: MicroInput) -> torch.Tensor:
+        decoder_input = None
+        if not forward_only and parallel_state.is_pipeline_first_stage():
+            decoder_input = to_decoder_input(gpt, clean_embeddings(gpt, inp.tokens).requires_grad_(True))
+        return chunk(inp.tokens, inp.position_ids, attention_mask=None, decoder_input=decoder_input)
+
+    run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=forward_only, num_calls=n,
+                 filler=None if filler is None else MicroInput(filler, multiple), call_filler=call_filler)

@@ -215,6 +215,8 @@ def run(cfg, *, trajectories: int, per_prompt: int, methods: list[str], k_percen
     """Collective: the whole analysis; rank 0 returns the recall table (others None)."""
     from megatron.core import parallel_state as ps
 
+    from megatron_oar.models.equal_calls import equal_calls
+    from megatron_oar.models.parallel import unwrap
     from megatron_oar.rewards import RewardScorer
     from megatron_oar.rollout import RolloutEngine
     from megatron_oar.training.policy import build_reference, init_checkpoint
@@ -237,9 +239,14 @@ def run(cfg, *, trajectories: int, per_prompt: int, methods: list[str], k_percen
         log.info("%d correct trajectories", len(trajs))
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         mine = list(range(dp_rank, len(trajs), dp))
-        part = score_tokens(model, [trajs[i] for i in mine], mine, cfg, methods, tok,
+        # a rank without trajectories whose model calls pair other DP ranks' (models.equal_calls)
+        # scores the first one as a filler and keeps nothing
+        filler = not mine and bool(trajs) and equal_calls(unwrap(model).config,
+                                                          forward_only=not cfg.attribution.allow_fp8)
+        run = [0] if filler else mine
+        part = score_tokens(model, [trajs[i] for i in run], run, cfg, methods, tok,
                             arch.vocab_size, pad_id, seed)
-        holder = part is not None and ps.get_tensor_model_parallel_rank() == 0
+        holder = part is not None and ps.get_tensor_model_parallel_rank() == 0 and not filler
         parts: list = [None] * rt.world_size
         dist.all_gather_object(parts, (mine, part) if holder else None, group=control)
         scored: list = [None] * len(trajs)

@@ -10,6 +10,10 @@ Tokens are right-padded to the model's sequence multiple (``models.padding``) an
 trimmed back before ``fn`` sees them; or, with ``batching=packed``, a micro-batch's rows run as
 one THD sequence (``models.packing``) and the logits are unpacked to rows. :class:`MicroInput` is
 that one difference, for these passes and the update step.
+
+Every pass reaches megatron's schedule through :func:`run_schedule`, which, where the DP ranks
+must make equally many model calls (``models.equal_calls``: MoE expert groups spanning DP
+ranks, FP8 with a backward), runs filler calls after a short rank's own micro-batches.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from megatron_oar.models import equal_calls
 from megatron_oar.models.packing import pack, packed_seq_params, unpack
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 from megatron_oar.models.parallel import unwrap
@@ -68,15 +73,66 @@ class MicroInput:
         return trim(logits, self.width) if self.packed is None else unpack(logits, self.packed, self.width)
 
 
-def run_schedule(model, step, items: list, inputs: list[MicroInput], forward_only: bool):
+# the statistics a filler call returns to megatron's schedule: run_schedule drops them
+_FILLER_STATS: dict = {}
+_FILLER = object()  # a filler item in the schedule's data iterator
+
+
+def schedule_calls(model, n: int, forward_only: bool) -> int:
+    """How many model calls a pass of ``n`` micro-batches on this rank runs: ``n``, or the most
+    any DP rank runs when the ranks must agree (``models.equal_calls``; collective over DP)."""
+    if equal_calls.equal_calls(unwrap(model).config, forward_only):
+        return equal_calls.agreed_count(n)
+    return n
+
+
+def run_schedule(model, step, items: list, inputs: list[MicroInput], forward_only: bool, *,
+                 num_calls: int | None = None, filler: MicroInput | None = None,
+                 call_filler: Callable | None = None) -> list:
     """megatron's schedule over ``items`` (one per micro-batch, ``inputs`` their model inputs):
-    shapes announced from the inputs, variable ones exchanged under pipeline parallelism."""
+    shapes announced from the inputs, variable ones exchanged under pipeline parallelism.
+    Returns the last stage's records of ``items`` (``loss_func``'s statistics).
+
+    ``num_calls`` (default :func:`schedule_calls`): the model calls to run. Past ``items`` the
+    schedule runs filler calls (ranks that must pair collectives with ranks running more,
+    ``models.equal_calls``): ``filler`` (default: this rank's input with the fewest tokens; a
+    rank without items must give one) through the model by ``call_filler(chunk, filler)``
+    (default ``filler(chunk)``), outputs discarded, loss ``0 * sum(output)`` (so gradients are
+    exactly 0), and no record. ``step`` never sees them. Megatron divides each micro-batch's loss
+    by the number of calls, fillers included: a step that undoes it scales by ``num_calls``."""
+    if num_calls is None:
+        num_calls = schedule_calls(model, len(items), forward_only)
+    extra = num_calls - len(items)
+    if extra < 0:
+        raise ValueError(f"num_calls={num_calls} is fewer than the {len(items)} micro-batches")
+    if num_calls == 0:
+        return []
+    if extra:
+        if filler is None:
+            if not inputs:
+                raise ValueError("a rank without micro-batches needs a filler input to pair the "
+                                 "other DP ranks' model calls")
+            filler = min(inputs, key=lambda i: i.tokens.numel())
+        inputs = [*inputs, filler]
+    call_filler = call_filler or (lambda chunk, inp: inp(chunk))
+
+    def run_step(data_iter, chunk):
+        item = next(data_iter)
+        if item is not _FILLER:
+            return step(iter([item]), chunk)
+        return call_filler(chunk, filler), _zero_loss
+
     shapes = {tuple(i.tokens.shape) for i in inputs}
     with variable_shapes(model, len(shapes) > 1):
-        return get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(items), model=[model], num_microbatches=len(items),
-            seq_length=max(w for _, w in shapes), micro_batch_size=max(r for r, _ in shapes),
-            forward_only=forward_only)
+        records = get_forward_backward_func()(
+            forward_step_func=run_step, data_iterator=iter([*items, *[_FILLER] * extra]), model=[model],
+            num_microbatches=num_calls, seq_length=max(w for _, w in shapes),
+            micro_batch_size=max(r for r, _ in shapes), forward_only=forward_only)
+    return [r for r in records if r is not _FILLER_STATS]
+
+
+def _zero_loss(out: torch.Tensor):
+    return out.sum() * 0, _FILLER_STATS
 
 
 @torch.no_grad()

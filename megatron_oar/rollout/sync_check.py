@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_oar.models import vocab_parallel as vp
+from megatron_oar.models.equal_calls import equal_calls
 from megatron_oar.models.forward import forward_map
+from megatron_oar.models.parallel import unwrap
 from megatron_oar.rollout.batch import RolloutBatch
 
 
@@ -76,13 +78,17 @@ def logprob_agreement(model, batch: RolloutBatch, vocab_size: int, *,
     rows = list(range(d, seqs.size, dp))
     stats = torch.zeros(2, dtype=torch.float64, device=_stats_device())  # sum |diff|, count
     peak = torch.zeros(1, dtype=torch.float64, device=_stats_device())
-    if rows:
-        pad_rows = (-len(rows)) % micro_batch_size
-        idx = torch.tensor(rows + [rows[-1]] * pad_rows)
+    # a rank without rows whose model calls pair other DP ranks' (models.equal_calls) runs the
+    # first row as a filler and counts nothing (the schedule adds filler calls to the others)
+    filler = not rows and seqs.size > 0 and equal_calls(unwrap(model).config, forward_only=True)
+    if rows or filler:
+        run = rows or [0]
+        pad_rows = (-len(run)) % micro_batch_size
+        idx = torch.tensor(run + [run[-1]] * pad_rows)
         length = int(seqs.lengths[idx].max())
         tokens = seqs.tokens[idx, :length].to(_stats_device())
         ours = token_logprobs(model, tokens, vocab_size, micro_batch_size)
-        contributes = ours is not None and ps.get_tensor_model_parallel_rank() == 0
+        contributes = ours is not None and ps.get_tensor_model_parallel_rank() == 0 and not filler
         if contributes:
             n = len(rows)
             mask = seqs.response_mask()[idx[:n], 1:length].to(ours.device)

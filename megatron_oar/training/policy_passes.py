@@ -22,11 +22,10 @@ what the passes do with the routing (``model.routing_replay``): the old-logprob 
 (``training``) or replays vLLM's (``rollout``) into ``batch.routed_experts``, the update replays
 that, and both count the routing metrics (``training/routing_replay.py``).
 
-Under FP8 every DP rank runs the same number of micro-batches in the update
-(:func:`equal_micro_batches`): Transformer Engine's delayed scaling all-reduces amax over TP x DP
-at each FP8 autocast exit of a grad-enabled forward and in the backward, so ranks with different
-counts would pair those collectives wrongly and hang. The forward-only passes run with autograd
-off, where TE reduces nothing, so their counts may differ.
+The DP ranks run equally many model calls in a pass where collectives pair across them
+(``models.equal_calls``: a MoE model whose expert groups span DP ranks, in every pass; FP8 in
+the update, where Transformer Engine's delayed scaling all-reduces amax over TP x DP): short
+ranks run filler calls that add nothing (``models.forward.run_schedule``).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from megatron.core import parallel_state as ps
 from megatron_oar.algorithms import PolicyLossConfig, ppo_clip_loss
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
 from megatron_oar.models import vocab_parallel as vp
-from megatron_oar.models.forward import MicroInput, forward_map, forward_rows, run_schedule
+from megatron_oar.models.forward import MicroInput, forward_map, forward_rows, run_schedule, schedule_calls
 from megatron_oar.models.micro_batches import micro_batches
 from megatron_oar.models.padding import pad_to, sequence_multiple
 from megatron_oar.models.parallel import broadcast_from_stage, unwrap
@@ -194,29 +193,6 @@ def _global_counts(mask: torch.Tensor, group) -> tuple[int, int]:
     return int(counts[0]), int(counts[1])
 
 
-def equal_micro_batches(config) -> bool:
-    """Whether the DP ranks must run equally many micro-batches in a grad-enabled pass: under
-    FP8 (any recipe: only ``delayed`` reduces amax over DP, but one all-reduce of a count per
-    update is cheaper than reasoning about each recipe)."""
-    return bool(config.fp8)
-
-
-def _agreed_count(n_micro: int, group, device) -> int:
-    """The most micro-batches any DP rank of ``group`` runs."""
-    n = torch.tensor([n_micro], dtype=torch.int64, device=device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
-    return int(n)
-
-
-def _filler(batch: TrainBatch) -> TrainBatch:
-    """A micro-batch that adds exactly nothing: the shortest row with no loss-mask token, so its
-    loss, its gradients and its token count are 0 (the normalising counts are taken from
-    ``batch``, never from the micro-batches)."""
-    row = batch.select([int(batch.lengths.argmin())])
-    row.loss_mask = torch.zeros_like(row.loss_mask)
-    return row
-
-
 def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_size: int,
                 micro_batch_size: int, *, batching: str = "padded",
                 max_tokens: int | None = None, routing: RoutingLog | None = None) -> StepResult:
@@ -227,8 +203,9 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
     tokens each, padded to their own longest; ``packed``, grouped alike, each run as one THD
     sequence). The loss is the exact mini-batch loss of Eq. 18
     (token / sequence counts are global over DP), so the grouping and DP change nothing but
-    rounding. Under FP8 every DP rank runs as many micro-batches as the one with the most, the
-    others filled with micro-batches that add nothing (:func:`equal_micro_batches`). With
+    rounding. Where the DP ranks must run equally many (``models.equal_calls``: FP8, or expert
+    groups spanning DP ranks) each runs as many as the one with the most, the others adding
+    filler calls that add nothing (``models.forward.run_schedule``). With
     ``routing`` in a replay mode the forward (hence the backward) uses ``batch.routed_experts``.
     Collective over the world.
     """
@@ -238,15 +215,11 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
                            max_tokens=max_tokens, multiple=multiple)
     micros = [batch.select(g) for g in groups]  # each trimmed to its own longest row
     dp_group = ps.get_data_parallel_group()
-    if equal_micro_batches(model.config):  # TE's amax all-reduces pair up across DP
-        agreed = _agreed_count(len(micros), dp_group, batch.tokens.device)
-        filler = [int(batch.lengths.argmin())]
-        groups = groups + [filler] * (agreed - len(micros))
-        micros += [_filler(batch) for _ in range(agreed - len(micros))]
     if batching == "padded":
         width = max(m.tokens.shape[1] for m in micros)
         micros = [_pad_to(m, width) for m in micros]
-    n_micro = len(micros)
+    # model calls, filler calls included (models.equal_calls): megatron divides by all of them
+    n_micro = schedule_calls(model, len(micros), False)
     inputs = [MicroInput(m.tokens, multiple, m.lengths.tolist() if batching == "packed" else None)
               for m in micros]
     num_tokens, num_seqs = _global_counts(batch.loss_mask, dp_group)
@@ -285,7 +258,8 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
     model.zero_grad_buffer()
     optimizer.zero_grad()
     with route:
-        records = run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=False)
+        records = run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=False,
+                               num_calls=n_micro)
 
     # megatron's optimizer.step(), split so the non-finite guard sits between gradient
     # preparation and the update. prepare_grads runs once: with fp16 it unscales the gradients

@@ -175,7 +175,9 @@ class RoutingLog:
 class RoutingPass:
     """One Megatron pass over a batch's micro-batches, routing as asked.
 
-    ``rows``: the batch rows of each micro-batch, in the schedule's order; ``lengths``: the
+    ``rows``: the batch rows of each micro-batch, in the schedule's order (model calls past
+    them are filler calls pairing other DP ranks' calls, ``models.equal_calls``: they route on
+    their own and are neither recorded, replayed nor counted); ``lengths``: the
     batch rows' real lengths; ``width``: the batch's columns. ``record``: fill :attr:`routed`
     (``[B, width, n, k]``) with this pass's routing (megatron's ``RECORD``); ``replay``: a
     ``routed`` tensor to force (``REPLAY_FORWARD``); ``log``/``agree``: count how many of the
@@ -207,7 +209,8 @@ class RoutingPass:
         if replay is not None and replay.shape[2] != len(self.routers):
             raise ValueError(f"replayed routing has {replay.shape[2]} MoE layers, this stage has {len(self.routers)}")
         self.counts = torch.zeros(len(self.routers), self.experts or 1, dtype=torch.float64)
-        self.micro = -1
+        self.micro = -1  # calls past len(rows) are filler calls (models.equal_calls)
+        self.action = None  # megatron's RouterReplayAction of the pass's own calls
         self.tokens = None  # (row, col, valid) of the current micro-batch
         self.targets = self.known = None  # its replayed top-k [n, layers, k], and where recorded
         self._handles = []
@@ -216,6 +219,15 @@ class RoutingPass:
 
     def _pre(self, module, args, kwargs):
         self.micro += 1
+        if self.micro >= len(self.rows):  # a filler call (models.equal_calls): routes on its own
+            self.tokens = None
+            for r in self.routers:
+                if r.router_replay is not None:
+                    r.router_replay.clear_router_replay_action()
+            return
+        if self.action is not None:  # the pass's own calls (before any filler)
+            for r in self.routers:
+                r.router_replay.set_router_replay_action(self.action)
         rows = self.rows[self.micro]
         self.tokens = router_tokens(args, kwargs, rows, self.lengths, self.tp_rank, self.tp_size, self.sp)
         if self.replay is not None:
@@ -237,6 +249,8 @@ class RoutingPass:
 
     def _router_post(self, layer: int):
         def hook(router, args, output):
+            if self.tokens is None:  # a filler call: neither recorded nor counted
+                return
             row, col, valid = self.tokens
             with torch.no_grad():
                 if self.record:
@@ -281,10 +295,10 @@ class RoutingPass:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if self.record or self.replay is not None:
-            action = RouterReplayAction.RECORD if self.record else RouterReplayAction.REPLAY_FORWARD
+            self.action = RouterReplayAction.RECORD if self.record else RouterReplayAction.REPLAY_FORWARD
             for r in self.routers:
                 r.router_replay.clear_indices()
-                r.router_replay.set_router_replay_action(action)
+                r.router_replay.set_router_replay_action(self.action)
         self._handles.append(unwrap(self.model).register_forward_pre_hook(self._pre, with_kwargs=True))
         for i, r in enumerate(self.routers):
             self._handles.append(r.register_forward_hook(self._router_post(i)))
