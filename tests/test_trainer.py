@@ -199,7 +199,7 @@ def _guard_worker(ckpt: str, root: str, out: str) -> None:
     from megatron_oar.training import policy_passes
     from megatron_oar.training.trainer import NonFiniteError, Trainer
 
-    real = policy_passes.ppo_clip_loss
+    real = policy_passes.policy_loss
     bad_steps: set[int] = set()
     current = {"step": 0}
 
@@ -207,7 +207,7 @@ def _guard_worker(ckpt: str, root: str, out: str) -> None:
         loss, stats = real(*args, **kwargs)
         return (loss * float("nan") if current["step"] in bad_steps else loss), stats
 
-    policy_passes.ppo_clip_loss = flaky
+    policy_passes.policy_loss = flaky
     cfg = _config(ckpt, str(Path(root) / "skip"), "credit=grpo", "train.steps=3",
                   "train.max_nonfinite_steps=2")
     engine = _engine(cfg)
@@ -236,7 +236,7 @@ def _guard_worker(ckpt: str, root: str, out: str) -> None:
     except NonFiniteError as e:
         error = str(e)
     engine.shutdown()
-    policy_passes.ppo_clip_loss = real
+    policy_passes.policy_loss = real
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({"unchanged": unchanged, "error": error}))
 
