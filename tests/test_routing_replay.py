@@ -424,7 +424,7 @@ def test_training_replay_world2(tiny_moe):
             lp, model, _ = _hf_forced(hf, full, forced, roll=True)
             mask = full.loss_mask
             loss, _ = policy_loss(lp, old, full.advantages, mask, PolicyLossConfig(),
-                                    num_tokens=int(mask.sum()), num_seqs=int(mask.any(-1).sum()))
+                                  num_tokens=int(mask.sum()), num_seqs=int(mask.any(-1).sum()))
             loss.backward()
             ref = lp.detach(), model, loss
         lp, model, loss = ref
