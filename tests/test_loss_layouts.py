@@ -7,9 +7,9 @@ holds whole rows.
 
 Cost: one pooled world of 2 ranks running every layout, loss and grouping in one job (a policy
 built per layout, 18 updates of the scaled tiny Qwen2, each from the checkpoint's weights and a
-fresh Adam state): the job took 27 s on 2 cores at a load average of 16 (other users), so
-well under that on a quiet machine; the world pool and the shared scaled checkpoint are the
-suite's.
+fresh Adam state). Measured on the 2 shared cores at a load average of 20-37 (other users): 4 s
+of setup and 15 s of updates (DP2 1 s, TP2 9 s, PP2 5 s); the world pool and the shared scaled
+checkpoint are the suite's.
 """
 
 from __future__ import annotations
