@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("repro_out"))
     p.add_argument("--config", type=Path, default=CONFIG, help="the testbed config (chain task)")
     p.add_argument("--grid", choices=sorted(GRIDS), default="default")
-    p.add_argument("--seeds", type=int, help="seeds per method (default: the grid's)")
+    p.add_argument("--seeds", type=int, help="seeds per method, the loss axis's too (default: the grid's)")
     p.add_argument("--steps", type=int, help="RL steps per run (default: the grid's)")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each)")
     p.add_argument("--report-only", action="store_true", help="tables and figures from what is there")
@@ -349,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = p.parse_args(argv)
     g = GRIDS[args.grid]
-    g = Grid(**{**asdict(g), **{k: v for k, v in (("seeds", args.seeds), ("steps", args.steps))
-                                if v is not None}, "overrides": list(args.overrides)})
+    g = Grid(**{**asdict(g), **{k: v for k, v in (("seeds", args.seeds), ("loss_seeds", args.seeds),
+                                                  ("steps", args.steps)) if v is not None},
+                "overrides": list(args.overrides)})
     run(args.out, g, config=args.config, jobs=args.jobs, report_only=args.report_only)
     if args.publish:
         publish(args.out, args.publish, "oar repro " + " ".join(argv if argv is not None else sys.argv[1:]))
