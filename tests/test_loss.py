@@ -311,6 +311,10 @@ def test_rollout_weights_hand_computed():
     assert stats["mismatch_k1"].item() == pytest.approx(-d.mean().item())
     w, stats = rollout_weights(old, rollout, mask, "none")
     assert stats["rollout_is_weight_mean"].item() == 1.0 and stats["rollout_masked_frac"].item() == 0
+    # vLLM's -inf (a token outside a processed top-k): bounded, the statistics finite
+    w, stats = rollout_weights(old, torch.tensor([[0.0, -float("inf"), 0.0, 0.0]], dtype=torch.float64),
+                               mask, "tis")
+    assert w[0, 1] == 2.0 and all(torch.isfinite(v) for v in stats.values())
 
 
 @pytest.mark.parametrize("name", ["ppo_clip", "gspo_token", "cispo"])

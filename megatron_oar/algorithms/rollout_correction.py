@@ -81,9 +81,10 @@ def rollout_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, 
     mask = mask.bool()
     with torch.no_grad():
         zero = torch.zeros((), dtype=old_logprobs.dtype, device=old_logprobs.device)
-        d = torch.where(mask, old_logprobs.detach() - rollout_logprobs.detach().to(old_logprobs.dtype), zero)
-        dc = d.clamp(-MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)
-        stats = {"mismatch_kl": masked_mean(torch.exp(dc) - dc - 1, mask), "mismatch_k1": masked_mean(-d, mask)}
+        # clamped: a -inf log-prob from vLLM (a token outside processed top-k) stays finite
+        d = torch.where(mask, old_logprobs.detach() - rollout_logprobs.detach().to(old_logprobs.dtype),
+                        zero).clamp(-MAX_LOG_WEIGHT, MAX_LOG_WEIGHT)
+        stats = {"mismatch_kl": masked_mean(torch.exp(d) - d - 1, mask), "mismatch_k1": masked_mean(-d, mask)}
         truncated = masked = torch.zeros_like(mask)
         if mode == "none":
             weights = mask.to(old_logprobs.dtype)
