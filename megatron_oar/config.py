@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException, ValidationError
 
 from megatron_oar.algorithms import PolicyLossConfig, ShapingConfig
+from megatron_oar.algorithms.loss import SEQUENCE_ADVANTAGE_LOSSES
 from megatron_oar.attribution import AttributionConfig
 from megatron_oar.data import ANSWER_FORMATS, PRESETS, TEMPLATES, ArithmeticConfig, FieldMap
 from megatron_oar.eval_config import EvalConfig
@@ -251,7 +252,7 @@ class Config:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     shaping: ShapingConfig = field(default_factory=ShapingConfig)       # OAR tau/beta, entropy alpha
     attribution: AttributionConfig = field(default_factory=AttributionConfig)  # OAR-G/-P, probe
-    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # clip, agg, kl_coef
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # policy_loss, clips, agg, rollout_correction
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -606,8 +607,28 @@ def _check_algorithm(cfg: Config) -> None:
           "tokenizer to find answer spans: set model.tokenizer")
     _need(cfg.loss.agg != "seq_mean_token_sum_norm" or cfg.loss.norm_len is not None,
           "loss.norm_len: seq_mean_token_sum_norm needs a constant (e.g. rollout.max_new_tokens)")
+    _check_loss_composition(cfg)
     _need(cfg.advantage.eps >= 0, f"advantage.eps={cfg.advantage.eps}: must be >= 0")
     _component(cfg.rewards.validate)
+
+
+def _check_loss_composition(cfg: Config) -> None:
+    """``loss.policy_loss`` with ``credit`` (docs/algorithms.md, "Policy losses and OAR"), and
+    ``loss.rollout_correction`` with the log-probs vLLM reports."""
+    loss, r = cfg.loss, cfg.rollout
+    _need(loss.policy_loss not in SEQUENCE_ADVANTAGE_LOSSES or shaping_scheme(cfg.credit) == "grpo",
+          f"loss.policy_loss={loss.policy_loss} with credit={cfg.credit}: GSPO's one ratio per "
+          f"sequence multiplies one advantage per sequence, so the token advantages credit="
+          f"{cfg.credit} reshapes would be averaged back to the sequence advantage and its "
+          "reshaping silently dropped. Use loss.policy_loss=gspo_token (GSPO's sequence ratio, "
+          "token advantages) or cispo, or credit=grpo")
+    comparable = r.logprobs_mode == "raw_logprobs" or (
+        r.temperature == 1.0 and r.top_p == 1.0 and r.top_k in (0, -1))
+    _need(loss.rollout_correction == "none" or comparable,
+          f"loss.rollout_correction={loss.rollout_correction} weighs by pi_old / pi_rollout with the "
+          "policy's temperature-1 log-probs, but rollout.logprobs_mode='processed_logprobs' at "
+          f"temperature={r.temperature}, top_p={r.top_p}, top_k={r.top_k} reports another "
+          "distribution's: use rollout.logprobs_mode=raw_logprobs")
 
 
 def _check_optimizer_and_run(cfg: Config) -> None:
@@ -675,6 +696,11 @@ def _warn_mismatches(cfg: Config) -> None:
         log.warning("data.template=boxed but attribution.probe.answer_pattern looks for <answer> tags")
     if boxed and cfg.rewards.format_weight and cfg.rewards.format_style != "boxed":
         log.warning("data.template=boxed but rewards.format_style=%s", cfg.rewards.format_style)
+    if cfg.loss.policy_loss == "gspo" and cfg.loss.agg != "seq_mean_token_mean":
+        log.warning("loss.policy_loss=gspo with loss.agg=%s: the GSPO paper averages its sequence "
+                    "losses over sequences (loss.agg=seq_mean_token_mean); %s weighs them %s",
+                    cfg.loss.agg, cfg.loss.agg, "by length" if cfg.loss.agg == "token_mean"
+                    else "by length over loss.norm_len")
     if any("</answer>" in s for s in cfg.rollout.stop):
         log.warning("rollout.stop has '</answer>': vLLM drops stop strings from its output, so the "
                     "answer tag would be cut off")

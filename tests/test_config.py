@@ -412,6 +412,10 @@ def test_lengths():
     (["rollout.temperature=-1"], r"rollout.temperature"),
     (["rewards.extractors=[nope]"], r"rewards.extractors"),
     (["loss.agg=seq_mean_token_sum_norm"], r"loss.norm_len"),
+    (["loss.policy_loss=gspo"], r"loss.policy_loss=gspo with credit=oar_g: .* Use loss.policy_loss=gspo_token"),
+    (["loss.policy_loss=gspo", "credit=entropy"], r"loss.policy_loss=gspo with credit=entropy"),
+    (["loss.rollout_correction=tis", "rollout.logprobs_mode=processed_logprobs", "rollout.temperature=0.7",
+      "rollout.max_logprob_mismatch=null"], r"loss.rollout_correction=tis .* rollout.logprobs_mode=raw_logprobs"),
     (["optim.lr_schedule=step"], r"optim.lr_schedule='step'"),
     (["optim.min_lr=1"], r"optim.min_lr=1.0"),
     (["optim.adam_beta2=1.0"], r"optim.adam_beta2=1.0"),
@@ -426,6 +430,19 @@ def test_lengths():
 def test_validation_names_the_key(overrides, match):
     with raises(match):
         validate(example("tiny_cpu.yaml", *overrides), world_size=2, hf_config=HF["tiny"])
+
+
+@pytest.mark.parametrize("credit", ["grpo", "oar_g", "oar_p"])
+@pytest.mark.parametrize("loss", ["ppo_clip", "gspo_token", "cispo"])
+def test_token_advantage_losses_compose_with_every_credit(credit, loss):
+    validate(example("tiny_cpu.yaml", f"credit={credit}", f"loss.policy_loss={loss}",
+                     "loss.rollout_correction=icepop"), world_size=2, hf_config=HF["tiny"])
+
+
+def test_gspo_with_grpo_credit(caplog):
+    cfg = example("tiny_cpu.yaml", "credit=grpo", "loss.policy_loss=gspo", "loss.agg=token_mean")
+    validate(cfg, world_size=2, hf_config=HF["tiny"])
+    assert "loss.agg=seq_mean_token_mean" in caplog.text  # the paper's aggregation, a warning
 
 
 def test_fp8_with_te_spec_is_allowed():

@@ -37,11 +37,36 @@ def test_grid_default_and_aliases():
     main = [s for s in specs if s.group == "main"]
     assert len(main) == len(runner.METHODS) * 3
     assert {s.label for s in specs if s.group == "tau"} == {"tau=0.0", "tau=0.7", "tau=1.0"}
-    assert all(s.method == "oar_g" for s in specs if s.group != "main")
+    assert all(s.method == "oar_g" for s in specs if s.group not in ("main", "loss"))
     aliases = runner._baselines(specs, g)
-    assert {(a.group, a.label, a.name) for a in aliases} == {
+    assert {(a.group, a.label, a.name) for a in aliases if a.group != "loss"} == {
         ("tau", "tau=0.4", "oar_g_s0"), ("probe", "answer_mean", "oar_g_s0"),
         ("floor", "floor=0", "oar_g_s0")}
+    # the loss axis: GRPO and OAR-G x (gspo_token, cispo, ppo_clip + tis) x 3 seeds, and the main
+    # runs as its ppo_clip rows
+    loss = [s for s in specs if s.group == "loss"]
+    assert len(loss) == 2 * 3 * 3
+    assert {s.label for s in loss} == {f"{m} / {x}" for m in ("grpo", "oar_g")
+                                       for x in ("gspo_token", "cispo", "ppo_clip + tis")}
+    assert {s.overrides for s in loss} == {("loss.policy_loss=gspo_token",), ("loss.policy_loss=cispo",),
+                                           ("loss.rollout_correction=tis",)}
+    assert {(a.label, a.name) for a in aliases if a.group == "loss"} == {
+        (f"{m} / ppo_clip", f"{m}_s{s}") for m in ("grpo", "oar_g") for s in range(3)}
+
+
+def test_loss_axis_runs_validate():
+    """Every loss-axis run of the default and full grids is a config the trainer accepts (one
+    of each method and overrides; no run started)."""
+    from megatron_oar.config import load_config, validate
+
+    seen = set()
+    for g in (runner.GRIDS["default"], runner.GRIDS["full"]):
+        for spec in runner.grid(g):
+            if spec.group == "loss" and (spec.method, spec.overrides) not in seen:
+                seen.add((spec.method, spec.overrides))
+                cfg = load_config(runner.CONFIG, runner.run_overrides(spec, Path("sft"), Path("run"), g))
+                validate(cfg, world_size=1)
+                assert cfg.credit == spec.method
 
 
 def _write_run(out: Path, spec: runner.RunSpec, evals: dict[int, float], pass_k: float,
@@ -67,12 +92,15 @@ def _write_run(out: Path, spec: runner.RunSpec, evals: dict[int, float], pass_k:
 
 
 def test_report_from_runs(tmp_path):
-    g = runner.Grid(methods=("grpo", "oar_g"), seeds=2, taus=(1.0,), probes=(), floors=())
+    g = runner.Grid(methods=("grpo", "oar_g"), seeds=2, taus=(1.0,), probes=(), floors=(),
+                    loss_methods=("oar_g",), losses=("cispo",), corrections=(), loss_seeds=2)
     acc = {("grpo", 0): 0.40, ("grpo", 1): 0.50, ("oar_g", 0): 0.55, ("oar_g", 1): 0.60}
     for s in runner.grid(g):
         if s.group == "main":
             _write_run(tmp_path, s, {0: 0.3, 4: acc[s.method, s.seed]}, 0.8 if s.method == "grpo" else 0.9,
                        1.0 if s.method == "grpo" else 2.0)
+        elif s.group == "loss":  # oar_g / cispo: 0.65 and 0.60, vs ppo_clip's 0.55 and 0.60
+            _write_run(tmp_path, s, {0: 0.3, 4: (0.65, 0.60)[s.seed]}, 0.95, 2.0)
         else:
             _write_run(tmp_path, s, {0: 0.3, 4: 0.45}, 0.7, 2.0)
     (tmp_path / "oracle" / "answer_mean").mkdir(parents=True)
@@ -95,7 +123,14 @@ def test_report_from_runs(tmp_path):
     curve = rep["curves"]["reward/mean"]["grpo"]
     assert curve["steps"] == [1, 2, 3, 4] and curve["mean"][0] == pytest.approx(0.1)
     assert Path(rep["figures"]["curves"]).is_file() and Path(rep["figures"]["recall"]).is_file()
+    losses = rep["losses"]
+    assert set(losses) == {"oar_g / ppo_clip", "oar_g / cispo"}
+    assert losses["oar_g / ppo_clip"]["accuracy"]["mean"] == pytest.approx(0.575)  # the main runs
+    assert losses["oar_g / cispo"]["accuracy_vs_ppo_clip"]["mean"] == pytest.approx(0.05)  # (0.10 + 0) / 2
+    assert losses["oar_g / cispo"]["pass_at_k_vs_ppo_clip"]["mean"] == pytest.approx(0.05)
+    assert "accuracy_vs_ppo_clip" not in losses["oar_g / ppo_clip"]
     text = report.render(rep)
+    assert "| oar_g / cispo | 2 | 62.5 ± 31.8 | 5.0 ± 63.5 | 95.0 ± 0.0 | 5.0 ± 0.0 |" in text
     assert "| oar_g | 2 | 30.0 ± 0.0 | 57.5 ± 31.8 | 12.5 ± 31.8 |" in text
     assert "pivot share 12.0%" in text and "| oar_p | 30.0 | 50.0 |" in text
 

@@ -379,7 +379,7 @@ def _hf_forced(hf_dir, batch, routed: dict | None, roll: bool):
 
 @pytest.mark.slow
 def test_training_replay_world2(tiny_moe):
-    from megatron_oar.algorithms import PolicyLossConfig, ppo_clip_loss
+    from megatron_oar.algorithms import PolicyLossConfig, policy_loss
     from megatron_oar.models import parse_arch
     from tests.tiny import read_config
 
@@ -423,8 +423,8 @@ def test_training_replay_world2(tiny_moe):
             forced = {layer: [routed[i, :, layer] for i in range(full.size)] for layer in range(arch.num_layers)}
             lp, model, _ = _hf_forced(hf, full, forced, roll=True)
             mask = full.loss_mask
-            loss, _ = ppo_clip_loss(lp, old, full.advantages, mask, PolicyLossConfig(),
-                                    num_tokens=int(mask.sum()), num_seqs=int(mask.any(-1).sum()))
+            loss, _ = policy_loss(lp, old, full.advantages, mask, PolicyLossConfig(),
+                                  num_tokens=int(mask.sum()), num_seqs=int(mask.any(-1).sum()))
             loss.backward()
             ref = lp.detach(), model, loss
         lp, model, loss = ref

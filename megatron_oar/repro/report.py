@@ -9,6 +9,8 @@ and the oracle's ``recall.json``; computes nothing that a run did not measure:
   steps; mean line and 95% band over seeds.
 * **Figure 5a / 5b**: oracle recall at top-K% per signal, per probe; the pivot share.
 * **Tables 3 / 4**: the tau and probe ablations (and the suppression floor).
+* **Loss axis**: GRPO and OAR-G under each policy loss and rollout correction, with each row's
+  paired difference to the same method under ``ppo_clip`` without correction (same seeds).
 * **Figure 7**: per method, the Megatron sweep's seconds per action token (old-logprob +
   attribution + update, the paper's definition) and a whole step's, as ratios to GRPO's.
 """
@@ -27,6 +29,12 @@ CURVES = (("reward/mean", "training reward"), ("eval/accuracy", "held-out greedy
           ("policy/entropy", "policy entropy"), ("credit/ess_ratio", "ESS ratio"),
           ("credit/top10_mass", "top-10% advantage mass"))
 SWEEP = ("time/logprob", "time/attribution", "time/update")
+BASE_LOSS = "ppo_clip"  # what the main runs train with (the testbed config's loss.policy_loss)
+
+
+def loss_label(method: str, loss: str = BASE_LOSS, correction: str = "none") -> str:
+    """The loss axis's row: ``grpo / cispo``, ``oar_g / ppo_clip + tis``."""
+    return f"{method} / {loss}" + (f" + {correction}" if correction != "none" else "")
 
 
 def load_runs(out: Path, aliases: list[dict] = ()) -> list[dict]:
@@ -91,6 +99,28 @@ def ablation(runs: list[dict], group: str) -> dict:
         [_final(r["records"], "eval/accuracy") for r in seeds.values()])),
         "pass_at_k": _interval_dict(mean_ci([r["result"]["pass_at_k"] for r in seeds.values()]))}
         for label, seeds in _by(runs, group).items()}
+
+
+def loss_table(runs: list[dict]) -> dict:
+    """``{label: {"method", "seeds", "accuracy", "pass_at_k", "accuracy_vs_ppo_clip",
+    "pass_at_k_vs_ppo_clip"}}`` of the loss axis; the baseline of ``m / loss [+ correction]``
+    is ``m / ppo_clip`` (the main run, an alias), paired by seed."""
+    rows = _by(runs, "loss")
+    acc = {label: {s: _final(r["records"], "eval/accuracy") for s, r in seeds.items()}
+           for label, seeds in rows.items()}
+    passk = {label: {s: r["result"]["pass_at_k"] for s, r in seeds.items()} for label, seeds in rows.items()}
+    out = {}
+    for label, seeds in sorted(rows.items()):
+        method = next(iter(seeds.values()))["spec"]["method"]
+        base = loss_label(method)
+        row = {"method": method, "seeds": sorted(seeds),
+               "accuracy": _interval_dict(mean_ci(list(acc[label].values()))),
+               "pass_at_k": _interval_dict(mean_ci(list(passk[label].values())))}
+        if label != base and base in rows:
+            row["accuracy_vs_ppo_clip"] = _interval_dict(paired_diff_ci(acc[label], acc[base]))
+            row["pass_at_k_vs_ppo_clip"] = _interval_dict(paired_diff_ci(passk[label], passk[base]))
+        out[label] = row
+    return out
 
 
 def _per_action_token(records: list[dict], keys: tuple[str, ...]) -> list[float]:
@@ -223,6 +253,13 @@ def render(report: dict) -> str:
                   "|---|---:|---:|---:|"]
         lines += [f"| {label} | {len(r['seeds'])} | {_cell(r['accuracy'])} | {_cell(r['pass_at_k'])} |"
                   for label, r in rows.items()]
+    if report.get("losses"):
+        lines += ["", "## Policy losses and rollout correction (GRPO and OAR-G)", "",
+                  f"| method / loss | seeds | greedy accuracy | vs ppo_clip (paired) | pass@{k} | "
+                  "vs ppo_clip (paired) |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {label} | {len(r['seeds'])} | {_cell(r['accuracy'])} | "
+                  f"{_cell(r.get('accuracy_vs_ppo_clip'))} | {_cell(r['pass_at_k'])} | "
+                  f"{_cell(r.get('pass_at_k_vs_ppo_clip'))} |" for label, r in report["losses"].items()]
     if report.get("oracle"):
         lines += ["", "## Figure 5: oracle recall of causal pivots (%, micro over tokens)", ""]
         for probe, t in report["oracle"].items():
@@ -251,6 +288,7 @@ def build(out: Path, settings: dict, aliases: list[dict] = ()) -> dict:
     report = {"settings": settings, "runs": len({r["spec"]["name"] for r in runs}),
               "table1": table1(runs),
               "ablations": {g: ablation(runs, g) for g in ("tau", "probe", "floor")},
+              "losses": loss_table(runs),
               "cost": cost(runs), "curves": curves(runs), "oracle": {}}
     for d in sorted((out / "oracle").glob("*/recall.json")):
         report["oracle"][d.parent.name] = json.loads(d.read_text())

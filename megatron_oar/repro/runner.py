@@ -7,10 +7,13 @@
 1. One SFT start: a tiny Qwen2 warmed up on the chain task (``demo_model``), shared by every run
    and converted to a Megatron checkpoint once (``sft_megatron``), which every run starts from.
 2. The runs (:func:`grid`): every credit method x seeds, same budget; tau, probe and suppression
-   floor ablations of OAR-G. A run is ``python -m megatron_oar.commands.train`` on one process with the
-   testbed config, ``model.path`` = the SFT start, its seed in the training, rollout and
-   attribution seeds (the same seed means the same prompts and sampling seeds for every method,
-   so differences to GRPO are paired). After training, pass@k of the exported model on held-out
+   floor ablations of OAR-G; the loss axis: GRPO and OAR-G under the other policy losses
+   (``loss.policy_loss``) and with a rollout correction (``loss.rollout_correction``), against
+   their main runs (ppo_clip, no correction) with the same seeds. A run is
+   ``python -m megatron_oar.commands.train`` on one process with the testbed config,
+   ``model.path`` = the SFT start, its seed in the training, rollout and attribution seeds (the
+   same seed means the same prompts and sampling seeds for every method, so differences to GRPO
+   are paired). After training, pass@k of the exported model on held-out
    problems (HF sampling, the reward verifier). A finished run writes ``result.json`` and is never
    redone; an interrupted one resumes from its last checkpoint.
 3. The causal-token oracle (``oar analyze oracle``) on the SFT start, once per outcome probe.
@@ -33,6 +36,7 @@ from pathlib import Path
 from megatron_oar import resources
 from megatron_oar.fileio import atomic_write_text
 from megatron_oar.methods import CREDIT_METHODS
+from megatron_oar.repro.report import loss_label
 
 CONFIG = resources.path("tiny_chain_cpu.yaml")  # the testbed config, shipped in the package
 METHODS = CREDIT_METHODS
@@ -52,6 +56,12 @@ class Grid:
     floors: tuple[float, ...] = (0.1,)               # plus the default 0 (A.1.4)
     ablation_method: str = "oar_g"
     ablation_seeds: int = 1
+    # the loss axis: these methods under each loss, and each correction (the main runs are
+    # ppo_clip without correction), with loss_seeds seeds
+    loss_methods: tuple[str, ...] = ("grpo", "oar_g")
+    losses: tuple[str, ...] = ("gspo_token", "cispo")
+    corrections: tuple[str, ...] = ("tis",)
+    loss_seeds: int = 3
     pass_k: int = 8
     pass_k_problems: int = 100
     oracle_trajectories: int = 40
@@ -60,10 +70,11 @@ class Grid:
 
 
 GRIDS = {"default": Grid(),
-         "full": Grid(seeds=5, steps=60, taus=(0.0, 0.7, 1.0), ablation_seeds=3, pass_k=16,
+         "full": Grid(seeds=5, steps=60, taus=(0.0, 0.7, 1.0), ablation_seeds=3, loss_seeds=5, pass_k=16,
                       pass_k_problems=200, oracle_trajectories=200),
          "tiny": Grid(methods=("grpo", "oar_g"), seeds=2, steps=2, eval_interval=1, taus=(1.0,),
-                      probes=("last_token",), floors=(), pass_k=2, pass_k_problems=4,
+                      probes=("last_token",), floors=(), losses=(), corrections=(), pass_k=2,
+                      pass_k_problems=4,
                       oracle_trajectories=2, sft_steps=20,
                       # 48 held-out problems, not 200: the runs' evaluations, and the oracle's
                       # search for correct trajectories (all of them, for a 20-step SFT start)
@@ -73,8 +84,8 @@ GRIDS = {"default": Grid(),
 @dataclass(frozen=True)
 class RunSpec:
     name: str
-    group: str   # main | tau | probe | floor
-    label: str   # the method (main) or the setting (ablations)
+    group: str   # main | tau | probe | floor | loss
+    label: str   # the method (main), the setting (ablations), or loss_label() (loss)
     method: str
     seed: int
     overrides: tuple[str, ...]
@@ -82,6 +93,12 @@ class RunSpec:
 
 def grid(g: Grid) -> list[RunSpec]:
     runs = [RunSpec(f"{m}_s{s}", "main", m, m, s, ()) for s in range(g.seeds) for m in g.methods]
+    for s in range(g.loss_seeds):
+        for m in g.loss_methods:
+            runs += [RunSpec(f"{m}_{loss}_s{s}", "loss", loss_label(m, loss), m, s,
+                             (f"loss.policy_loss={loss}",)) for loss in g.losses]
+            runs += [RunSpec(f"{m}_{c}_s{s}", "loss", loss_label(m, correction=c), m, s,
+                             (f"loss.rollout_correction={c}",)) for c in g.corrections]
     m = g.ablation_method
     for s in range(g.ablation_seeds):
         runs += [RunSpec(f"{m}_tau{t}_s{s}", "tau", f"tau={t}", m, s, (f"shaping.tau={t}",))
@@ -94,12 +111,17 @@ def grid(g: Grid) -> list[RunSpec]:
 
 
 def _baselines(runs: list[RunSpec], g: Grid) -> list[RunSpec]:
-    """The main runs that double as the ablations' default setting (tau 0.4, answer_mean, floor 0)."""
+    """The main runs that double as the ablations' default setting (tau 0.4, answer_mean, floor 0)
+    and as the loss axis's ``ppo_clip`` rows."""
     groups = [(group, label) for group, label, values in (
         ("tau", "tau=0.4", g.taus), ("probe", "answer_mean", g.probes), ("floor", "floor=0", g.floors))
         if values]
-    return [RunSpec(r.name, group, label, r.method, r.seed, ()) for r in runs for group, label in groups
-            if r.group == "main" and r.method == g.ablation_method and r.seed < g.ablation_seeds]
+    out = [RunSpec(r.name, group, label, r.method, r.seed, ()) for r in runs for group, label in groups
+           if r.group == "main" and r.method == g.ablation_method and r.seed < g.ablation_seeds]
+    if g.losses or g.corrections:
+        out += [RunSpec(r.name, "loss", loss_label(r.method), r.method, r.seed, ()) for r in runs
+                if r.group == "main" and r.method in g.loss_methods and r.seed < g.loss_seeds]
+    return out
 
 
 # ------------------------------------------------------------------------------ the work
@@ -162,6 +184,17 @@ def pass_at_k(hf_dir: Path, task, *, k: int, n_problems: int, max_new_tokens: in
     return sum(bool(acc[i * k:(i + 1) * k].max() > 0) for i in range(len(exs))) / len(exs)
 
 
+def run_overrides(spec: RunSpec, sft: Path, run_dir: Path, g: Grid) -> list[str]:
+    """The testbed config's overrides for the run ``spec``."""
+    return [f"model.path={sft}", f"run_dir={run_dir}", f"credit={spec.method}",
+            "parallel.tp=1", "rollout.tp=1", f"train.steps={g.steps}",
+            f"train.eval_interval={g.eval_interval}", f"train.seed={spec.seed}",
+            f"rollout.seed={spec.seed}", f"attribution.seed={spec.seed}",
+            f"checkpoint.interval={g.eval_interval}", "checkpoint.keep_last=1",
+            "checkpoint.export_hf_at_end=true", "log.console=false", "log.tensorboard=false",
+            *g.overrides, *spec.overrides]
+
+
 def train_run(spec: RunSpec, out: Path, sft: Path, config: Path, g: Grid) -> dict:
     """One run, resumable: training (one process) from ``sft`` (the SFT start, an HF directory
     or its Megatron conversion), the HF export, pass@k; ``result.json``."""
@@ -170,13 +203,7 @@ def train_run(spec: RunSpec, out: Path, sft: Path, config: Path, g: Grid) -> dic
         return json.loads((run_dir / "result.json").read_text())
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "spec.json", json.dumps(asdict(spec)))
-    overrides = [f"model.path={sft}", f"run_dir={run_dir}", f"credit={spec.method}",
-                 "parallel.tp=1", "rollout.tp=1", f"train.steps={g.steps}",
-                 f"train.eval_interval={g.eval_interval}", f"train.seed={spec.seed}",
-                 f"rollout.seed={spec.seed}", f"attribution.seed={spec.seed}",
-                 f"checkpoint.interval={g.eval_interval}", "checkpoint.keep_last=1",
-                 "checkpoint.export_hf_at_end=true", "log.console=false", "log.tensorboard=false",
-                 *g.overrides, *spec.overrides]
+    overrides = run_overrides(spec, sft, run_dir, g)
     cmd = [sys.executable, "-m", "megatron_oar.commands.train", "--config", str(config), *overrides]
     t0 = time.perf_counter()
     _run_one_process(cmd, run_dir / "train.log", f"run {spec.name}")
@@ -313,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("repro_out"))
     p.add_argument("--config", type=Path, default=CONFIG, help="the testbed config (chain task)")
     p.add_argument("--grid", choices=sorted(GRIDS), default="default")
-    p.add_argument("--seeds", type=int, help="seeds per method (default: the grid's)")
+    p.add_argument("--seeds", type=int, help="seeds per method, the loss axis's too (default: the grid's)")
     p.add_argument("--steps", type=int, help="RL steps per run (default: the grid's)")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each)")
     p.add_argument("--report-only", action="store_true", help="tables and figures from what is there")
@@ -322,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = p.parse_args(argv)
     g = GRIDS[args.grid]
-    g = Grid(**{**asdict(g), **{k: v for k, v in (("seeds", args.seeds), ("steps", args.steps))
-                                if v is not None}, "overrides": list(args.overrides)})
+    g = Grid(**{**asdict(g), **{k: v for k, v in (("seeds", args.seeds), ("loss_seeds", args.seeds),
+                                                  ("steps", args.steps)) if v is not None},
+                "overrides": list(args.overrides)})
     run(args.out, g, config=args.config, jobs=args.jobs, report_only=args.report_only)
     if args.publish:
         publish(args.out, args.publish, "oar repro " + " ".join(argv if argv is not None else sys.argv[1:]))

@@ -3,8 +3,9 @@
 * :func:`old_logprob_pass`: one forward-only pass under theta_old that yields the log-probs of the
   sampled tokens, their entropies, and (when probe sites are given) the outcome-probe teacher P0
   from the logits at the probe positions, so attribution needs no clean pass of its own.
-* :func:`update_step`: one optimizer step on a mini-batch: PPO-clip forward/backward through
-  megatron's schedule, gradient checks (the non-finite guard), clipping and Adam.
+* :func:`update_step`: one optimizer step on a mini-batch: the policy loss (``loss.policy_loss``,
+  with vLLM's log-probs for ``loss.rollout_correction``) forward/backward through megatron's
+  schedule, gradient checks (the non-finite guard), clipping and Adam.
 
 On an FP8 model the forward-only passes run under FP8 autocast only where its scales are
 meaningful (:func:`no_grad_fp8`): under delayed scaling the reference model runs in bf16, and so
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_oar.algorithms import PolicyLossConfig, ppo_clip_loss
+from megatron_oar.algorithms import PolicyLossConfig, policy_loss
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
 from megatron_oar.models import vocab_parallel as vp
 from megatron_oar.models.forward import MicroInput, forward_map, forward_rows, run_schedule, schedule_calls
@@ -201,12 +202,14 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
     Micro-batches as ``models.micro_batches`` groups them (``batching``: ``padded``, rows of
     ``micro_batch_size`` padded to the longest; ``token_budget``, at most ``max_tokens`` padded
     tokens each, padded to their own longest; ``packed``, grouped alike, each run as one THD
-    sequence). The loss is the exact mini-batch loss of Eq. 18
-    (token / sequence counts are global over DP), so the grouping and DP change nothing but
-    rounding. Where the DP ranks must run equally many (``models.equal_calls``: FP8, or expert
-    groups spanning DP ranks) each runs as many as the one with the most, the others adding
-    filler calls that add nothing (``models.forward.run_schedule``). With
-    ``routing`` in a replay mode the forward (hence the backward) uses ``batch.routed_experts``.
+    sequence). The loss is the exact mini-batch loss of ``loss_cfg.policy_loss``
+    (token / sequence counts are global over DP; every micro-batch holds whole rows, so GSPO's
+    sequence ratio and a sequence-level rollout correction see all of a row's tokens), so the
+    grouping and DP change nothing but rounding. Where the DP ranks must run equally many
+    (``models.equal_calls``: FP8, or expert groups spanning DP ranks) each runs as many as the
+    one with the most, the others adding filler calls that add nothing
+    (``models.forward.run_schedule``). With ``routing`` in a replay mode the forward (hence the
+    backward) uses ``batch.routed_experts``.
     Collective over the world.
     """
     model, optimizer = policy.model, policy.optimizer
@@ -236,10 +239,10 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
             out = inp.restore(out)  # the padding to the sequence multiple never enters the loss
             lp = _shifted(vp.target_logprobs(out[:, :-1], micro.tokens[:, 1:], vocab_size))
             ent = _shifted(vp.entropy(out[:, :-1], vocab_size)) if want_entropy else None
-            loss, stats = ppo_clip_loss(
+            loss, stats = policy_loss(
                 lp, micro.old_logprobs.to(lp.dtype), micro.advantages, micro.loss_mask, loss_cfg,
-                ref_logprobs=micro.ref_logprobs, entropy=ent, num_tokens=num_tokens,
-                num_seqs=num_seqs)
+                rollout_logprobs=micro.rollout_logprobs, ref_logprobs=micro.ref_logprobs, entropy=ent,
+                num_tokens=num_tokens, num_seqs=num_seqs)
             sums[0] += loss.detach().double()
             stats["num_tokens"] = micro.loss_mask.sum().to(lp.dtype)
             return loss * scale, stats
