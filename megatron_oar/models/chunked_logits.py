@@ -63,6 +63,18 @@ def hidden_states_out(model, on: bool = True):
         gpt.post_process = saved
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 def full_hidden(gpt, hidden: torch.Tensor) -> torch.Tensor:
     """The model's ``[s, b, h]`` last-stage output as ``[b, s, h]`` over the whole sequence, in
     the output weight's dtype, with megatron's output-layer gradient semantics over TP."""
@@ -70,7 +82,10 @@ def full_hidden(gpt, hidden: torch.Tensor) -> torch.Tensor:
     if gpt.config.sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden)  # backward: reduce-scatter
     elif parallel_state.get_tensor_model_parallel_world_size() > 1:
-        hidden = copy_to_tensor_model_parallel_region(hidden)  # backward: all-reduce
+        # backward: all-reduce. megatron-core 0.16's ``_reduce`` all-reduces ``grad.contiguous()``
+        # and returns ``grad``: a non-contiguous gradient (the transpose's below, with more than
+        # one row) would pass un-reduced, so the gradient reaching it is made contiguous first.
+        hidden = _ContiguousGrad.apply(copy_to_tensor_model_parallel_region(hidden))
     return hidden.transpose(0, 1)
 
 
