@@ -25,6 +25,8 @@
     oar bench batching ...         padding and sweep time, padded vs token-budget micro-batches
     oar bench attribution-flops ...  attribution cost vs GRPO on a 57.7M model, 128-512-token
                                    responses, against the forward-equivalent floor
+    oar bench logits-memory ...    peak memory and time of the old-logprob pass and the update,
+                                   chunked vs whole-micro-batch logits (151,936-token vocabulary)
 
 """
 
@@ -38,7 +40,8 @@ from megatron_oar.log_setup import backend_notices, quiet_backend_notices
 
 # `oar bench SUITE`: the module in benchmarks/ (results in BENCHMARKS.md)
 BENCH_SUITES = {"attribution": "attribution", "rollout": "rollout", "screening": "screening",
-                "convert": "convert_memory", "batching": "batching", "attribution-flops": "attribution_flops"}
+                "convert": "convert_memory", "batching": "batching", "attribution-flops": "attribution_flops",
+                "logits-memory": "logits_memory"}
 
 
 def _demo(args: argparse.Namespace) -> int:

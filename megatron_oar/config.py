@@ -44,6 +44,7 @@ from megatron_oar.models.builder import (
     check_spec_features,
     resolve_spec,
 )
+from megatron_oar.models.chunked_logits import DEFAULT_CHUNK_TOKENS
 from megatron_oar.models.micro_batches import BATCHINGS
 from megatron_oar.models.model_checkpoint import HF_DIR, META_FILE
 from megatron_oar.rewards import RewardConfig
@@ -157,6 +158,9 @@ class TrainConfig:
     max_tokens_per_micro_batch: int | None = None  # padded tokens per micro-batch per DP rank;
     #                                 batching=token_budget/packed only (else ignored); null: four
     #                                 full-length rows, 4 x (data.max_prompt_tokens + rollout.max_new_tokens)
+    logits_chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # positions whose logits exist at a time in the
+    #                                 logprob, reference and update passes and the oracle (computed from
+    #                                 the hidden states, recomputed in the backward); 0: whole micro-batches
     mini_batches: int = 1           # optimizer steps per PPO epoch (the step's samples split evenly)
     balance_dp_tokens: bool = True  # give DP ranks equal tokens per mini-batch (else samples d, d+DP, ...)
     peak_tflops: float | None = None  # per GPU, for perf/mfu; null: by the GPU's name (models/flops.py)
@@ -516,6 +520,8 @@ def _check_batches(cfg: Config, dp: int) -> None:
                                                      if cfg.model.spec == "auto" else ""))
     _need(t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch >= 1,
           f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch}: must be >= 1 or null")
+    _need(t.logits_chunk_tokens >= 0, f"train.logits_chunk_tokens={t.logits_chunk_tokens}: must be >= 0 "
+          "(positions per logits chunk; 0: each micro-batch's logits whole)")
     _need(t.peak_tflops is None or t.peak_tflops > 0, f"train.peak_tflops={t.peak_tflops}: must be > 0 or null")
     _at_least(cfg, "train.max_refill_rounds train.eval_interval", 0)
     _at_least(cfg, "train.eval_n")

@@ -329,6 +329,25 @@ def test_batching_suite_end_to_end(tmp_path):
     assert "| token_budget |" in (out / "batching.md").read_text()
 
 
+@pytest.mark.slow
+def test_logits_memory_suite_end_to_end(tmp_path):
+    """`oar bench logits-memory` on a tiny model with a 32k vocabulary and a 1056-token
+    micro-batch, chunks of 64: the update's peak is well below the whole-logits update's (its
+    fp32 logits alone are 132 MiB a copy, a chunk's 8 MiB). About 10 s."""
+    from benchmarks import logits_memory
+
+    out = tmp_path / "bench"
+    assert logits_memory.main(["--hidden", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2",
+                               "--ffn", "128", "--vocab", "32768", "--responses", "1024", "--prompt", "32",
+                               "--chunk", "64", "--out", str(out)]) == 0
+    res = json.loads((out / "logits_memory.json").read_text())["result"]["lengths"]["1024"]
+    whole, chunked = res["whole"], res["chunked"]
+    assert whole["update"]["peak_bytes"] > 4 * max(chunked["update"]["peak_bytes"], 2**20), res
+    assert whole["logprob"]["peak_bytes"] > chunked["logprob"]["peak_bytes"], res
+    assert all(r[p]["seconds"] > 0 for r in (whole, chunked) for p in ("logprob", "update"))
+    assert "| 1024 | update |" in (out / "logits_memory.md").read_text()
+
+
 def test_attribution_flops_suite_end_to_end(tmp_path):
     """`oar bench attribution-flops` on a tiny model: every method timed, the floors counted from
     the batch (OAR-G scores every row here, so its floor is exactly 1.5), exact OAR-P on 2 of 4

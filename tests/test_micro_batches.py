@@ -68,9 +68,11 @@ def test_padding_fraction_drops_with_token_budgets():
 
 # ----------------------------------------------------------------------------- the passes
 
-def _passes(ckpt: str, rows: list[int], batching: str, sharded_optimizer: bool = True) -> dict:
+def _passes(ckpt: str, rows: list[int], batching: str, sharded_optimizer: bool = True, *,
+            logits_chunk: int | None = None, sequence_parallel: bool = False) -> dict:
     """The trainer's Megatron passes on ``rows`` of the test batch; this rank's outputs
-    (``sharded_optimizer=False``: DDP all-reduces whole gradients, so ``grads`` are global)."""
+    (``sharded_optimizer=False``: DDP all-reduces whole gradients, so ``grads`` are global;
+    ``logits_chunk``: ``train.logits_chunk_tokens``, None for the passes' default)."""
     from transformers import AutoTokenizer
 
     from megatron_oar.algorithms import PolicyLossConfig
@@ -83,7 +85,8 @@ def _passes(ckpt: str, rows: list[int], batching: str, sharded_optimizer: bool =
     from megatron_oar.training.policy_passes import old_logprob_pass, reference_logprobs, update_step
 
     ckpt = Path(ckpt)
-    policy = build_policy(read_hf_config(ckpt / "hf"), ModelConfig(path=str(ckpt), spec="local"),
+    policy = build_policy(read_hf_config(ckpt / "hf"),
+                          ModelConfig(path=str(ckpt), spec="local", sequence_parallel=sequence_parallel),
                           OptimConfig(lr=LR, use_distributed_optimizer=sharded_optimizer), checkpoint=ckpt,
                           total_optimizer_steps=4)
     vocab = read_hf_config(ckpt / "hf")["vocab_size"]
@@ -93,7 +96,8 @@ def _passes(ckpt: str, rows: list[int], batching: str, sharded_optimizer: bool =
                       loss_mask=seqs.response_mask(), rollout_logprobs=torch.zeros(seqs.tokens.shape),
                       seq_adv=SEQ_ADV)
     batch = full.select(rows)
-    grouping = {"batching": batching, "max_tokens": BUDGET}
+    grouping = {"batching": batching, "max_tokens": BUDGET,
+                **({} if logits_chunk is None else {"logits_chunk": logits_chunk})}
     shapes, key = {}, [""]
     hook = _record_lengths(policy.gpt, shapes, key)
     probe = ProbeConfig(kind="answer_mean")

@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel import (
 )
 
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
+from megatron_oar.models.chunked_logits import output_weight
 from megatron_oar.models.forward import MicroInput, run_schedule, schedule_calls
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 from megatron_oar.models.parallel import unwrap
@@ -94,16 +95,6 @@ def probe_logits(gpt, hidden: torch.Tensor, sites: ProbeSites) -> torch.Tensor:
     if not gpt.config.sequence_parallel:
         picked = copy_to_tensor_model_parallel_region(picked)  # backward: all-reduce sums TP parts
     return F.linear(picked, output_weight(gpt))
-
-
-def output_weight(gpt) -> torch.Tensor:
-    """The output layer's vocab-parallel weight (the embedding's when tied and on the first stage).
-
-    Not ``shared_embedding_or_output_weight()``: that looks at ``post_process``, which
-    attribution_mode switches off."""
-    if gpt.share_embeddings_and_output_weights and gpt.pre_process:
-        return gpt.embedding.word_embeddings.weight
-    return gpt.output_layer.weight
 
 
 @dataclass

@@ -19,8 +19,10 @@ preset, :mod:`megatron_oar.models.presets`); nothing is allocated. Per GPU it ad
     (a*s per token, 6 bytes: fp32 softmax and its bf16 copy) unless the TE spec's flash attention
     or selective recompute removes it. Full recompute keeps only each layer's input (h) plus one
     layer's activations. With 1F1B pipelining the first stage holds ``min(pp, micro-batches)``
-    micro-batches in flight (Narayanan et al. 2021, Sec. 2.2). The last stage adds the logits of
-    a micro-batch (s*b*V/TP, 10 bytes: bf16 output, fp32 log-softmax, fp32 gradient).
+    micro-batches in flight (Narayanan et al. 2021, Sec. 2.2). The last stage adds the logits:
+    with ``train.logits_chunk_tokens`` (the default) those of one chunk (chunk*V/TP, 14 bytes:
+    :func:`logits_bytes`), else of a whole micro-batch (s*b*V/TP, 10 bytes: bf16 output, fp32
+    log-softmax, fp32 gradient).
   - old-logprob and reference passes (forward only): one layer's working set plus the logits.
   - OAR-G: a forward that keeps activations for one backward to the input embeddings. It runs in
     eval mode, where megatron-core does **not** recompute, so it is sized without recompute at
@@ -221,8 +223,17 @@ def update_activation_bytes(a: QwenArch, *, s: int, b: float, tp: int, pp: int, 
     return _stage_act_bytes(a, s, b, tp, pp, sp, flash, etp) * in_flight
 
 
-def logits_bytes(a: QwenArch, s: int, b: int, tp: int, vocab_multiple: int) -> float:
-    return 10.0 * s * b * a.padded_vocab_size(vocab_multiple) / tp
+def logits_bytes(a: QwenArch, s: int, b: float, tp: int, vocab_multiple: int, chunk: int = 0) -> float:
+    """The last stage's logits working set for a micro-batch of ``b`` rows of ``s`` tokens.
+    Whole (``chunk`` 0): ``s*b*V/TP`` entries at 10 bytes (bf16 output, fp32 log-softmax, fp32
+    gradient). Chunked (``train.logits_chunk_tokens``, ``models/chunked_logits.py``): at most
+    ``chunk`` positions at 14 bytes (the bf16 matmul output, fp32 logits, their exponentials or
+    probabilities, the gradient in fp32 and bf16), plus the gathered hidden states and their
+    gradient (``s*b*h``, 2 + 2 bytes)."""
+    vocab = a.padded_vocab_size(vocab_multiple) / tp
+    if not chunk:
+        return 10.0 * s * b * vocab
+    return 14.0 * min(chunk, s * b) * vocab + 4.0 * s * b * a.hidden_size
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -360,8 +371,10 @@ def _activation_memory(cfg, a: QwenArch, *, s: int, dp: int, samples: int,
     etp = tp if par.etp is None else par.etp
     update = update_activation_bytes(a, s=s, b=mbs, tp=tp, pp=pp, sp=sp, flash=flash,
                                      recompute=m.recompute, microbatches=microbatches, etp=etp)
-    update += logits_bytes(a, s, mbs, tp, m.vocab_multiple)
-    forward = _one_layer_act_bytes(a, s, mbs, tp, sp, flash, etp) + logits_bytes(a, s, mbs, tp, m.vocab_multiple)
+    chunk = cfg.train.logits_chunk_tokens
+    update += logits_bytes(a, s, mbs, tp, m.vocab_multiple, chunk)
+    forward = _one_layer_act_bytes(a, s, mbs, tp, sp, flash, etp) + logits_bytes(a, s, mbs, tp, m.vocab_multiple,
+                                                                                   chunk)
     attr = 0.0
     # attribution micro-batches of full-length rows: a token budget holds budget / s of them
     budgeted = at.batching == "token_budget"

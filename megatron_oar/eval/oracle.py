@@ -124,7 +124,16 @@ def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, t
         top = vp.top_k(logits, vocab_size, 2)[1].float()  # ids < 2**24 are exact in float32
         return torch.cat([top, vp.entropy(logits, vocab_size).float().unsqueeze(-1)], dim=-1)
 
-    dense = forward_map(model, tokens, top2_entropy, mbs)  # [B, L, 3]; position p predicts p + 1
+    chunk = cfg.train.logits_chunk_tokens  # the output layer over this many positions at a time
+    if chunk:
+        from megatron_oar.models.chunked_logits import map_logits
+        from megatron_oar.models.parallel import unwrap
+
+        gpt = unwrap(model)
+        dense = forward_map(model, tokens, lambda hidden, _: map_logits(
+            gpt, hidden, lambda logits: top2_entropy(logits, None), chunk), mbs, hidden=True)
+    else:
+        dense = forward_map(model, tokens, top2_entropy, mbs)  # [B, L, 3]; position p predicts p + 1
     step = cfg.attribution.probe.warmup_steps  # past the warm-up: the configured probe
     sites = locate_probes(batch, cfg.attribution.probe, step,
                        SpanFinder(tokenizer, cfg.attribution.probe.answer_pattern))

@@ -27,6 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megatron_oar.models import equal_calls
+from megatron_oar.models.chunked_logits import full_hidden, hidden_states_out
 from megatron_oar.models.packing import pack, packed_seq_params, unpack
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 from megatron_oar.models.parallel import unwrap
@@ -71,6 +72,11 @@ class MicroInput:
 
     def restore(self, logits: torch.Tensor) -> torch.Tensor:
         return trim(logits, self.width) if self.packed is None else unpack(logits, self.packed, self.width)
+
+    def restore_hidden(self, gpt, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's ``[s, b, h]`` hidden states (``hidden_states_out``) as ``[m, s, h]``
+        rows, gathered over the sequence (``chunked_logits.full_hidden``) and restored alike."""
+        return self.restore(full_hidden(gpt, hidden))
 
 
 # the statistics a filler call returns to megatron's schedule: run_schedule drops them
@@ -137,32 +143,34 @@ def _zero_loss(out: torch.Tensor):
 
 @torch.no_grad()
 def forward_map(model, tokens: torch.Tensor, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                micro_batch_size: int | None = None) -> torch.Tensor | None:
+                micro_batch_size: int | None = None, hidden: bool = False) -> torch.Tensor | None:
     """``cat(fn(logits, micro_tokens))`` over micro-batches of ``tokens [B, S]``, forward only.
 
     ``logits`` are the vocab-parallel ``[mbs, S, V/TP]`` logits of one micro-batch (the pass runs
     on tokens padded to the model's sequence multiple, trimmed back to ``S`` for ``fn``). Runs in
     eval mode (the previous mode is restored); the result is on the last pipeline stage, else None.
+    ``hidden``: ``fn`` gets the final hidden states ``[mbs, S, h]`` instead (:func:`forward_micros`).
     """
     b = tokens.shape[0]
     mbs = micro_batch_size or b
     if b % mbs:
         raise ValueError(f"batch {b} is not divisible by micro_batch_size {mbs}")
-    outputs = forward_micros(model, list(torch.split(tokens, mbs)), fn)
+    outputs = forward_micros(model, list(torch.split(tokens, mbs)), fn, hidden=hidden)
     return None if outputs is None else torch.cat(outputs)
 
 
 @torch.no_grad()
 def forward_rows(model, tokens: torch.Tensor, lengths: list[int], groups: list[list[int]],
                  fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 packed: bool = False) -> torch.Tensor | None:
+                 packed: bool = False, hidden: bool = False) -> torch.Tensor | None:
     """Like :func:`forward_map`, with micro-batches of the rows ``groups``
     (``models.micro_batches``), each cut to its own longest row (``packed``: run as one THD
     sequence): ``fn`` returns ``[m, ..., s]`` per micro-batch (the sequence last), and the result
     is ``[B, ..., S]`` in row order, zero past each micro-batch's width. On the last pipeline
     stage, else None."""
     micros = [tokens[g, :max(lengths[i] for i in g)] for g in groups]
-    outputs = forward_micros(model, micros, fn, [[lengths[i] for i in g] for g in groups] if packed else None)
+    outputs = forward_micros(model, micros, fn, [[lengths[i] for i in g] for g in groups] if packed else None,
+                             hidden=hidden)
     if outputs is None:
         return None
     full = outputs[0].new_zeros((tokens.shape[0], *outputs[0].shape[1:-1], tokens.shape[1]))
@@ -172,10 +180,12 @@ def forward_rows(model, tokens: torch.Tensor, lengths: list[int], groups: list[l
 
 
 def forward_micros(model, micros: list[torch.Tensor], fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   lengths: list[list[int]] | None = None) -> list[torch.Tensor] | None:
+                   lengths: list[list[int]] | None = None, hidden: bool = False) -> list[torch.Tensor] | None:
     """``[fn(logits, micro) for micro in micros]`` through megatron's schedule, forward only, in
     eval mode; each ``micro [m, s]`` runs padded to the sequence multiple (or, given its rows'
-    ``lengths``, packed: :class:`MicroInput`), ``fn`` sees the logits ``[m, s, V/TP]``.
+    ``lengths``, packed: :class:`MicroInput`), ``fn`` sees the logits ``[m, s, V/TP]``, or with
+    ``hidden`` the final hidden states ``[m, s, h]`` (the output layer skipped: the caller applies
+    it, e.g. chunk by chunk with ``models.chunked_logits``).
     Micro-batches may differ in shape. The last pipeline stage gets the list, the others None."""
     multiple = sequence_multiple(model.config)
     inputs = [MicroInput(m, multiple, None if lengths is None else lengths[k]) for k, m in enumerate(micros)]
@@ -185,7 +195,7 @@ def forward_micros(model, micros: list[torch.Tensor], fn: Callable[[torch.Tensor
         micro, inp = next(data_iter)
 
         def collect(out):
-            outputs.append(fn(inp.restore(out), micro))
+            outputs.append(fn(inp.restore_hidden(gpt, out) if hidden else inp.restore(out), micro))
             return torch.zeros((), device=out.device), {}
 
         return inp(m), collect
@@ -193,7 +203,8 @@ def forward_micros(model, micros: list[torch.Tensor], fn: Callable[[torch.Tensor
     was_training = model.training
     model.eval()
     try:
-        run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=True)
+        with hidden_states_out(model, hidden) as gpt:
+            run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=True)
     finally:
         model.train(was_training)
     return outputs if parallel_state.is_pipeline_last_stage() else None

@@ -42,6 +42,7 @@ from megatron.core import parallel_state as ps
 from megatron_oar.algorithms import PolicyLossConfig, policy_loss
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
 from megatron_oar.models import vocab_parallel as vp
+from megatron_oar.models.chunked_logits import DEFAULT_CHUNK_TOKENS, hidden_states_out, output_weight, token_stats
 from megatron_oar.models.forward import MicroInput, forward_map, forward_rows, run_schedule, schedule_calls
 from megatron_oar.models.micro_batches import micro_batches
 from megatron_oar.models.padding import pad_to, sequence_multiple
@@ -81,11 +82,25 @@ def _shifted(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([values.new_zeros(values.shape[0], 1), values], dim=1)
 
 
+def _next_token_stats(gpt, out: torch.Tensor, tokens: torch.Tensor, vocab_size: int, chunk: int,
+                      entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(log p, entropy or None)`` of tokens ``1..s-1`` of ``tokens [m, s]``, ``[m, s-1]`` each,
+    from a pass's output ``out``: the final hidden states ``[m, s, h]`` with ``chunk > 0`` (the
+    output layer and the statistics ``chunk`` positions at a time: ``models.chunked_logits``),
+    else the vocab-parallel logits ``[m, s, V/TP]``."""
+    if chunk:
+        lp, ent = token_stats(gpt, out[:, :-1], tokens[:, 1:], vocab_size, chunk, entropy)
+        return lp, ent if entropy else None
+    lp = vp.target_logprobs(out[:, :-1], tokens[:, 1:], vocab_size)
+    return lp, vp.entropy(out[:, :-1], vocab_size) if entropy else None
+
+
 @torch.no_grad()
 def old_logprob_pass(model, batch: TrainBatch, vocab_size: int, micro_batch_size: int, *,
                      sites: ProbeSites | None = None, batching: str = "padded",
                      max_tokens: int | None = None, fp8: bool = True,
-                     routing: RoutingLog | None = None) -> tuple[torch.Tensor, torch.Tensor, ProbeOutput | None]:
+                     routing: RoutingLog | None = None,
+                     logits_chunk: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor, ProbeOutput | None]:
     """``(logprobs [B, L], entropy [B, L], teacher)`` under the current weights, forward only,
     in micro-batches as :func:`update_step` groups them; ``fp8=False`` runs it outside FP8
     autocast on an FP8 model (the trainer: :func:`no_grad_fp8`).
@@ -94,10 +109,12 @@ def old_logprob_pass(model, batch: TrainBatch, vocab_size: int, micro_batch_size
     the teacher (vocab-parallel, ``sites`` order) exists on the last stage only, else None.
     ``routing``: on a MoE model, the step's routing mode and metrics; with ``training`` this
     pass sets ``batch.routed_experts`` (its routing), with ``rollout`` it replays them.
+    ``logits_chunk`` (``train.logits_chunk_tokens``): positions whose logits exist at a time
+    (``models.chunked_logits``); 0 forms each micro-batch's logits whole.
     """
     with _precision(model, fp8):
         return _old_logprobs(model, batch, vocab_size, micro_batch_size, sites, batching, max_tokens,
-                             routing)
+                             routing, logits_chunk)
 
 
 def _old_logprob_routing(model, batch: TrainBatch, groups: list[list[int]],
@@ -114,27 +131,30 @@ def _old_logprob_routing(model, batch: TrainBatch, groups: list[list[int]],
 
 def _old_logprobs(model, batch: TrainBatch, vocab_size: int, micro_batch_size: int,
                   sites: ProbeSites | None, batching: str, max_tokens: int | None,
-                  routing: RoutingLog | None = None):
+                  routing: RoutingLog | None = None, chunk: int = 0):
     groups = _groups(model, batch, micro_batch_size, batching, max_tokens)
+    gpt = unwrap(model)
     route = _old_logprob_routing(model, batch, groups, routing)
     picked: list[tuple[torch.Tensor, torch.Tensor]] = []  # (site indices, their logits)
     counter = [0]
 
-    def per_micro(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def per_micro(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         rows = groups[counter[0]]
         counter[0] += 1
-        if sites is not None:
+        if sites is not None:  # the teacher's logits: at the probe positions only
             local = {r: j for j, r in enumerate(rows)}
             idx = [k for k, r in enumerate(sites.row.tolist()) if r in local]
-            at = torch.tensor([local[int(sites.row[k])] for k in idx], dtype=torch.long, device=logits.device)
-            pos = sites.pos[idx].to(logits.device)
-            picked.append((torch.tensor(idx, dtype=torch.long), logits[at, pos].float()))
-        lp = vp.target_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size)
-        ent = vp.entropy(logits[:, :-1], vocab_size)
+            at = torch.tensor([local[int(sites.row[k])] for k in idx], dtype=torch.long, device=out.device)
+            pos = sites.pos[idx].to(out.device)
+            at_sites = out[at, pos]
+            if chunk:
+                at_sites = torch.nn.functional.linear(at_sites, output_weight(gpt))
+            picked.append((torch.tensor(idx, dtype=torch.long), at_sites.float()))
+        lp, ent = _next_token_stats(gpt, out, tokens, vocab_size, chunk)
         return torch.stack([_shifted(lp.float()), _shifted(ent.float())], dim=1)
 
     with route or contextlib.nullcontext():
-        out = _run_grouped(model, batch, groups, batching, per_micro)
+        out = _run_grouped(model, batch, groups, batching, per_micro, hidden=chunk > 0)
     if route is not None and route.record:
         batch.routed_experts = route.routed
     if out is None:  # not the last pipeline stage
@@ -151,14 +171,18 @@ def _old_logprobs(model, batch: TrainBatch, vocab_size: int, micro_batch_size: i
 
 
 def reference_logprobs(ref_model, batch: TrainBatch, vocab_size: int, micro_batch_size: int, *,
-                       batching: str = "padded", max_tokens: int | None = None) -> torch.Tensor:
+                       batching: str = "padded", max_tokens: int | None = None,
+                       logits_chunk: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
     """``[B, L]`` log-probs of the sampled tokens under the frozen reference model (in bf16 under
-    delayed FP8 scaling: it never trains, so its scales would stay TE's initial ones)."""
+    delayed FP8 scaling: it never trains, so its scales would stay TE's initial ones);
+    ``logits_chunk`` as in :func:`old_logprob_pass`."""
+    gpt = unwrap(ref_model)
     with _precision(ref_model, no_grad_fp8(ref_model, trained=False)):
         groups = _groups(ref_model, batch, micro_batch_size, batching, max_tokens)
         out = _run_grouped(ref_model, batch, groups, batching,
-                           lambda logits, tokens: _shifted(vp.target_logprobs(
-                               logits[:, :-1], tokens[:, 1:], vocab_size).float()))
+                           lambda out, tokens: _shifted(_next_token_stats(
+                               gpt, out, tokens, vocab_size, logits_chunk, entropy=False)[0].float()),
+                           hidden=logits_chunk > 0)
     if out is None:
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
     return broadcast_from_stage(out.contiguous(), first=False)
@@ -170,13 +194,14 @@ def _groups(model, batch: TrainBatch, micro_batch_size: int, batching: str,
                          max_tokens=max_tokens, multiple=sequence_multiple(model.config))
 
 
-def _run_grouped(model, batch: TrainBatch, groups: list[list[int]], batching: str, fn):
+def _run_grouped(model, batch: TrainBatch, groups: list[list[int]], batching: str, fn, hidden: bool = False):
     """The forward pass over ``groups``: the padded path runs consecutive rows at the batch's
     full width (``forward_map``), token budgets each group at its own (``forward_rows``), packed
-    ones each group as one THD sequence."""
+    ones each group as one THD sequence. ``hidden``: ``fn`` gets the final hidden states."""
     if batching == "padded":
-        return forward_map(model, batch.tokens, fn, len(groups[0]))
-    return forward_rows(model, batch.tokens, batch.lengths.tolist(), groups, fn, packed=batching == "packed")
+        return forward_map(model, batch.tokens, fn, len(groups[0]), hidden=hidden)
+    return forward_rows(model, batch.tokens, batch.lengths.tolist(), groups, fn, packed=batching == "packed",
+                        hidden=hidden)
 
 
 @dataclass
@@ -196,7 +221,8 @@ def _global_counts(mask: torch.Tensor, group) -> tuple[int, int]:
 
 def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_size: int,
                 micro_batch_size: int, *, batching: str = "padded",
-                max_tokens: int | None = None, routing: RoutingLog | None = None) -> StepResult:
+                max_tokens: int | None = None, routing: RoutingLog | None = None,
+                logits_chunk: int = DEFAULT_CHUNK_TOKENS) -> StepResult:
     """One optimizer step on ``batch`` (this DP rank's share of one mini-batch).
 
     Micro-batches as ``models.micro_batches`` groups them (``batching``: ``padded``, rows of
@@ -210,7 +236,9 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
     one with the most, the others adding filler calls that add nothing
     (``models.forward.run_schedule``). With ``routing`` in a replay mode the forward (hence the
     backward) uses ``batch.routed_experts``.
-    Collective over the world.
+    ``logits_chunk`` > 0: the loss reads log-probs and entropies computed ``logits_chunk``
+    positions at a time from the hidden states, the logits recomputed in the backward
+    (``models.chunked_logits``); 0: from each micro-batch's whole logits. Collective over the world.
     """
     model, optimizer = policy.model, policy.optimizer
     multiple = sequence_multiple(model.config)
@@ -236,9 +264,10 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
         micro, inp = next(data_iter)
 
         def loss_func(out):
-            out = inp.restore(out)  # the padding to the sequence multiple never enters the loss
-            lp = _shifted(vp.target_logprobs(out[:, :-1], micro.tokens[:, 1:], vocab_size))
-            ent = _shifted(vp.entropy(out[:, :-1], vocab_size)) if want_entropy else None
+            # the padding to the sequence multiple never enters the loss
+            out = inp.restore_hidden(gpt, out) if logits_chunk else inp.restore(out)
+            lp, ent = _next_token_stats(gpt, out, micro.tokens, vocab_size, logits_chunk, want_entropy)
+            lp, ent = _shifted(lp), None if ent is None else _shifted(ent)
             loss, stats = policy_loss(
                 lp, micro.old_logprobs.to(lp.dtype), micro.advantages, micro.loss_mask, loss_cfg,
                 rollout_logprobs=micro.rollout_logprobs, ref_logprobs=micro.ref_logprobs, entropy=ent,
@@ -260,7 +289,7 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
 
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    with route:
+    with route, hidden_states_out(model, logits_chunk > 0) as gpt:
         records = run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=False,
                                num_calls=n_micro)
 

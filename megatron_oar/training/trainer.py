@@ -240,7 +240,8 @@ class Trainer:
         if cfg.uses_attribution:
             sites = locate_probes(batch, cfg.attribution.probe, step, self.finder,
                                   eos_ids={self.tokenizer.eos_token_id, *cfg.rollout.stop_token_ids})
-        grouping = {"batching": cfg.train.batching, "max_tokens": cfg.micro_batch_tokens}
+        grouping = {"batching": cfg.train.batching, "max_tokens": cfg.micro_batch_tokens,
+                    "logits_chunk": cfg.train.logits_chunk_tokens}
         logprob_fp8 = no_grad_fp8(self.policy.model, trained=self.updated)  # bf16 before the first update
         with self.phase("logprob", n):
             batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(
@@ -312,7 +313,8 @@ class Trainer:
                 mini = batch.select(list(range(m * per, (m + 1) * per)))
                 results.append(update_step(self.policy, mini, self.cfg.loss, self.arch.vocab_size,
                                            t.micro_batch_size, batching=t.batching,
-                                           max_tokens=self.cfg.micro_batch_tokens, routing=routing))
+                                           max_tokens=self.cfg.micro_batch_tokens, routing=routing,
+                                           logits_chunk=t.logits_chunk_tokens))
         skipped = sum(not r.applied and not r.overflow for r in results)
         self.loss_scale_overflows += sum(r.overflow for r in results)
         self.nonfinite_total += skipped

@@ -1,0 +1,206 @@
+"""Token log-probs and entropies from last-stage hidden states, the logits one chunk at a time.
+
+The output layer (megatron's ``output_layer``, a vocab-parallel ``ColumnParallelLinear``; the
+embedding weight when tied on the first stage) and the vocab-parallel softmax statistics run over
+``chunk`` positions at a time (``train.logits_chunk_tokens``): a chunk's ``[chunk, V/TP]`` logits
+exist only while its statistics are taken, in the forward and again in the backward, where they
+are recomputed from the hidden states instead of being stored. Peak logits memory is then
+O(chunk x V/TP) whatever the micro-batch (the unchunked path holds ``[tokens, V/TP]`` logits in
+the model dtype, their float32 copy and the autograd intermediates of the softmax).
+
+:func:`full_hidden` turns the model's ``[s, b, h]`` output (``post_process`` off:
+:func:`hidden_states_out`) into ``[b, s, h]`` as megatron's output layer sees it: gathered over
+the sequence under sequence parallelism (its backward reduce-scatters, summing the TP ranks'
+partial input gradients), else copied into the TP region (backward all-reduce). The statistics
+are exact for the full vocabulary across TP ranks and never include the padded vocabulary rows.
+
+:class:`ChunkedTokenStats` has an analytic backward (no collective in it): with ``z`` a chunk's
+logits, ``p = softmax(z)``, ``d lp/dz = onehot(target) - p`` and ``d H/dz = -p (log p + H)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from megatron_oar.models.parallel import unwrap
+
+# train.logits_chunk_tokens' default: a [4096, 152k / TP] float32 chunk is 2.3 GiB at TP 1, and
+# a few of them (logits, probabilities, their gradient) live at once in the backward.
+DEFAULT_CHUNK_TOKENS = 4096
+
+
+def output_weight(gpt) -> torch.Tensor:
+    """The output layer's vocab-parallel weight ``[V/TP, h]`` (the embedding's when tied and on
+    the first stage). Not ``shared_embedding_or_output_weight()``: that looks at
+    ``post_process``, which :func:`hidden_states_out` switches off."""
+    if gpt.share_embeddings_and_output_weights and gpt.pre_process:
+        return gpt.embedding.word_embeddings.weight
+    return gpt.output_layer.weight
+
+
+@contextlib.contextmanager
+def hidden_states_out(model, on: bool = True):
+    """While inside, the last pipeline stage returns its final-norm hidden states ``[s, b, h]``
+    (sequence-scattered under SP) instead of logits: megatron-core's ``GPTModel._postprocess``
+    returns them when ``post_process`` is off, before the output layer."""
+    gpt = unwrap(model)
+    saved = gpt.post_process
+    if on:
+        gpt.post_process = False
+    try:
+        yield gpt
+    finally:
+        gpt.post_process = saved
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def full_hidden(gpt, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's ``[s, b, h]`` last-stage output as ``[b, s, h]`` over the whole sequence, in
+    the output weight's dtype, with megatron's output-layer gradient semantics over TP."""
+    hidden = hidden.to(output_weight(gpt).dtype)  # Float16Module hands the last stage fp32 back
+    if gpt.config.sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden)  # backward: reduce-scatter
+    elif parallel_state.get_tensor_model_parallel_world_size() > 1:
+        # backward: all-reduce. megatron-core 0.16's ``_reduce`` all-reduces ``grad.contiguous()``
+        # and returns ``grad``: a non-contiguous gradient (the transpose's below, with more than
+        # one row) would pass un-reduced, so the gradient reaching it is made contiguous first.
+        hidden = _ContiguousGrad.apply(copy_to_tensor_model_parallel_region(hidden))
+    return hidden.transpose(0, 1)
+
+
+def _valid_rows(weight: torch.Tensor, vocab_size: int) -> int:
+    """How many of this TP rank's vocabulary rows are real (the rest pad the vocabulary)."""
+    start = parallel_state.get_tensor_model_parallel_rank() * weight.shape[0]
+    return max(0, min(weight.shape[0], vocab_size - start))
+
+
+def _tp_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(x, op=op, group=parallel_state.get_tensor_model_parallel_group())
+    return x
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 logits of one chunk over the rank's real rows (``weight`` already cut to them)."""
+    return F.linear(hidden, weight).float()
+
+
+class ChunkedTokenStats(torch.autograd.Function):
+    """``(log p(target), entropy)`` per row of ``hidden [N, h]`` under ``weight [V/TP, h]``,
+    ``chunk`` rows at a time; all-reduced over TP; entropy is zeros unless ``with_entropy``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, vocab_size: int, chunk: int, with_entropy: bool):
+        n, local = hidden.shape[0], weight.shape[0]
+        valid = _valid_rows(weight, vocab_size)
+        real = weight[:valid]
+        start = parallel_state.get_tensor_model_parallel_rank() * local
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        lp, ent = torch.zeros(n, **f32), torch.zeros(n, **f32)
+        lse = torch.zeros(n, **f32)
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            z = _logits(hidden[a:b], real)  # [c, valid]
+            m = z.amax(dim=-1) if valid else torch.full((b - a,), float("-inf"), **f32)
+            m = _tp_reduce(m, dist.ReduceOp.MAX)
+            z -= m.unsqueeze(-1)  # shifted
+            e = z.exp()
+            t = targets[a:b] - start
+            here = (t >= 0) & (t < valid)
+            picked = (z.gather(-1, t.clamp(0, max(valid - 1, 0)).unsqueeze(-1)).squeeze(-1) if valid
+                      else torch.zeros(b - a, **f32))
+            sums = torch.stack([e.sum(-1), torch.where(here, picked, torch.zeros_like(picked)),
+                                (e * z).sum(-1) if with_entropy else torch.zeros_like(picked)])
+            sums = _tp_reduce(sums)
+            lt = sums[0].log()
+            lp[a:b] = sums[1] - lt
+            if with_entropy:
+                ent[a:b] = lt - sums[2] / sums[0]  # log sum e^(z-m) - E_p[z - m]
+            lse[a:b] = lt + m
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.meta = (vocab_size, chunk, with_entropy)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        vocab_size, chunk, with_entropy = ctx.meta
+        n, local = hidden.shape[0], weight.shape[0]
+        valid = _valid_rows(weight, vocab_size)
+        real = weight[:valid]
+        start = parallel_state.get_tensor_model_parallel_rank() * local
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        use_ent = with_entropy and g_ent is not None
+        if valid == 0 or (g_lp is None and not use_ent):
+            return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            z = _logits(hidden[a:b], real)
+            z -= lse[a:b].unsqueeze(-1)  # log p
+            p = z.exp()
+            if use_ent:  # d H / dz = -p (log p + H), H all-reduced in the forward
+                g = z.add_(ent[a:b].unsqueeze(-1)).mul_(p).mul_(-g_ent[a:b].unsqueeze(-1))
+            else:
+                g = torch.zeros_like(p)
+            if g_lp is not None:  # d lp / dz = onehot(target) - p
+                gl = g_lp[a:b].unsqueeze(-1)
+                g -= p.mul_(gl)
+                t = targets[a:b] - start
+                here = (t >= 0) & (t < valid)
+                rows = here.nonzero().squeeze(-1)
+                g[rows, t[rows]] += gl[rows, 0]
+            g = g.to(weight.dtype)
+            if want_h:
+                grad_h[a:b] = g @ real
+            if want_w:
+                if g.dtype == torch.float32:
+                    grad_w[:valid].addmm_(g.t(), hidden[a:b])
+                else:
+                    grad_w[:valid] += (g.t() @ hidden[a:b]).float()
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+
+
+def token_stats(gpt, hidden: torch.Tensor, targets: torch.Tensor, vocab_size: int, chunk: int,
+                with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log p(target), entropy)`` of shape ``targets.shape`` from ``hidden [..., h]``
+    (positions that predict ``targets``; :func:`full_hidden`), ``chunk`` positions at a time."""
+    shape = targets.shape
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    lp, ent = ChunkedTokenStats.apply(flat, output_weight(gpt), targets.reshape(-1), vocab_size, chunk,
+                                      with_entropy)
+    return lp.view(shape), ent.view(shape)
+
+
+@torch.no_grad()
+def map_logits(gpt, hidden: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], chunk: int) -> torch.Tensor:
+    """``fn(logits)`` of the vocab-parallel logits ``[c, V/TP]`` of ``hidden [..., h]``, ``chunk``
+    positions at a time, reassembled to ``[..., *fn's trailing shape]`` (forward only)."""
+    lead = hidden.shape[:-1]
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    weight = output_weight(gpt)
+    outs = [fn(F.linear(flat[a:a + chunk], weight)) for a in range(0, flat.shape[0], chunk)]
+    out = torch.cat(outs)
+    return out.view(*lead, *out.shape[1:])
