@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 
 from tests.distributed import launch_and_load, save_gathered
 from tests.test_config import HF, example, raises
-from tests.test_micro_batches import LR, TOL
+from tests.test_micro_batches import LR, assert_same_passes
 
 CHUNK = 5
 # (tp, pp, sequence parallel, batchings) in a world of 2. TP2 without SP caught a gradient that
@@ -134,32 +134,14 @@ def runs(scaled_checkpoint, tmp_path_factory):
     return launch_and_load(_worker, 2, out, str(scaled_checkpoint))
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.allclose(a, b, rtol=TOL, atol=TOL)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,sp,batching", CASES,
                          ids=[f"tp{t}{'_sp' if s else ''}_pp{p}_{b}" for t, p, s, b in CASES])
 def test_chunked_equals_unchunked(runs, tp, pp, sp, batching):
     for rank, res in enumerate(runs):
         whole, chunked = res[tp, pp, sp, batching, 0], res[tp, pp, sp, batching, CHUNK]
-        valid = whole["valid"]
-        for name in ("logprobs", "entropy", "ref_logprobs"):
-            assert chunked[name].shape == whole[name].shape
-            assert _close(chunked[name][valid], whole[name][valid]), f"rank {rank}: {name}"
-        assert whole["logprobs"][valid].abs().max() > 1  # not a vacuous comparison
-        for got, want in zip(chunked["teacher"], whole["teacher"]):
-            assert _close(got, want), f"rank {rank}: teacher"
-        assert whole["applied"] and chunked["applied"]
-        assert chunked["loss"] == pytest.approx(whole["loss"], rel=TOL)
-        assert chunked["grad_norm"] == pytest.approx(whole["grad_norm"], rel=TOL)
-        for got, want in zip(chunked["grads"], whole["grads"]):
-            assert (got - want).abs().max() <= TOL * want.abs().max(), f"rank {rank}: grads"
-        for got, want, grad in zip(chunked["weights"], whole["weights"], whole["grads"]):
-            firm = grad.abs() > 1e-4 * grad.abs().max()  # Adam's first step: see test_micro_batches
-            assert _close(got[firm], want[firm]), f"rank {rank}: updated weights"
-            assert (got - want).abs().max() <= 2 * LR + TOL, f"rank {rank}: updated weights"
+        assert whole["logprobs"][whole["valid"]].abs().max() > 1  # not a vacuous comparison
+        assert_same_passes(chunked, whole, rank)
 
 
 @pytest.mark.slow

@@ -154,27 +154,33 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=TOL, atol=TOL)
 
 
+def assert_same_passes(got: dict, want: dict, rank: int) -> None:
+    """Two runs of ``_passes`` agree to fp32 rounding: log-probs, entropies and reference
+    log-probs on the valid tokens, the probe teacher, the update's loss, grad norm, gradients and
+    updated weights (the packing and chunked-logits tests use it too)."""
+    valid = want["valid"]  # past a row's end the padded path scores pad tokens; never read
+    for name in ("logprobs", "entropy", "ref_logprobs"):
+        assert got[name].shape == want[name].shape
+        assert _close(got[name][valid], want[name][valid]), f"rank {rank}: {name}"
+    for g, w in zip(got["teacher"], want["teacher"]):
+        assert _close(g, w), f"rank {rank}: teacher"
+    assert want["applied"] and got["applied"]
+    assert got["loss"] == pytest.approx(want["loss"], rel=TOL)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL)
+    for g, w in zip(got["grads"], want["grads"]):
+        assert (g - w).abs().max() <= TOL * w.abs().max(), f"rank {rank}: grads"
+    # Adam's first step is lr * g / (|g| + eps): where a gradient is at rounding level its
+    # sign, and so the step, is rounding; elsewhere the updated weights agree
+    for g, w, grad in zip(got["weights"], want["weights"], want["grads"]):
+        firm = grad.abs() > 1e-4 * grad.abs().max()
+        assert _close(g[firm], w[firm]), f"rank {rank}: updated weights"
+        assert (g - w).abs().max() <= 2 * LR + TOL, f"rank {rank}: updated weights"
+
+
 @pytest.mark.slow
 def test_token_budget_equals_padded(runs):
     for rank, res in enumerate(runs):
-        padded, budget = res["padded"], res["token_budget"]
-        valid = padded["valid"]  # past a row's end the padded path scores pad tokens; never read
-        for name in ("logprobs", "entropy", "ref_logprobs"):
-            assert budget[name].shape == padded[name].shape
-            assert _close(budget[name][valid], padded[name][valid]), f"rank {rank}: {name}"
-        for got, want in zip(budget["teacher"], padded["teacher"]):
-            assert _close(got, want), f"rank {rank}: teacher"
-        assert padded["applied"] and budget["applied"]
-        assert budget["loss"] == pytest.approx(padded["loss"], rel=TOL)
-        assert budget["grad_norm"] == pytest.approx(padded["grad_norm"], rel=TOL)
-        for got, want in zip(budget["grads"], padded["grads"]):
-            assert (got - want).abs().max() <= TOL * want.abs().max(), f"rank {rank}: grads"
-        # Adam's first step is lr * g / (|g| + eps): where a gradient is at rounding level its
-        # sign, and so the step, is rounding; elsewhere the updated weights agree
-        for got, want, grad in zip(budget["weights"], padded["weights"], padded["grads"]):
-            firm = grad.abs() > 1e-4 * grad.abs().max()
-            assert _close(got[firm], want[firm]), f"rank {rank}: updated weights"
-            assert (got - want).abs().max() <= 2 * LR + TOL, f"rank {rank}: updated weights"
+        assert_same_passes(res["token_budget"], res["padded"], rank)
 
 
 @pytest.mark.slow

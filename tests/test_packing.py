@@ -25,7 +25,7 @@ from megatron_oar.models.packing import pack, packed_seq_params, unpack
 from megatron_oar.models.padding import padded_length
 from tests.distributed import launch_and_load, save_gathered
 from tests.test_config import HF, example, raises
-from tests.test_micro_batches import BUDGET, LR, TOL, _passes
+from tests.test_micro_batches import BUDGET, _passes, assert_same_passes
 
 # rows of lengths 27, 26, 15, 29, 28 in budgets of 60 tokens: at multiple 1 three micro-batches of
 # 2, 2, 1 rows; at 4 of 1, 2, 2 rows, with pads inside the packed sequences; at 8 one row each
@@ -176,30 +176,11 @@ def runs(request, scaled_checkpoint, tmp_path_factory):
     return launch_and_load(_worker, world, out, str(scaled_checkpoint), tp, pp)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.allclose(a, b, rtol=TOL, atol=TOL)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("multiple", MULTIPLES)
 def test_packed_equals_token_budget(runs, multiple):
     for rank, res in enumerate(runs):
-        budget, packed = res["token_budget", multiple], res["packed", multiple]
-        valid = budget["valid"]
-        for name in ("logprobs", "entropy", "ref_logprobs"):
-            assert packed[name].shape == budget[name].shape
-            assert _close(packed[name][valid], budget[name][valid]), f"rank {rank}: {name}"
-        for got, want in zip(packed["teacher"], budget["teacher"]):
-            assert _close(got, want), f"rank {rank}: teacher"
-        assert budget["applied"] and packed["applied"]
-        assert packed["loss"] == pytest.approx(budget["loss"], rel=TOL)
-        assert packed["grad_norm"] == pytest.approx(budget["grad_norm"], rel=TOL)
-        for got, want in zip(packed["grads"], budget["grads"]):
-            assert (got - want).abs().max() <= TOL * want.abs().max(), f"rank {rank}: grads"
-        for got, want, grad in zip(packed["weights"], budget["weights"], budget["grads"]):
-            firm = grad.abs() > 1e-4 * grad.abs().max()  # Adam's first step: see test_micro_batches
-            assert _close(got[firm], want[firm]), f"rank {rank}: updated weights"
-            assert (got - want).abs().max() <= 2 * LR + TOL, f"rank {rank}: updated weights"
+        assert_same_passes(res["packed", multiple], res["token_budget", multiple], rank)
 
 
 @pytest.mark.slow
