@@ -5,9 +5,11 @@ Mixture of experts (Qwen3-MoE): per-rank parameter counts equal a meta-device GP
 layers (a tiny model, one with dense and MoE layers, and a 30B-A3B-wide one cut to 2 layers) at
 TP1 and per rank at TP2 x EP2 x PP2 (ETP1); the presets' total and active parameters equal
 transformers' model on the meta device and the model cards; expert memory, the optimizer's
-expert-DP sharding, the dispatcher's and the weight sync's bytes by hand. Cost: the fast tests
-about 20 s on 2 cores (the meta-device builds about 2 s); the slow one runs in one pooled world
-of 4 gloo ranks (about 10 s).
+expert-DP sharding, the dispatcher's and the weight sync's bytes by hand. Long responses: the
+longest-response search against the FITS line, chosen token budgets at their boundary (the same
+in `oar train`'s start), exact OAR-P's cost warning at its threshold (about 5 s together, no
+processes). Cost: the fast tests about 20 s on 2 cores (the meta-device builds about 2 s); the
+slow one runs in one pooled world of 4 gloo ranks (about 10 s).
 """
 
 from __future__ import annotations
@@ -315,6 +317,10 @@ def test_launch_section_validation():
     assert replace(P.Hardware(), gpu_mem_gib=141).gpu_mem_gib == 141
 
 
+LONG_TABLE = ["qwen2.5-7b_oar_g", "qwen2.5-7b_oar_p", "qwen2.5-14b_oar_g", "qwen2.5-32b_oar_g",
+              "qwen2.5-72b_oar_g", "qwen3-30b-a3b_oar_g", "qwen3-235b-a22b_oar_g"]
+
+
 def test_scaling_doc_tables_are_current(capsys):
     """docs/scaling.md pastes `oar plan` outputs (dense and MoE), each under the command that prints it;
     regenerate them with those commands when the plan changes."""
@@ -327,6 +333,10 @@ def test_scaling_doc_tables_are_current(capsys):
         command = "oar plan --config " + " ".join(f"examples/{n}.yaml" for n in configs)
         assert command in doc, f"docs/scaling.md no longer shows `{command}`"
         assert out in doc, f"docs/scaling.md is stale: paste the output of `{command}`"
+    table = [f"examples/{n}.yaml" for n in LONG_TABLE]
+    assert P.main(["--table", "--config", *(str(ROOT / t) for t in table)]) == 0
+    out, command = capsys.readouterr().out.strip(), "oar plan --table --config " + " ".join(table)
+    assert command in doc and out in doc, f"docs/scaling.md is stale: paste the output of `{command}`"
 
 
 def test_time_and_memory_follow_the_batching():

@@ -27,8 +27,11 @@ preset, :mod:`megatron_oar.models.presets`); nothing is allocated. Per GPU it ad
   - OAR-G: a forward that keeps activations for one backward to the input embeddings. It runs in
     eval mode, where megatron-core does **not** recompute, so it is sized without recompute at
     ``attribution.max_tokens_per_micro_batch`` tokens of full-length rows (``padded``:
-    ``attribution.micro_batch_size`` rows; null keys are the training ones, an upper bound:
-    megatron's frozen-weight linears keep no inputs), plus the fp32 input-embedding gradient.
+    ``attribution.micro_batch_size`` rows; an upper bound: megatron's frozen-weight linears keep
+    no inputs), plus the fp32 input-embedding gradient.
+  - token budgets left unset are chosen per phase (:func:`choose_token_budgets`, searched by
+    :mod:`megatron_oar.commands.plan_budgets`), and a token budget holds max(budget, s) / s
+    full-length rows (a longer row runs alone).
   - OAR-P: forward only, ``attribution.max_tokens_per_copy_micro_batch`` tokens of masked
     copies (``padded``: ``attribution.perturb_micro_batch_size`` copies), one layer at a time.
   - screened OAR-P: OAR-G's activations, then OAR-P's (the larger of the two).
