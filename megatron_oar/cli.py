@@ -3,7 +3,8 @@
     oar train --config X.yaml [--nproc-per-node N] [--resume auto|none|DIR] [key=value ...]
     oar launch --config X.yaml [--executor local|slurm] [--dryrun] [key=value ...]
                                    validate for the cluster, then start via nemo-run (torchrun/Slurm)
-    oar plan --config X.yaml [--nodes N --gpus-per-node G --gpu-mem-gib M] [key=value ...]
+    oar plan --config X.yaml [--nodes N --gpus-per-node G --gpu-mem-gib M] [--response-tokens T]
+             [--oar-p-max-cost X] [--table [--lengths ...]] [key=value ...]
                                    memory per GPU, FLOPs and step time; does it fit?
     oar eval [--config X.yaml] eval.model=M eval.data_dir=D [eval.n=32 eval.k=[1,32] ...] [--nproc-per-node N]
                                    pass@k per benchmark + average, Markdown (Table 1) and JSON

@@ -156,8 +156,10 @@ class TrainConfig:
     batching: str = "token_budget"  # token_budget | packed | padded: how the logprob and update passes group rows
     micro_batch_size: int = 4       # rows per micro-batch per DP rank; batching=padded only (else ignored)
     max_tokens_per_micro_batch: int | None = None  # padded tokens per micro-batch per DP rank;
-    #                                 batching=token_budget/packed only (else ignored); null: four
-    #                                 full-length rows, 4 x (data.max_prompt_tokens + rollout.max_new_tokens)
+    #                                 batching=token_budget/packed only (else ignored); null: oar train
+    #                                 chooses the largest that fits launch.gpu_mem_gib (oar plan's memory
+    #                                 model, docs/scaling.md); a Config used on its own: four full-length
+    #                                 rows, 4 x (data.max_prompt_tokens + rollout.max_new_tokens)
     logits_chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # positions whose logits exist at a time in the
     #                                 logprob, reference and update passes and the oracle (computed from
     #                                 the hidden states, recomputed in the backward); 0: whole micro-batches

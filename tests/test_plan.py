@@ -5,9 +5,11 @@ Mixture of experts (Qwen3-MoE): per-rank parameter counts equal a meta-device GP
 layers (a tiny model, one with dense and MoE layers, and a 30B-A3B-wide one cut to 2 layers) at
 TP1 and per rank at TP2 x EP2 x PP2 (ETP1); the presets' total and active parameters equal
 transformers' model on the meta device and the model cards; expert memory, the optimizer's
-expert-DP sharding, the dispatcher's and the weight sync's bytes by hand. Cost: the fast tests
-about 20 s on 2 cores (the meta-device builds about 2 s); the slow one runs in one pooled world
-of 4 gloo ranks (about 10 s).
+expert-DP sharding, the dispatcher's and the weight sync's bytes by hand. Long responses: the
+longest-response search against the FITS line, chosen token budgets at their boundary (the same
+in `oar train`'s start), exact OAR-P's cost warning at its threshold (about 5 s together, no
+processes). Cost: the fast tests about 20 s on 2 cores (the meta-device builds about 2 s); the
+slow one runs in one pooled world of 4 gloo ranks (about 10 s).
 """
 
 from __future__ import annotations
@@ -315,6 +317,10 @@ def test_launch_section_validation():
     assert replace(P.Hardware(), gpu_mem_gib=141).gpu_mem_gib == 141
 
 
+LONG_TABLE = ["qwen2.5-7b_oar_g", "qwen2.5-7b_oar_p", "qwen2.5-14b_oar_g", "qwen2.5-32b_oar_g",
+              "qwen2.5-72b_oar_g", "qwen3-30b-a3b_oar_g", "qwen3-235b-a22b_oar_g"]
+
+
 def test_scaling_doc_tables_are_current(capsys):
     """docs/scaling.md pastes `oar plan` outputs (dense and MoE), each under the command that prints it;
     regenerate them with those commands when the plan changes."""
@@ -327,6 +333,10 @@ def test_scaling_doc_tables_are_current(capsys):
         command = "oar plan --config " + " ".join(f"examples/{n}.yaml" for n in configs)
         assert command in doc, f"docs/scaling.md no longer shows `{command}`"
         assert out in doc, f"docs/scaling.md is stale: paste the output of `{command}`"
+    table = [f"examples/{n}.yaml" for n in LONG_TABLE]
+    assert P.main(["--table", "--config", *(str(ROOT / t) for t in table)]) == 0
+    out, command = capsys.readouterr().out.strip(), "oar plan --table --config " + " ".join(table)
+    assert command in doc and out in doc, f"docs/scaling.md is stale: paste the output of `{command}`"
 
 
 def test_time_and_memory_follow_the_batching():
@@ -448,3 +458,105 @@ def test_moe_plan_flops_by_active_parameters_and_render():
     # a second node doubles DP and expert-DP: the Adam state per GPU shrinks
     two = _plan("qwen3-30b-a3b_oar_g", nodes=2)
     assert two.fits and two.layout["edp"] == 2 and two.peak_gib < pl.peak_gib - 20
+
+
+# ------------------------------------------------------------------------------ long responses
+
+def _cfg_hf(example: str, *overrides: str):
+    cfg = load_config(ROOT / f"examples/{example}.yaml", list(overrides))
+    hf, source = resolve_hf_config(cfg.model.path)
+    return cfg, hf, dict(nodes=cfg.launch.nodes, gpus_per_node=cfg.launch.gpus_per_node,
+                         hw=P.Hardware(gpu_mem_gib=cfg.launch.gpu_mem_gib), source=source)
+
+
+def test_longest_response_is_monotone_and_matches_the_fits_line(capsys):
+    """The longest response that fits (searched in LENGTH_STEP steps) fits, one step more does
+    not, shorter ones fit and longer ones do not; `oar plan --response-tokens` says the same."""
+    from megatron_oar.commands.plan_budgets import LENGTH_STEP
+
+    cfg, hf, kw = _cfg_hf("qwen2.5-7b_oar_g")
+    longest = P.longest_response(cfg, hf, **kw)
+    assert 2048 < longest < 32768 and longest % LENGTH_STEP == 0
+    fits = {n: P.make_plan(P.at_length(cfg, n), hf, **kw).fits
+            for n in (1024, longest // 2, longest - LENGTH_STEP, longest, longest + LENGTH_STEP, 2 * longest)}
+    assert fits == {**{n: True for n in fits if n <= longest}, **{n: False for n in fits if n > longest}}
+    path = str(ROOT / "examples/qwen2.5-7b_oar_g.yaml")
+    assert P.main(["--config", path, "--response-tokens", str(longest)]) == 0
+    out = capsys.readouterr().out
+    assert "FITS: peak" in out and f"longest response that fits: {longest:,} tokens" in out
+    assert f"sequences of {1024 + longest} tokens" in out
+    assert P.main(["--config", path, "--response-tokens", str(longest + LENGTH_STEP), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)["qwen2.5-7b_oar_g"]
+    assert not data["fits"] and data["longest_response_tokens"] == longest
+
+
+def test_chosen_budgets_are_the_largest_that_fit():
+    """Unset token budgets become the largest multiple of BUDGET_STEP whose phase fits: the plan
+    at that budget fits the phase, one step more (set explicitly) does not and is warned about;
+    set budgets are kept. Covers the training budget, OAR-G's and OAR-P's copies (screened)."""
+    from megatron_oar.commands.plan_budgets import BUDGET_STEP, with_budgets
+
+    cfg, hf, kw = _cfg_hf("qwen2.5-7b_oar_g", "credit=oar_p_screened", "train.max_tokens_per_micro_batch=null",
+                          "rollout.max_new_tokens=7168", "rollout.max_model_len=8192")
+    cap = kw["hw"].gpu_mem_gib
+    pl = P.make_plan(cfg, hf, **kw)
+    chosen = pl.budgets["tokens"]
+    assert set(pl.budgets["chosen"]) == set(chosen) == {P.TRAIN_BUDGET, P.ATTRIBUTION_BUDGET, P.COPY_BUDGET}
+    assert pl.fits and not pl.warnings and max(pl.budgets["phase_gib"].values()) <= cap
+    specs = {sp.key: sp for sp in P.budget_specs(cfg, P.parse_arch(hf), world=8, hw=kw["hw"])[0]}
+    for key, tokens in chosen.items():
+        assert tokens % BUDGET_STEP == 0 and tokens > 8192 and tokens < specs[key].hi
+        over = P.make_plan(with_budgets(cfg, {key: tokens + BUDGET_STEP}), hf, **kw)
+        phase = "update" if key == P.TRAIN_BUDGET else "attribution"
+        assert P.make_plan(with_budgets(cfg, {key: tokens}), hf, **kw).phases_gib[phase] <= cap
+        assert over.phases_gib[phase] > cap and not over.fits
+        assert any(w.startswith(f"{key}={tokens + BUDGET_STEP} does not fit") and f"{tokens} tokens would fit" in w
+                   for w in over.warnings)
+    kept = P.make_plan(with_budgets(cfg, {P.TRAIN_BUDGET: 8192}), hf, **kw)
+    assert kept.budgets["tokens"][P.TRAIN_BUDGET] == 8192 and P.TRAIN_BUDGET not in kept.budgets["chosen"]
+
+
+def test_trainer_and_plan_choose_the_same_budgets(tmp_path, caplog):
+    """`oar train` chooses the unset budgets at its start with the plan's function, for the
+    same GPUs (launch.gpu_mem_gib) and world, logs them and runs with them."""
+    import logging
+
+    from megatron_oar.commands.train import choose_run_budgets
+
+    model = tmp_path / "Qwen2.5-7B"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(PRESETS["qwen2.5-7b"]))
+    cfg, hf, kw = _cfg_hf("qwen2.5-7b_oar_g", f"model.path={model}", "train.max_tokens_per_micro_batch=null")
+    plan = P.plan_config(cfg, hf, **kw, longest=False)
+    with caplog.at_level(logging.INFO, logger="megatron_oar.train"):
+        run_cfg, choice = choose_run_budgets(cfg, world=8)
+    assert choice.tokens == plan.budgets["tokens"] and choice.chosen == plan.budgets["chosen"]
+    assert run_cfg.train.max_tokens_per_micro_batch == choice.tokens[P.TRAIN_BUDGET]
+    assert run_cfg.attribution.max_tokens_per_micro_batch == choice.tokens[P.ATTRIBUTION_BUDGET]
+    assert cfg.train.max_tokens_per_micro_batch is None  # the caller's config is not changed
+    assert f"{P.TRAIN_BUDGET}={choice.tokens[P.TRAIN_BUDGET]} (chosen" in caplog.text
+    # a set budget that does not fit is kept and warned about
+    big, choice = choose_run_budgets(load_config(ROOT / "examples/qwen2.5-7b_oar_g.yaml", [
+        f"model.path={model}", "train.max_tokens_per_micro_batch=1000000"]), world=8)
+    assert big.train.max_tokens_per_micro_batch == 1000000 and "1000000 does not fit" in caplog.text
+
+
+def test_oar_p_cost_warning_at_its_threshold(capsys):
+    """Exact OAR-P warns when its step costs more than --oar-p-max-cost GRPO steps, naming
+    screened OAR-P and its cost; just above the ratio it does not; OAR-G never does."""
+    cfg, hf, kw = _cfg_hf("qwen2.5-7b_oar_p")
+    plan = P.make_plan(cfg, hf, **kw)
+    grpo = P.make_plan(P.with_credit(cfg, "grpo"), hf, **kw)
+    screened = P.make_plan(P.with_credit(cfg, "oar_p_screened"), hf, **kw)
+    ratio = plan.time_s["total"] / grpo.time_s["total"]
+    below = P.oar_p_cost_warning(cfg, hf, plan, max_cost=ratio * 0.999, **kw)
+    assert "credit=oar_p_screened" in below and f"{screened.time_s['total']:,.0f} s per step" in below
+    assert f"{ratio:.1f}x GRPO's step" in below
+    assert P.oar_p_cost_warning(cfg, hf, plan, max_cost=ratio * 1.001, **kw) is None
+    g, hf_g, kw_g = _cfg_hf("qwen2.5-7b_oar_g")
+    assert P.oar_p_cost_warning(g, hf_g, P.make_plan(g, hf_g, **kw_g), max_cost=0.0, **kw_g) is None
+    path = str(ROOT / "examples/qwen2.5-7b_oar_p.yaml")
+    P.main(["--config", path, "--oar-p-max-cost", f"{ratio * 0.999}"])
+    assert "warning: exact OAR-P costs" in capsys.readouterr().out
+    P.main(["--config", path, "--oar-p-max-cost", f"{ratio * 1.001}"])
+    assert "warning: exact OAR-P" not in capsys.readouterr().out

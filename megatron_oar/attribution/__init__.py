@@ -49,9 +49,11 @@ class AttributionConfig:
     #                                      null: train.micro_batch_size
     perturb_micro_batch_size: int = 16  # masked copies per OAR-P micro-batch; padded only
     max_tokens_per_micro_batch: int | None = None  # tokens per OAR-G/teacher micro-batch;
-    #                                      token_budget only; null: train.max_tokens_per_micro_batch
+    #                                      token_budget only; null: chosen by oar train from the memory
+    #                                      left (OAR-G; exact OAR-P's teacher: the training budget)
     max_tokens_per_copy_micro_batch: int | None = None  # tokens per OAR-P micro-batch;
-    #                                      token_budget only; null: train.max_tokens_per_micro_batch
+    #                                      token_budget only; null: chosen by oar train from the memory
+    #                                      left; a config used on its own: train.max_tokens_per_micro_batch
     length_bucket: int = 64  # padded: OAR-P copies are padded up to a multiple of this
     serial: bool = False  # OAR-P one copy at a time (only for the paper's cost comparison)
     pad_id: int | None = None  # OAR-P mask token; None: the tokenizer's pad token

@@ -27,8 +27,11 @@ preset, :mod:`megatron_oar.models.presets`); nothing is allocated. Per GPU it ad
   - OAR-G: a forward that keeps activations for one backward to the input embeddings. It runs in
     eval mode, where megatron-core does **not** recompute, so it is sized without recompute at
     ``attribution.max_tokens_per_micro_batch`` tokens of full-length rows (``padded``:
-    ``attribution.micro_batch_size`` rows; null keys are the training ones, an upper bound:
-    megatron's frozen-weight linears keep no inputs), plus the fp32 input-embedding gradient.
+    ``attribution.micro_batch_size`` rows; an upper bound: megatron's frozen-weight linears keep
+    no inputs), plus the fp32 input-embedding gradient.
+  - token budgets left unset are chosen per phase (:func:`choose_token_budgets`, searched by
+    :mod:`megatron_oar.commands.plan_budgets`), and a token budget holds max(budget, s) / s
+    full-length rows (a longer row runs alone).
   - OAR-P: forward only, ``attribution.max_tokens_per_copy_micro_batch`` tokens of masked
     copies (``padded``: ``attribution.perturb_micro_batch_size`` copies), one layer at a time.
   - screened OAR-P: OAR-G's activations, then OAR-P's (the larger of the two).
@@ -72,6 +75,7 @@ or compute-bound at the MFU).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import sys
@@ -79,6 +83,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_oar.commands import plan_moe
+from megatron_oar.commands.plan_budgets import (
+    ATTRIBUTION_BUDGET,
+    COPY_BUDGET,
+    TRAIN_BUDGET,
+    BudgetChoice,
+    BudgetSpec,
+    at_length,
+    choose_budgets,
+    longest_true,
+    with_budgets,
+)
 from megatron_oar.commands.plan_moe import expert_params
 from megatron_oar.models import QwenArch, parse_arch
 from megatron_oar.models.families import family_of
@@ -254,6 +269,9 @@ class Plan:
     flops: dict = field(default_factory=dict)        # per step, PFLOP
     time_s: dict = field(default_factory=dict)       # per step, by phase
     hardware: dict = field(default_factory=dict)
+    budgets: dict = field(default_factory=dict)      # token budgets: tokens, chosen (keys), phase_gib
+    longest_response_tokens: int | None = None      # the longest response that fits (--response-tokens)
+    warnings: list = field(default_factory=list)
     fits: bool = True
     reasons: list = field(default_factory=list)
     advice: list = field(default_factory=list)
@@ -279,16 +297,17 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     """The plan for ``cfg`` (a :class:`megatron_oar.config.Config`) on ``nodes`` x
     ``gpus_per_node`` GPUs; lengths default to the config's maxima (the worst case)."""
     a = parse_arch(hf_config, source=source)
-    m, par, t, r = cfg.model, cfg.parallel, cfg.train, cfg.rollout
     world = nodes * gpus_per_node
+    budgets = choose_token_budgets(cfg, hf_config, world=world, hw=hw, source=source)
+    cfg = with_budgets(cfg, budgets.tokens)  # the unset ones chosen, the set ones kept
+    m, par, t, r = cfg.model, cfg.parallel, cfg.train, cfg.rollout
     dp = world // (par.tp * par.pp)
     prompt = prompt_tokens if prompt_tokens is not None else cfg.data.max_prompt_tokens
     resp = response_tokens if response_tokens is not None else r.max_new_tokens
     s = prompt + resp
     samples = t.prompts_per_step * t.group_size
     rows = samples // t.mini_batches // dp  # per rank per optimizer step
-    microbatches = (rows // t.micro_batch_size if t.batching == "padded"
-                    else math.ceil(rows * s / cfg.micro_batch_tokens))
+    microbatches = _train_microbatches(cfg, rows=rows, s=s)
 
     experts = plan_moe.expert_layout(a, world, par.tp, par.pp, par.ep, par.etp)
     mem = _resident_memory(cfg, a, dp, experts["edp"])
@@ -320,6 +339,8 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
               "sequences_per_engine": v["seqs_per_engine"], "concurrent_sequences": v["concurrent"],
               "host_offload_gib_per_node": (v["weights"] * gpus_per_node / GIB
                                             if r.sleep_level == 1 else 0.0)},
+        budgets={"tokens": budgets.tokens, "chosen": budgets.chosen, "phase_gib": budgets.phase_gib},
+        warnings=list(budgets.warnings),
         sync=_sync_traffic(cfg, a),
         moe=_moe_summary(cfg, a, experts) if a.is_moe else {},
         hardware=asdict(hw))
@@ -331,6 +352,60 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
                    concurrent=max(1, v["concurrent"]),
                    kv_per_token=v["kv_per_token"], vllm_weights=v["weights"])
     return plan
+
+
+OAR_P_MAX_COST = 4.0  # oar plan --oar-p-max-cost: exact OAR-P's step over GRPO's that warns
+
+
+def plan_config(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardware,
+                source: str = "config.json", response_tokens: int | None = None,
+                oar_p_max_cost: float = OAR_P_MAX_COST, longest: bool = True) -> Plan:
+    """``oar plan``'s plan: :func:`make_plan` for ``cfg`` set to generate ``response_tokens``-token
+    responses (:func:`at_length`; default: ``rollout.max_new_tokens``), with the longest response
+    that fits (``longest``) and exact OAR-P's cost warning."""
+    if response_tokens is not None:
+        cfg = at_length(cfg, response_tokens)
+    kw = dict(nodes=nodes, gpus_per_node=gpus_per_node, hw=hw, source=source)
+    plan = make_plan(cfg, hf_config, **kw)
+    if longest:
+        plan.longest_response_tokens = longest_response(cfg, hf_config, **kw)
+    warning = oar_p_cost_warning(cfg, hf_config, plan, max_cost=oar_p_max_cost, **kw)
+    if warning:
+        plan.warnings.append(warning)
+    return plan
+
+
+def longest_response(cfg, hf_config: dict, **kw) -> int:
+    """The longest response (a multiple of ``LENGTH_STEP`` tokens, up to the model's positions)
+    for which ``cfg`` at that length (:func:`at_length`, token budgets chosen per length) fits;
+    0 when not even ``LENGTH_STEP`` tokens do."""
+    a = parse_arch(hf_config, source=kw.get("source", "config.json"))
+    hi = a.max_position_embeddings - cfg.data.max_prompt_tokens
+    return longest_true(lambda n: make_plan(at_length(cfg, n), hf_config, **kw).fits, hi)
+
+
+def with_credit(cfg, credit: str):
+    out = copy.deepcopy(cfg)
+    out.credit = credit
+    out.sync()
+    return out
+
+
+def oar_p_cost_warning(cfg, hf_config: dict, plan: Plan, *, max_cost: float, **kw) -> str | None:
+    """For exact OAR-P (``credit=oar_p``) whose estimated step costs more than ``max_cost`` times
+    GRPO's at the same length: the warning, naming screened OAR-P and its estimated step."""
+    if cfg.credit != "oar_p":
+        return None
+    grpo = make_plan(with_credit(cfg, "grpo"), hf_config, **kw).time_s["total"]
+    ratio = plan.time_s["total"] / grpo
+    if ratio <= max_cost:
+        return None
+    screened = make_plan(with_credit(cfg, "oar_p_screened"), hf_config, **kw).time_s["total"]
+    return (f"exact OAR-P costs {ratio:.1f}x GRPO's step at {cfg.rollout.max_new_tokens:,}-token "
+            f"responses ({plan.time_s['total']:,.0f} s against {grpo:,.0f} s; over --oar-p-max-cost "
+            f"{max_cost:g}): screened OAR-P (credit=oar_p_screened, attribution.screen_fraction="
+            f"{cfg.attribution.screen_fraction:g}) would cost {screened:,.0f} s per step "
+            f"({screened / grpo:.1f}x GRPO)")
 
 
 def _resident_memory(cfg, a: QwenArch, dp: int, edp: int = 1) -> dict[str, float]:
@@ -359,34 +434,117 @@ def _resident_memory(cfg, a: QwenArch, dp: int, edp: int = 1) -> dict[str, float
     return max((stage(k) for k in range(par.pp)), key=lambda x: sum(x.values()))
 
 
+def budget_rows(tokens: int, s: int) -> float:
+    """Full-length rows of ``s`` tokens a token budget of ``tokens`` holds, as a bound on its
+    tokens: a row longer than the budget runs alone (``models/micro_batches.py``)."""
+    return max(tokens, s) / s
+
+
+def _act_setup(cfg):
+    m, par = cfg.model, cfg.parallel
+    flash = m.spec in ("te", "auto")  # auto resolves to TE on a CUDA machine that has it
+    return par.tp, par.pp, par.sequence_parallel, flash, par.tp if par.etp is None else par.etp
+
+
+def _train_activations(cfg, a: QwenArch, *, s: int, mbs: float, microbatches: int) -> tuple[float, float]:
+    """``(update, old-logprob)`` activation bytes for micro-batches of ``mbs`` full-length rows."""
+    tp, pp, sp, flash, etp = _act_setup(cfg)
+    chunk, vm = cfg.train.logits_chunk_tokens, cfg.model.vocab_multiple
+    update = update_activation_bytes(a, s=s, b=mbs, tp=tp, pp=pp, sp=sp, flash=flash,
+                                     recompute=cfg.model.recompute, microbatches=microbatches, etp=etp)
+    update += logits_bytes(a, s, mbs, tp, vm, chunk)
+    forward = _one_layer_act_bytes(a, s, mbs, tp, sp, flash, etp) + logits_bytes(a, s, mbs, tp, vm, chunk)
+    return update, forward
+
+
+def _oar_g_activations(cfg, a: QwenArch, *, s: int, seqs: float, samples: int, dp: int) -> float:
+    """OAR-G (eval mode, no recompute): a forward keeping activations for the input-gradient
+    backward, ``seqs`` full-length rows per micro-batch, plus the fp32 input-embedding gradient."""
+    tp, pp, sp, flash, etp = _act_setup(cfg)
+    return (_stage_act_bytes(a, s, seqs, tp, pp, sp, flash, etp)
+            * min(pp, max(1, math.ceil(samples / (seqs * dp)))) + 4.0 * s * seqs * a.hidden_size)
+
+
+def _oar_p_activations(cfg, a: QwenArch, *, s: int, copies: float) -> float:
+    """OAR-P: forward only over ``copies`` full-length masked copies, one layer at a time."""
+    tp, _, sp, flash, etp = _act_setup(cfg)
+    return _one_layer_act_bytes(a, s, copies, tp, sp, flash, etp)
+
+
+def _train_microbatches(cfg, *, rows: int, s: int) -> int:
+    """Micro-batches per rank per optimizer step of ``rows`` rows of ``s`` tokens."""
+    if cfg.train.batching == "padded":
+        return rows // cfg.train.micro_batch_size
+    return math.ceil(rows * s / max(cfg.micro_batch_tokens, s))
+
+
 def _activation_memory(cfg, a: QwenArch, *, s: int, dp: int, samples: int,
                        microbatches: int) -> dict[str, float]:
     """Activation bytes per GPU of the passes that run while vLLM sleeps: ``update``,
-    ``old-logprob`` and ``attribution``."""
-    m, par, at = cfg.model, cfg.parallel, cfg.attribution_config()  # its nulls: the training keys
-    tp, pp, sp = par.tp, par.pp, par.sequence_parallel
+    ``old-logprob`` and ``attribution``, at the config's token budgets (or rows)."""
+    at = cfg.attribution_config()  # its nulls: the training keys
     # rows of a full-length micro-batch: token budgets (and packing) hold micro_batch_tokens tokens
-    mbs = (cfg.micro_batch_tokens / s if cfg.train.batching != "padded" else cfg.train.micro_batch_size)
-    flash = m.spec in ("te", "auto")  # auto resolves to TE on a CUDA machine that has it
-    etp = tp if par.etp is None else par.etp
-    update = update_activation_bytes(a, s=s, b=mbs, tp=tp, pp=pp, sp=sp, flash=flash,
-                                     recompute=m.recompute, microbatches=microbatches, etp=etp)
-    chunk = cfg.train.logits_chunk_tokens
-    update += logits_bytes(a, s, mbs, tp, m.vocab_multiple, chunk)
-    forward = _one_layer_act_bytes(a, s, mbs, tp, sp, flash, etp) + logits_bytes(a, s, mbs, tp, m.vocab_multiple,
-                                                                                   chunk)
+    mbs = (budget_rows(cfg.micro_batch_tokens, s) if cfg.train.batching != "padded"
+           else cfg.train.micro_batch_size)
+    update, forward = _train_activations(cfg, a, s=s, mbs=mbs, microbatches=microbatches)
     attr = 0.0
-    # attribution micro-batches of full-length rows: a token budget holds budget / s of them
     budgeted = at.batching == "token_budget"
-    seqs = at.max_tokens_per_micro_batch / s if budgeted else at.micro_batch_size
-    copies = at.max_tokens_per_copy_micro_batch / s if budgeted else at.perturb_micro_batch_size
     if cfg.uses_attribution and at.method in ("oar_g", "oar_p_screened"):
-        attr = (_stage_act_bytes(a, s, seqs, tp, pp, sp, flash, etp)
-                * min(pp, max(1, math.ceil(samples / (seqs * dp))))
-                + 4.0 * s * seqs * a.hidden_size)
+        seqs = budget_rows(at.max_tokens_per_micro_batch, s) if budgeted else at.micro_batch_size
+        attr = _oar_g_activations(cfg, a, s=s, seqs=seqs, samples=samples, dp=dp)
     if cfg.uses_attribution and at.method in ("oar_p", "oar_p_screened"):  # screened: the larger
-        attr = max(attr, _one_layer_act_bytes(a, s, copies, tp, sp, flash, etp))
+        copies = (budget_rows(at.max_tokens_per_copy_micro_batch, s) if budgeted
+                  else at.perturb_micro_batch_size)
+        attr = max(attr, _oar_p_activations(cfg, a, s=s, copies=copies))
     return {"update": update, "old-logprob": forward, "attribution": attr}
+
+
+def budget_specs(cfg, a: QwenArch, *, world: int, hw: Hardware) -> tuple[list[BudgetSpec], int]:
+    """The token budgets ``cfg`` runs with, each with the bytes per GPU of the phase it sizes as a
+    function of the budget (Megatron's resident state, vLLM asleep, the reserve and the pass's
+    activations), at the longest sequence the run can see (``data.max_prompt_tokens`` +
+    ``rollout.max_new_tokens``); and that length. The training budget sizes the update and the
+    old-logprob pass; the attribution budgets OAR-G's micro-batches (OAR-P: its teacher's forward,
+    left to the training budget as before) and OAR-P's copies."""
+    par, t = cfg.parallel, cfg.train
+    dp = world // (par.tp * par.pp)
+    s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    samples = t.prompts_per_step * t.group_size
+    rows = samples // t.mini_batches // dp  # per rank per optimizer step
+    experts = plan_moe.expert_layout(a, world, par.tp, par.pp, par.ep, par.etp)
+    base = (sum(_resident_memory(cfg, a, dp, experts["edp"]).values())
+            + _vllm_memory(cfg, a, hw, world=world, samples=samples)["asleep"] + hw.reserve_gib * GIB)
+    specs = []
+    if t.batching != "padded":
+        def train_bytes(b: int) -> float:
+            mbs = budget_rows(b, s)
+            return base + max(_train_activations(cfg, a, s=s, mbs=mbs,
+                                                 microbatches=math.ceil(rows * s / max(b, s))))
+        specs.append(BudgetSpec(TRAIN_BUDGET, t.max_tokens_per_micro_batch, "update", train_bytes,
+                                lo=s, hi=rows * s // par.pp))  # >= PP micro-batches in flight
+    at = cfg.attribution_config()
+    if cfg.uses_attribution and at.batching == "token_budget":
+        if at.method in ("oar_g", "oar_p_screened"):
+            specs.append(BudgetSpec(
+                ATTRIBUTION_BUDGET, cfg.attribution.max_tokens_per_micro_batch, "attribution",
+                lambda b: base + _oar_g_activations(cfg, a, s=s, seqs=budget_rows(b, s), samples=samples, dp=dp),
+                lo=s, hi=math.ceil(samples / dp) * s // par.pp))
+        if at.method in ("oar_p", "oar_p_screened"):
+            specs.append(BudgetSpec(
+                COPY_BUDGET, cfg.attribution.max_tokens_per_copy_micro_batch, "attribution",
+                lambda b: base + _oar_p_activations(cfg, a, s=s, copies=budget_rows(b, s)),
+                lo=s, hi=cfg.rollout.max_new_tokens * s))  # every copy of one row
+    return specs, s
+
+
+def choose_token_budgets(cfg, hf_config: dict, *, world: int, hw: Hardware,
+                         source: str = "config.json") -> BudgetChoice:
+    """The token budgets a run of ``cfg`` on ``world`` GPUs of ``hw.gpu_mem_gib`` uses: those the
+    config leaves unset chosen as the largest that fit their phase, those it sets kept (with a
+    warning where they do not fit). ``oar plan`` and ``oar train`` both call this."""
+    a = parse_arch(hf_config, source=source)
+    specs, s = budget_specs(cfg, a, world=world, hw=hw)
+    return choose_budgets(specs, hw.gpu_mem_gib * GIB, seq_len=s)
 
 
 def _moe_summary(cfg, a: QwenArch, experts: dict) -> dict:
@@ -580,6 +738,11 @@ def render(plan: Plan, name: str) -> str:
     lines += [f"| **step** | {sum(plan.flops.values()):.1f} | **{plan.time_s['total']:.1f}** |", "",
               f"(at {plan.hardware['mfu']:.0%} MFU of {plan.hardware['peak_tflops']:g} TFLOP/s, "
               f"decode at {plan.hardware['bandwidth_eff']:.0%} of {plan.hardware['hbm_tb_s']:g} TB/s)"]
+    lines += budget_lines(plan)
+    if plan.longest_response_tokens is not None:
+        lines.append(f"longest response that fits: {plan.longest_response_tokens:,} tokens "
+                     "(rollout.max_new_tokens; unset token budgets chosen for each length)")
+    lines += [f"warning: {w}" for w in plan.warnings]
     if plan.fits:
         lines.append(f"\nFITS: peak {plan.peak_gib:.1f} of {plan.hardware['gpu_mem_gib']:g} GiB per GPU")
     else:
@@ -587,6 +750,16 @@ def render(plan: Plan, name: str) -> str:
         if plan.advice:
             lines.append("try: " + "; ".join(plan.advice))
     return "\n".join(lines)
+
+
+def budget_lines(plan: Plan) -> list[str]:
+    """``token budgets: KEY N (chosen|set, PHASE GiB), ...``: one line, none without budgets."""
+    b = plan.budgets
+    if not b.get("tokens"):
+        return []
+    parts = [f"{k} {n:,} ({'chosen' if k in b['chosen'] else 'set'}, {b['phase_gib'][k]:.1f} GiB)"
+             for k, n in b["tokens"].items()]
+    return ["", "token budgets: " + ", ".join(parts)]
 
 
 def sync_line(sync: dict) -> str:
@@ -629,6 +802,77 @@ SUMMARY_HEADER = ("| config | nodes x GPUs | TP/PP/DP | vLLM TP | weights+grads+
                   "|---|---|---|---:|---:|---:|---:|---:|---:|---|")
 
 
+TABLE_LENGTHS = (8192, 16384, 32768)
+TABLE_HEADER = ("| config | longest response | response tokens | verdict | peak GiB | token budgets "
+                "(train / OAR-G / OAR-P copies) | otherwise |\n|---|---:|---:|---|---:|---|---|")
+
+
+def _knob_plans(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, **kw):
+    """``(knob, plan)`` for the knobs :func:`length_rows` tries on a plan that does not fit, in
+    order: sequence parallelism (TP > 1), full recompute, both, then 2x and 4x the nodes (more data
+    parallelism: less optimizer state per GPU) alone and with both; a knob the config already has,
+    or a layout the batch does not divide into, is skipped."""
+    from megatron_oar.config import ConfigError, validate
+
+    memory = [[]]
+    if cfg.parallel.tp > 1 and not cfg.parallel.sequence_parallel:
+        memory.append(["parallel.sequence_parallel=true"])
+    if cfg.model.recompute != "full":
+        memory.append(["model.recompute=full"])
+    if len(memory) == 3:
+        memory.append(memory[1] + memory[2])
+    for mult in (1, 2, 4):
+        for knobs in (memory if mult == 1 else [[], memory[-1]] if len(memory) > 1 else [[]]):
+            if mult == 1 and not knobs:
+                continue
+            c = copy.deepcopy(cfg)
+            for knob in knobs:
+                key, value = knob.split("=")
+                section, name = key.split(".")
+                setattr(getattr(c, section), name, value == "true" if value == "true" else value)
+            c.sync()
+            try:
+                validate(c, world_size=nodes * mult * gpus_per_node, hf_config=hf_config)
+            except ConfigError:
+                continue
+            label = knobs + ([f"{mult}x nodes ({nodes * mult * gpus_per_node} GPUs)"] if mult > 1 else [])
+            yield " and ".join(label), make_plan(c, hf_config, nodes=nodes * mult,
+                                                 gpus_per_node=gpus_per_node, **kw)
+
+
+def length_rows(name: str, cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardware,
+                source: str = "config.json", lengths=TABLE_LENGTHS,
+                oar_p_max_cost: float = OAR_P_MAX_COST) -> list[str]:
+    """Rows of ``oar plan --table``: ``cfg`` at each response length, whether it fits, its peak,
+    the token budgets it runs with, and otherwise the first knob that makes it fit."""
+    kw = dict(nodes=nodes, gpus_per_node=gpus_per_node, hw=hw, source=source)
+    a = parse_arch(hf_config, source=source)
+    longest = longest_response(cfg, hf_config, **kw)
+    rows = []
+    for n in lengths:
+        if cfg.data.max_prompt_tokens + n > a.max_position_embeddings:
+            rows.append(f"| {name} | {longest:,} | {n:,} | beyond the model's {a.max_position_embeddings:,} "
+                        "positions | | | |")
+            continue
+        c = at_length(cfg, n)
+        plan = make_plan(c, hf_config, **kw)
+        b = plan.budgets["tokens"]
+        budgets = " / ".join(f"{b[k]:,}" if k in b else "-" for k in (TRAIN_BUDGET, ATTRIBUTION_BUDGET, COPY_BUDGET))
+        otherwise = []
+        if not plan.fits:
+            knob = next((k for k, pl in _knob_plans(c, hf_config, **kw) if pl.fits), None)
+            otherwise.append(f"needs {knob}" if knob else "fits with none of SP, full recompute, 4x nodes: "
+                             + "; ".join(plan.reasons))
+        warning = oar_p_cost_warning(c, hf_config, plan, max_cost=oar_p_max_cost, **kw)
+        if warning:
+            screened = make_plan(with_credit(c, "oar_p_screened"), hf_config, **kw).time_s["total"]
+            otherwise.append(f"screened OAR-P: {screened:,.0f} s per step against exact OAR-P's "
+                             f"{plan.time_s['total']:,.0f} s")
+        rows.append(f"| {name} | {longest:,} | {n:,} | {'fits' if plan.fits else 'does not fit'} | "
+                    f"{plan.peak_gib:.1f} | {budgets} | {'; '.join(otherwise) or '-'} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     from megatron_oar.config import ConfigError, load_config, validate
     from megatron_oar.models import ModelConfigError
@@ -645,16 +889,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mfu", type=float, default=Hardware.mfu)
     p.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops)
     p.add_argument("--hbm-tb-s", type=float, default=Hardware.hbm_tb_s)
-    p.add_argument("--response-tokens", type=int, help="mean response length (default: the maximum)")
+    p.add_argument("--response-tokens", type=int,
+                   help="plan responses of this many tokens: rollout.max_new_tokens (and "
+                   "rollout.max_model_len raised to hold the prompt and them); default: the config's")
+    p.add_argument("--oar-p-max-cost", type=float, default=OAR_P_MAX_COST,
+                   help="warn when exact OAR-P's step costs more than this many GRPO steps")
+    p.add_argument("--table", action="store_true",
+                   help="one row per config and response length (--lengths): fits, peak, budgets, "
+                   "the knob it needs otherwise")
+    p.add_argument("--lengths", type=int, nargs="+", default=list(TABLE_LENGTHS),
+                   help="response lengths of --table")
     p.add_argument("--json", action="store_true", help="print the plan(s) as JSON")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
     # `--config a.yaml b.yaml key=value`: nargs="+" also takes the overrides
     overrides = [c for c in args.config if "=" in c] + args.overrides
-    plans = []
+    plans, table = [], []
     for path in (Path(c) for c in args.config if "=" not in c):
         try:
             cfg = load_config(path, overrides)
+            if args.response_tokens is not None:
+                cfg = at_length(cfg, args.response_tokens)
             nodes = args.nodes or cfg.launch.nodes
             gpn = args.gpus_per_node or cfg.launch.gpus_per_node
             hf, source = resolve_hf_config(cfg.model.path, args.arch)
@@ -664,8 +919,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         hw = Hardware(gpu_mem_gib=args.gpu_mem_gib or cfg.launch.gpu_mem_gib, mfu=args.mfu,
                       peak_tflops=args.peak_tflops, hbm_tb_s=args.hbm_tb_s)
-        plans.append((path.stem, make_plan(cfg, hf, nodes=nodes, gpus_per_node=gpn, hw=hw,
-                                           source=source, response_tokens=args.response_tokens)))
+        kw = dict(nodes=nodes, gpus_per_node=gpn, hw=hw, source=source, oar_p_max_cost=args.oar_p_max_cost)
+        if args.table:
+            table.extend(length_rows(path.stem, cfg, hf, lengths=args.lengths, **kw))
+            continue
+        plans.append((path.stem, plan_config(cfg, hf, **kw)))
+    if args.table:
+        print(TABLE_HEADER)
+        print("\n".join(table))
+        return 0
     if args.json:
         print(json.dumps({n: asdict(pl) for n, pl in plans}, indent=2))
     elif len(plans) == 1:

@@ -38,6 +38,42 @@ def config_from_args(args: argparse.Namespace):
     return load_config(args.config, overrides)
 
 
+def choose_run_budgets(cfg, *, world: int, rank: int = 0):
+    """The token budgets of a run of ``cfg`` on ``world`` processes, chosen as ``oar plan``
+    chooses them (:func:`megatron_oar.commands.plan.choose_token_budgets`, for GPUs of
+    ``launch.gpu_mem_gib``) at the longest sequence the run can see: ``cfg`` with the unset ones
+    filled in (the set ones kept, a warning logged where they do not fit), and the choice. Rank 0
+    logs them. A config the plan cannot size (no ``config.json`` at ``model.path``, an invalid
+    layout) is returned as it is, for the trainer to report."""
+    import logging
+
+    from megatron_oar.commands.plan import Hardware, choose_token_budgets
+    from megatron_oar.commands.plan_budgets import with_budgets
+    from megatron_oar.config import ConfigError, validate
+    from megatron_oar.models import ModelConfigError, read_hf_config
+
+    log = logging.getLogger("megatron_oar.train")
+    path = cfg.model.hf_dir() / "config.json"
+    if not path.is_file():
+        return cfg, None
+    try:
+        hf = read_hf_config(path)
+        validate(cfg, world_size=world, hf_config=hf)
+        choice = choose_token_budgets(cfg, hf, world=world, hw=Hardware(gpu_mem_gib=cfg.launch.gpu_mem_gib),
+                                      source=str(path))
+    except (ConfigError, ModelConfigError):
+        return cfg, None
+    if rank == 0 and choice.tokens:
+        seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+        log.info("token budgets for %d-token sequences on %g GiB GPUs (launch.gpu_mem_gib): %s", seq,
+                 cfg.launch.gpu_mem_gib, ", ".join(
+                     f"{k}={n} ({'chosen' if k in choice.chosen else 'set'}, {choice.phase_gib[k]:.1f} GiB)"
+                     for k, n in choice.tokens.items()))
+        for w in choice.warnings:
+            log.warning("%s", w)
+    return with_budgets(cfg, {k: choice.tokens[k] for k in choice.chosen}), choice
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -51,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_oar.training.preemption import EXIT_PREEMPTED
         from megatron_oar.training.trainer import Trainer
 
+        cfg, _ = choose_run_budgets(cfg, world=int(os.environ.get("WORLD_SIZE", "1")), rank=rank)
         try:
             trainer = Trainer(cfg)
             trainer.run()
