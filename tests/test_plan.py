@@ -491,10 +491,11 @@ def test_longest_response_is_monotone_and_matches_the_fits_line(capsys):
 
 
 def test_chosen_budgets_are_the_largest_that_fit():
-    """Unset token budgets become the largest multiple of BUDGET_STEP whose phase fits: the plan
-    at that budget fits the phase, one step more (set explicitly) does not and is warned about;
-    set budgets are kept. Covers the training budget, OAR-G's and OAR-P's copies (screened)."""
-    from megatron_oar.commands.plan_budgets import BUDGET_STEP, with_budgets
+    """Unset token budgets become the largest multiple of BUDGET_STEP whose phase fits
+    BUDGET_FILL of the GPU: the plan at that budget is under it, one step more is over it; a set
+    budget past the whole GPU is warned about, naming the one that would be chosen; set budgets
+    are kept. Covers the training budget, OAR-G's and OAR-P's copies (screened)."""
+    from megatron_oar.commands.plan_budgets import BUDGET_FILL, BUDGET_STEP, largest_fitting, with_budgets
 
     cfg, hf, kw = _cfg_hf("qwen2.5-7b_oar_g", "credit=oar_p_screened", "train.max_tokens_per_micro_batch=null",
                           "rollout.max_new_tokens=7168", "rollout.max_model_len=8192")
@@ -502,15 +503,19 @@ def test_chosen_budgets_are_the_largest_that_fit():
     pl = P.make_plan(cfg, hf, **kw)
     chosen = pl.budgets["tokens"]
     assert set(pl.budgets["chosen"]) == set(chosen) == {P.TRAIN_BUDGET, P.ATTRIBUTION_BUDGET, P.COPY_BUDGET}
-    assert pl.fits and not pl.warnings and max(pl.budgets["phase_gib"].values()) <= cap
+    assert pl.fits and not pl.warnings and max(pl.budgets["phase_gib"].values()) <= BUDGET_FILL * cap
     specs = {sp.key: sp for sp in P.budget_specs(cfg, P.parse_arch(hf), world=8, hw=kw["hw"])[0]}
     for key, tokens in chosen.items():
         assert tokens % BUDGET_STEP == 0 and tokens > 8192 and tokens < specs[key].hi
-        over = P.make_plan(with_budgets(cfg, {key: tokens + BUDGET_STEP}), hf, **kw)
         phase = "update" if key == P.TRAIN_BUDGET else "attribution"
-        assert P.make_plan(with_budgets(cfg, {key: tokens}), hf, **kw).phases_gib[phase] <= cap
+        at = P.make_plan(with_budgets(cfg, {key: tokens}), hf, **kw).phases_gib[phase]
+        above = P.make_plan(with_budgets(cfg, {key: tokens + BUDGET_STEP}), hf, **kw).phases_gib[phase]
+        assert at <= BUDGET_FILL * cap < above
+        # past the whole GPU: a set budget does not fit, and the warning names the chosen one
+        whole = largest_fitting(lambda b, sp=specs[key]: sp.phase_bytes(b) <= cap * P.GIB, tokens, specs[key].hi)
+        over = P.make_plan(with_budgets(cfg, {key: whole + BUDGET_STEP}), hf, **kw)
         assert over.phases_gib[phase] > cap and not over.fits
-        assert any(w.startswith(f"{key}={tokens + BUDGET_STEP} does not fit") and f"{tokens} tokens would fit" in w
+        assert any(w.startswith(f"{key}={whole + BUDGET_STEP} does not fit") and f"{tokens} tokens would fit" in w
                    for w in over.warnings)
     kept = P.make_plan(with_budgets(cfg, {P.TRAIN_BUDGET: 8192}), hf, **kw)
     assert kept.budgets["tokens"][P.TRAIN_BUDGET] == 8192 and P.TRAIN_BUDGET not in kept.budgets["chosen"]

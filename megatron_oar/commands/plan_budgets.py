@@ -8,7 +8,8 @@ need less memory (``tests/test_plan.py`` checks the searches against the plan at
 * :func:`choose_budgets`: each token budget left unset (null) in the config becomes the largest
   multiple of :data:`BUDGET_STEP` tokens, at least one full-length row and at most ``hi`` (the
   tokens one rank runs per pass and pipeline stage: no larger budget changes a micro-batch), whose
-  phase fits the GPU; a budget the config sets is kept, with a warning when its phase does not fit.
+  phase fits :data:`BUDGET_FILL` of the GPU; a budget the config sets is kept, with a warning when
+  its phase does not fit the GPU.
 * :func:`longest_true`: the longest response length, in steps of :data:`LENGTH_STEP` tokens, at
   which a predicate (the plan fits) holds.
 * :func:`at_length`: a config set to generate responses of a given length.
@@ -21,6 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 BUDGET_STEP = 128   # chosen token budgets are multiples of this many tokens (or one full row)
+# a chosen budget fills at most this share of the GPU: the plan's activation model is an estimate
+# (no allocator fragmentation, no workspace of a kernel it does not know), and a budget that fills
+# the GPU to the last GiB of an estimate fails where the estimate is short; a set budget is
+# warned about only past the whole GPU
+BUDGET_FILL = 0.9
 LENGTH_STEP = 256   # the longest response that fits is searched in steps of this many tokens
 GIB = 1024 ** 3
 
@@ -68,12 +74,15 @@ def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int, step: int = B
 
 
 def choose_budgets(specs: list[BudgetSpec], cap_bytes: float, *, seq_len: int) -> BudgetChoice:
-    """Chosen (unset) and kept (set) token budgets, each sized by its own phase: the phase's
-    bytes at the budget at most ``cap_bytes`` (the GPU's memory)."""
+    """Chosen (unset) and kept (set) token budgets, each sized by its own phase: a chosen one's
+    phase at most :data:`BUDGET_FILL` of ``cap_bytes`` (the GPU's memory), a set one warned about
+    when its phase exceeds ``cap_bytes``."""
     out = BudgetChoice()
+    fill = BUDGET_FILL * cap_bytes
     for sp in specs:
+        best = largest_fitting(lambda b, sp=sp: sp.phase_bytes(b) <= fill, sp.lo, max(sp.lo, sp.hi))
         if sp.explicit is None:
-            tokens = largest_fitting(lambda b, sp=sp: sp.phase_bytes(b) <= cap_bytes, sp.lo, max(sp.lo, sp.hi))
+            tokens = best
             out.chosen.append(sp.key)
         else:
             tokens = sp.explicit
@@ -82,7 +91,6 @@ def choose_budgets(specs: list[BudgetSpec], cap_bytes: float, *, seq_len: int) -
         if need > cap_bytes:
             one_row = sp.phase_bytes(sp.lo)
             if sp.explicit is not None and one_row <= cap_bytes:
-                best = largest_fitting(lambda b, sp=sp: sp.phase_bytes(b) <= cap_bytes, sp.lo, max(sp.lo, sp.hi))
                 out.warnings.append(
                     f"{sp.key}={tokens} does not fit: the {sp.phase} phase needs {need / GIB:.1f} GiB > "
                     f"{cap_bytes / GIB:g} GiB per GPU; {best} tokens would fit (unset it to have it chosen)")
