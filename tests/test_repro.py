@@ -60,13 +60,23 @@ def test_loss_axis_runs_validate():
     from megatron_oar.config import load_config, validate
 
     seen = set()
-    for g in (runner.GRIDS["default"], runner.GRIDS["full"]):
+    for g in (runner.GRIDS["default"], runner.GRIDS["full"], runner.GRIDS["losses"]):
         for spec in runner.grid(g):
             if spec.group == "loss" and (spec.method, spec.overrides) not in seen:
                 seen.add((spec.method, spec.overrides))
                 cfg = load_config(runner.CONFIG, runner.run_overrides(spec, Path("sft"), Path("run"), g))
                 validate(cfg, world_size=1)
                 assert cfg.credit == spec.method
+
+
+def test_losses_grid_is_the_default_grids_loss_axis():
+    """`--grid losses` runs the default grid's loss axis and the main runs it is paired with,
+    under the same names (so its runs are the default grid's), and nothing else."""
+    default = {r.name: r for r in runner.grid(runner.GRIDS["default"])}
+    losses = runner.grid(runner.GRIDS["losses"])
+    assert all(default[r.name] == r for r in losses)
+    assert {r.name for r in losses} == {r.name for r in default.values() if r.group == "loss"} | {
+        r.name for r in default.values() if r.group == "main" and r.method in ("grpo", "oar_g")}
 
 
 def _write_run(out: Path, spec: runner.RunSpec, evals: dict[int, float], pass_k: float,

@@ -3,6 +3,7 @@
     oar repro --out repro_out                   # the default grid, 2 runs at a time on 2 cores
     oar repro --out repro_out --grid full       # the paper-style grid (5 seeds, every ablation)
     oar repro --out repro_out --report-only     # tables and figures again from what is there
+    oar repro --out losses_out --grid losses    # the loss axis alone (GRPO and OAR-G x losses)
 
 1. One SFT start: a tiny Qwen2 warmed up on the chain task (``demo_model``), shared by every run
    and converted to a Megatron checkpoint once (``sft_megatron``), which every run starts from.
@@ -72,6 +73,9 @@ class Grid:
 GRIDS = {"default": Grid(),
          "full": Grid(seeds=5, steps=60, taus=(0.0, 0.7, 1.0), ablation_seeds=3, loss_seeds=5, pass_k=16,
                       pass_k_problems=200, oracle_trajectories=200),
+         # the loss axis alone: GRPO and OAR-G under ppo_clip (their main runs), gspo_token and
+         # cispo, and with TIS, at the default grid's seeds and budget, no ablations
+         "losses": Grid(methods=("grpo", "oar_g"), taus=(), probes=(), floors=()),
          "tiny": Grid(methods=("grpo", "oar_g"), seeds=2, steps=2, eval_interval=1, taus=(1.0,),
                       probes=("last_token",), floors=(), losses=(), corrections=(), pass_k=2,
                       pass_k_problems=4,
