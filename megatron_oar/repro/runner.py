@@ -309,6 +309,17 @@ def run(out: Path, g: Grid, *, config: Path = CONFIG, jobs: int = 2, report_only
     return rep
 
 
+def _axes(s: dict) -> str:
+    """The publish header's words for the loss axis and the ablations a grid ran (none: '')."""
+    out = ""
+    if s.get("losses") or s.get("corrections"):
+        what = [*(f"under {x}" for x in s.get("losses", [])), *(f"with {x}" for x in s.get("corrections", []))]
+        out += f"; the loss axis: {', '.join(s['loss_methods'])} {', '.join(what)} x {s['loss_seeds']} seeds"
+    if s.get("taus") or s.get("probes") or s.get("floors"):
+        out += f"; ablations of {s['ablation_method']} with {s['ablation_seeds']} seed(s)"
+    return out
+
+
 def publish(out: Path, docs: Path, command: str) -> Path:
     """``docs/repro.md`` (how it was made, then the tables) with the figures and report.json
     under ``docs/repro/``; written to temp files and renamed."""
@@ -328,9 +339,8 @@ def publish(out: Path, docs: Path, command: str) -> Path:
     s = rep["settings"]
     head = ["# `oar repro`: the paper in miniature on the chain testbed", "",
             f"Made by `{command}` in {s['wall_seconds'] / 60:.0f} min of wall time on a 2-core CPU "
-            f"machine ({s['jobs']} runs at a time). {rep['runs']} runs: "
-            f"{', '.join(s['methods'])} x {s['seeds']} seeds, {s['steps']} RL steps each, from one "
-            f"SFT start; ablations of {s['ablation_method']} with {s['ablation_seeds']} seed(s). "
+            f"machine ({s['jobs']} runs at a time). {rep['runs']} runs of {s['steps']} RL steps from "
+            f"one SFT start: {', '.join(s['methods'])} x {s['seeds']} seeds{_axes(s)}. "
             f"Intervals are 95% Student-t intervals over seeds; with {s['seeds']} seeds they are wide, "
             "and a difference whose interval contains 0 is not a finding.", "",
             "![curves](repro/curves.png)", ""]
