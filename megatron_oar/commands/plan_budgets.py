@@ -56,21 +56,25 @@ class BudgetChoice:
     warnings: list[str] = field(default_factory=list)
 
 
+def _last_true(pred: Callable[[int], bool], k_lo: int, k_hi: int) -> int:
+    """The largest ``k`` in ``[k_lo, k_hi]`` with ``pred(k)``, given ``pred`` monotone (true up to
+    a point) and ``k_lo`` taken as true (the caller has checked it, or it is the floor)."""
+    while k_lo < k_hi:
+        mid = (k_lo + k_hi + 1) // 2
+        if pred(mid):
+            k_lo = mid
+        else:
+            k_hi = mid - 1
+    return k_lo
+
+
 def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int, step: int = BUDGET_STEP) -> int:
     """The largest of ``lo`` and the multiples of ``step`` in ``(lo, hi]`` for which ``fits``
     (monotone: true up to a point) holds; ``lo`` when none does, or when ``lo`` itself does not."""
     k_lo, k_hi = lo // step + 1, hi // step  # candidates k * step above lo
-    if k_lo > k_hi or not fits(lo):
+    if k_lo > k_hi or not fits(lo) or not fits(k_lo * step):
         return lo
-    if not fits(k_lo * step):
-        return lo
-    while k_lo < k_hi:  # invariant: fits(k_lo * step)
-        mid = (k_lo + k_hi + 1) // 2
-        if fits(mid * step):
-            k_lo = mid
-        else:
-            k_hi = mid - 1
-    return k_lo * step
+    return _last_true(lambda k: fits(k * step), k_lo, k_hi) * step
 
 
 def choose_budgets(specs: list[BudgetSpec], cap_bytes: float, *, seq_len: int) -> BudgetChoice:
@@ -104,14 +108,7 @@ def choose_budgets(specs: list[BudgetSpec], cap_bytes: float, *, seq_len: int) -
 def longest_true(pred: Callable[[int], bool], hi: int, step: int = LENGTH_STEP) -> int:
     """The largest multiple of ``step`` up to ``hi`` for which ``pred`` (monotone: true up to a
     point) holds; 0 when it fails at ``step``."""
-    k_lo, k_hi = 0, hi // step  # invariant: pred(k_lo * step), or k_lo == 0
-    while k_lo < k_hi:
-        mid = (k_lo + k_hi + 1) // 2
-        if pred(mid * step):
-            k_lo = mid
-        else:
-            k_hi = mid - 1
-    return k_lo * step
+    return _last_true(lambda k: pred(k * step), 0, hi // step) * step
 
 
 def at_length(cfg, response_tokens: int):

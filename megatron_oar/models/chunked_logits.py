@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel import (
     gather_from_sequence_parallel_region,
 )
 
+from megatron_oar.models import vocab_parallel as vp
 from megatron_oar.models.parallel import unwrap
 
 # train.logits_chunk_tokens' default: a [4096, 152k / TP] float32 chunk is 2.3 GiB at TP 1, and
@@ -89,10 +90,17 @@ def full_hidden(gpt, hidden: torch.Tensor) -> torch.Tensor:
     return hidden.transpose(0, 1)
 
 
-def _valid_rows(weight: torch.Tensor, vocab_size: int) -> int:
-    """How many of this TP rank's vocabulary rows are real (the rest pad the vocabulary)."""
-    start = parallel_state.get_tensor_model_parallel_rank() * weight.shape[0]
-    return max(0, min(weight.shape[0], vocab_size - start))
+def _local_vocab(weight: torch.Tensor, vocab_size: int) -> tuple[int, int]:
+    """``(start, valid)``: where this TP rank's vocabulary slice starts and how many of its rows
+    are real (the rest pad the vocabulary)."""
+    start = vp.vocab_slice(weight.shape[0])[0]
+    return start, max(0, min(weight.shape[0], vocab_size - start))
+
+
+def _local_targets(targets: torch.Tensor, start: int, valid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t, here)``: the targets as indices into this rank's real rows, and which are there."""
+    t = targets - start
+    return t, (t >= 0) & (t < valid)
 
 
 def _tp_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -112,10 +120,9 @@ class ChunkedTokenStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_size: int, chunk: int, with_entropy: bool):
-        n, local = hidden.shape[0], weight.shape[0]
-        valid = _valid_rows(weight, vocab_size)
+        n = hidden.shape[0]
+        start, valid = _local_vocab(weight, vocab_size)
         real = weight[:valid]
-        start = parallel_state.get_tensor_model_parallel_rank() * local
         f32 = dict(dtype=torch.float32, device=hidden.device)
         lp, ent = torch.zeros(n, **f32), torch.zeros(n, **f32)
         lse = torch.zeros(n, **f32)
@@ -126,8 +133,7 @@ class ChunkedTokenStats(torch.autograd.Function):
             m = _tp_reduce(m, dist.ReduceOp.MAX)
             z -= m.unsqueeze(-1)  # shifted
             e = z.exp()
-            t = targets[a:b] - start
-            here = (t >= 0) & (t < valid)
+            t, here = _local_targets(targets[a:b], start, valid)
             picked = (z.gather(-1, t.clamp(0, max(valid - 1, 0)).unsqueeze(-1)).squeeze(-1) if valid
                       else torch.zeros(b - a, **f32))
             sums = torch.stack([e.sum(-1), torch.where(here, picked, torch.zeros_like(picked)),
@@ -146,10 +152,9 @@ class ChunkedTokenStats(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
         vocab_size, chunk, with_entropy = ctx.meta
-        n, local = hidden.shape[0], weight.shape[0]
-        valid = _valid_rows(weight, vocab_size)
+        n = hidden.shape[0]
+        start, valid = _local_vocab(weight, vocab_size)
         real = weight[:valid]
-        start = parallel_state.get_tensor_model_parallel_rank() * local
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
@@ -168,8 +173,7 @@ class ChunkedTokenStats(torch.autograd.Function):
             if g_lp is not None:  # d lp / dz = onehot(target) - p
                 gl = g_lp[a:b].unsqueeze(-1)
                 g -= p.mul_(gl)
-                t = targets[a:b] - start
-                here = (t >= 0) & (t < valid)
+                t, here = _local_targets(targets[a:b], start, valid)
                 rows = here.nonzero().squeeze(-1)
                 g[rows, t[rows]] += gl[rows, 0]
             g = g.to(weight.dtype)
