@@ -391,9 +391,10 @@ def with_credit(cfg, credit: str):
     return out
 
 
-def oar_p_cost_warning(cfg, hf_config: dict, plan: Plan, *, max_cost: float, **kw) -> str | None:
+def oar_p_over_cost(cfg, hf_config: dict, plan: Plan, *, max_cost: float, **kw) -> dict | None:
     """For exact OAR-P (``credit=oar_p``) whose estimated step costs more than ``max_cost`` times
-    GRPO's at the same length: the warning, naming screened OAR-P and its estimated step."""
+    GRPO's at the same length: its ``ratio`` to GRPO's step and the ``grpo`` and screened OAR-P
+    (``screened``) step seconds; None otherwise."""
     if cfg.credit != "oar_p":
         return None
     grpo = make_plan(with_credit(cfg, "grpo"), hf_config, **kw).time_s["total"]
@@ -401,11 +402,19 @@ def oar_p_cost_warning(cfg, hf_config: dict, plan: Plan, *, max_cost: float, **k
     if ratio <= max_cost:
         return None
     screened = make_plan(with_credit(cfg, "oar_p_screened"), hf_config, **kw).time_s["total"]
-    return (f"exact OAR-P costs {ratio:.1f}x GRPO's step at {cfg.rollout.max_new_tokens:,}-token "
-            f"responses ({plan.time_s['total']:,.0f} s against {grpo:,.0f} s; over --oar-p-max-cost "
+    return {"ratio": ratio, "grpo": grpo, "screened": screened}
+
+
+def oar_p_cost_warning(cfg, hf_config: dict, plan: Plan, *, max_cost: float, **kw) -> str | None:
+    """:func:`oar_p_over_cost`'s case as a warning, naming screened OAR-P and its estimated step."""
+    cost = oar_p_over_cost(cfg, hf_config, plan, max_cost=max_cost, **kw)
+    if cost is None:
+        return None
+    return (f"exact OAR-P costs {cost['ratio']:.1f}x GRPO's step at {cfg.rollout.max_new_tokens:,}-token "
+            f"responses ({plan.time_s['total']:,.0f} s against {cost['grpo']:,.0f} s; over --oar-p-max-cost "
             f"{max_cost:g}): screened OAR-P (credit=oar_p_screened, attribution.screen_fraction="
-            f"{cfg.attribution.screen_fraction:g}) would cost {screened:,.0f} s per step "
-            f"({screened / grpo:.1f}x GRPO)")
+            f"{cfg.attribution.screen_fraction:g}) would cost {cost['screened']:,.0f} s per step "
+            f"({cost['screened'] / cost['grpo']:.1f}x GRPO)")
 
 
 def _resident_memory(cfg, a: QwenArch, dp: int, edp: int = 1) -> dict[str, float]:
@@ -829,7 +838,7 @@ def _knob_plans(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, **kw):
             for knob in knobs:
                 key, value = knob.split("=")
                 section, name = key.split(".")
-                setattr(getattr(c, section), name, value == "true" if value == "true" else value)
+                setattr(getattr(c, section), name, True if value == "true" else value)
             c.sync()
             try:
                 validate(c, world_size=nodes * mult * gpus_per_node, hf_config=hf_config)
@@ -863,10 +872,9 @@ def length_rows(name: str, cfg, hf_config: dict, *, nodes: int, gpus_per_node: i
             knob = next((k for k, pl in _knob_plans(c, hf_config, **kw) if pl.fits), None)
             otherwise.append(f"needs {knob}" if knob else "fits with none of SP, full recompute, 4x nodes: "
                              + "; ".join(plan.reasons))
-        warning = oar_p_cost_warning(c, hf_config, plan, max_cost=oar_p_max_cost, **kw)
-        if warning:
-            screened = make_plan(with_credit(c, "oar_p_screened"), hf_config, **kw).time_s["total"]
-            otherwise.append(f"screened OAR-P: {screened:,.0f} s per step against exact OAR-P's "
+        cost = oar_p_over_cost(c, hf_config, plan, max_cost=oar_p_max_cost, **kw)
+        if cost:
+            otherwise.append(f"screened OAR-P: {cost['screened']:,.0f} s per step against exact OAR-P's "
                              f"{plan.time_s['total']:,.0f} s")
         rows.append(f"| {name} | {longest:,} | {n:,} | {'fits' if plan.fits else 'does not fit'} | "
                     f"{plan.peak_gib:.1f} | {budgets} | {'; '.join(otherwise) or '-'} |")
