@@ -22,8 +22,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def describe(args, params: int) -> str:
+    import torch
+
     return (f"random Qwen2, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
-            f"ffn {args.ffn}, vocab {args.vocab} ({params / 1e6:.1f}M parameters), fp32, one process")
+            f"ffn {args.ffn}, vocab {args.vocab} ({params / 1e6:.1f}M parameters), fp32, one process"
+            + (f" on one {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
 
 
 @contextlib.contextmanager
@@ -71,5 +74,8 @@ def random_batch(prompt: int, responses: list[int], vocab: int, seed: int = 0):
     pos = torch.arange(tokens.shape[1])
     mask = (pos >= prompt) & (pos < lengths[:, None])
     adv = torch.randn(rows, generator=g)
-    return TrainBatch(tokens, torch.full((rows,), prompt), lengths, torch.arange(rows), loss_mask=mask,
-                      rollout_logprobs=torch.zeros(tokens.shape), seq_adv=adv)
+    # where the policy's runtime put the model: the current CUDA device when there is one
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return TrainBatch(tokens.to(dev), torch.full((rows,), prompt, device=dev), lengths.to(dev),
+                      torch.arange(rows, device=dev), loss_mask=mask.to(dev),
+                      rollout_logprobs=torch.zeros(tokens.shape, device=dev), seq_adv=adv.to(dev))

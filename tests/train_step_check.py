@@ -39,8 +39,26 @@ def hf_logprobs(hf_dir: Path, tokens: torch.Tensor, device: str) -> torch.Tensor
     return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], dim=1).cpu()
 
 
-def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3, adv_scale: float = 1.0) -> dict:
-    """Builds, scores and updates on this process's device; returns tensors on the CPU."""
+def fp8_state(gpt) -> dict[str, float]:
+    """Transformer Engine's delayed-scaling state over ``gpt``'s modules: the largest amax
+    recorded (0: no GEMM ran under FP8 autocast yet) and how far any forward scale is from TE's
+    initial 1.0 (0: the scales were never updated). Empty without delayed-scaling metadata."""
+    amax, moved = [], []
+    for module in gpt.modules():
+        meta = getattr(module, "fp8_meta", None)
+        fwd = meta.get("scaling_fwd") if isinstance(meta, dict) else None
+        if fwd is None:
+            continue
+        amax.append(float(fwd.amax_history.abs().max()))
+        moved.append(float((fwd.scale - 1).abs().max()))
+    return {"amax_max": max(amax), "scale_moved": max(moved), "modules": len(amax)} if amax else {}
+
+
+def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3, adv_scale: float = 1.0, spec: str = "local",
+        fp8: str | None = None, fp8_recipe: str = "delayed", allow_fp8: bool = False) -> dict:
+    """Builds, scores and updates on this process's device; returns tensors on the CPU.
+    ``spec``/``fp8``/``fp8_recipe``: the model options (FP8 needs the TE spec); the forward-only
+    passes enter FP8 as the trainer's do (``no_grad_fp8``); ``allow_fp8``: OAR-G's backward too."""
     from checkpoints_convert.convert import hf_to_megatron
     from megatron_oar.algorithms import PolicyLossConfig, ShapingConfig, assign_credit
     from megatron_oar.attribution import (
@@ -55,7 +73,7 @@ def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3, adv_scale: float =
     from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
     from megatron_oar.training.inputs import TrainBatch
     from megatron_oar.training.policy import build_policy
-    from megatron_oar.training.policy_passes import old_logprob_pass, update_step
+    from megatron_oar.training.policy_passes import no_grad_fp8, old_logprob_pass, update_step
 
     hf = make_tiny_qwen2(root / "hf", seed=7, vocab_size=256)
     hf_to_megatron(hf, root / "ckpt", progress=False)
@@ -64,7 +82,8 @@ def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3, adv_scale: float =
         dev = rt.device
         hf_config = read_hf_config(root / "ckpt" / "hf" / "config.json")
         vocab = hf_config["vocab_size"]
-        policy = build_policy(hf_config, ModelConfig(path=str(root / "ckpt"), dtype=dtype, spec="local"),
+        policy = build_policy(hf_config, ModelConfig(path=str(root / "ckpt"), dtype=dtype, spec=spec, fp8=fp8,
+                                                     fp8_recipe=fp8_recipe),
                               OptimConfig(lr=lr, use_distributed_optimizer=True),
                               checkpoint=root / "ckpt", total_optimizer_steps=4)
         tokens, prompt_lens, lengths = make_rows(vocab)
@@ -73,25 +92,32 @@ def run(root: Path, *, dtype: str = "fp32", lr: float = 1e-3, adv_scale: float =
         batch = TrainBatch(tokens.to(dev), prompt_lens.to(dev), lengths.to(dev),
                            torch.arange(4, device=dev), loss_mask=mask.to(dev),
                            rollout_logprobs=torch.zeros(tokens.shape, device=dev), seq_adv=SEQ_ADV.to(dev))
-        attr_cfg = AttributionConfig(method="oar_g", sigma=1e-2, probe=ProbeConfig(kind="last_token"))
+        attr_cfg = AttributionConfig(method="oar_g", sigma=1e-2, probe=ProbeConfig(kind="last_token"),
+                                     allow_fp8=allow_fp8)
         sites = locate_probes(batch, attr_cfg.probe, 0, None)
+        first_fp8 = no_grad_fp8(policy.model, trained=False)
         batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(policy.model, batch, vocab, 2,
-                                                                      sites=sites)
+                                                                      sites=sites, fp8=first_fp8)
+        fp8_after_first_pass = fp8_state(policy.gpt)
         attr = compute_importance(policy.model, batch, attr_cfg, vocab_size=vocab, seq_adv=batch.seq_adv,
-                                  step=0, sites=sites, teacher=teacher, external_teacher=True)
+                                  step=0, sites=sites, teacher=teacher, external_teacher=True,
+                                  teacher_fp8=first_fp8)
         credit = assign_credit(ShapingConfig(scheme="oar"), batch.seq_adv, batch.loss_mask,
                                importance=attr.importance, score_mask=attr.score_mask)
         batch.advantages = credit.advantages * adv_scale  # huge: an fp16 loss-scale overflow
         before = {k: v.detach().float().clone() for k, v in policy.gpt.state_dict().items()
                   if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
         result = update_step(policy, batch, PolicyLossConfig(), vocab, 2)
-        after_lp, _, _ = old_logprob_pass(policy.model, batch, vocab, 2)
+        fp8_after_update = fp8_state(policy.gpt)
+        after_lp, _, _ = old_logprob_pass(policy.model, batch, vocab, 2,
+                                          fp8=no_grad_fp8(policy.model, trained=True))
         changed = max(float((v.detach().float() - before[k]).abs().max())
                       for k, v in policy.gpt.state_dict().items() if k in before)
         return {"overflow": result.overflow, "old_logprobs": batch.old_logprobs.cpu(), "new_logprobs": after_lp.cpu(),
                 "mask": mask, "weights": credit.weights.cpu(), "importance": attr.importance.cpu(),
                 "applied": result.applied, "grad_norm": result.grad_norm, "changed": changed,
-                "hf_logprobs": hf_logprobs(hf, tokens, str(dev)), "stats": result.stats}
+                "hf_logprobs": hf_logprobs(hf, tokens, str(dev)), "stats": result.stats, "first_pass_fp8": first_fp8,
+                "fp8_after_first_pass": fp8_after_first_pass, "fp8_after_update": fp8_after_update}
     finally:
         destroy_runtime()
 

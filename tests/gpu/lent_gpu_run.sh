@@ -1,55 +1,78 @@
 #!/usr/bin/env bash
 # The issue-32 sequence on a lent GPU machine that has torch but no internet (docs/gpu-validation.md).
 # Packages travel as files in an ignored folder (DEPS: cp312 wheels, antlr4.zip with omegaconf's
-# pure-Python antlr4 runtime, optionally a zstd binary) and vLLM as a zstd tarball in pieces.
+# pure-Python antlr4 runtime, optionally a zstd binary, Transformer Engine's torch-extension sdist
+# te_torch.tar.gz), vLLM (vz.*) and TE's core wheel unpacked (te.*) as zstd tarballs in pieces.
 #
-#   bash tests/gpu/lent_gpu_run.sh setup DEPS       # install DEPS into /tmp/site, start tests/gpu in the background
-#   bash tests/gpu/lent_gpu_run.sh piece FILE...    # keep pieces of the vLLM tarball
-#   bash tests/gpu/lent_gpu_run.sh vllm OUT         # unpack vLLM; the vLLM and `oar train` GPU tests
-#   bash tests/gpu/lent_gpu_run.sh bench OUT        # one GRPO and one OAR-G run of a 0.5B-shaped model
+#   bash tests/gpu/lent_gpu_run.sh setup DEPS [PIECE...]  # install DEPS into /tmp/site; OAR_GPU_BG picks
+#                                                       # what runs in the background: logits (the 8k
+#                                                       # logits-memory bench), pytest (tests/gpu), none
+#   bash tests/gpu/lent_gpu_run.sh piece FILE...        # keep pieces of the tarballs
+#   bash tests/gpu/lent_gpu_run.sh te                   # unpack TE's core; build its torch extension
+#                                                       # in the background (setsid)
+#   bash tests/gpu/lent_gpu_run.sh vllm OUT             # unpack vLLM; one GRPO and one OAR-G run of a
+#                                                       # 0.5B-shaped model (step 6); the bench's results
+#   bash tests/gpu/lent_gpu_run.sh tests OUT [FILE...]  # wait for TE; pytest the GPU test files
 set -uo pipefail
 SITE=/tmp/site
+TE_SITE=/tmp/te_site
 export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1
 stage=$1
 shift
 case $stage in
 setup)
+  deps=$1
+  shift
   mkdir -p $SITE /tmp/pieces /tmp/zs
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE "$1"/*.whl || exit 1
-  (cd $SITE && python3 -m zipfile -e "$OLDPWD/$1/antlr4.zip" .) || exit 1
-  cp "$1"/zstd "$1"/*.so* /tmp/zs/ 2>/dev/null
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE "$deps"/*.whl || exit 1
+  (cd $SITE && python3 -m zipfile -e "$OLDPWD/$deps/antlr4.zip" .) || exit 1
+  cp "$deps"/zstd "$deps"/*.so* /tmp/zs/ 2>/dev/null
+  cp "$deps"/te_torch.tar.gz /tmp/ 2>/dev/null
+  [ $# -gt 0 ] && cp "$@" /tmp/pieces/
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, megatron.core, transformers, omegaconf, math_verify; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__)" || exit 1
-  if [ "${OAR_GPU_BG:-1}" = 1 ]; then  # the other GPU tests, in the background while pieces arrive
-    setsid nohup bash -c "python3 -m pytest -q -s -p no:cacheprovider tests/gpu -k 'not vllm and not e2e' > /tmp/bg_pytest.log 2>&1; echo \$? > /tmp/bg_pytest.done" >/dev/null 2>&1 &
-    sleep 15; tail -3 /tmp/bg_pytest.log
-  else
-    echo skipped > /tmp/bg_pytest.log; echo skipped > /tmp/bg_pytest.done
-  fi ;;
+  case ${OAR_GPU_BG:-logits} in
+  pytest) bg="python3 -m pytest -q -s -p no:cacheprovider tests/gpu -k 'not vllm and not e2e'" ;;
+  logits) bg="python3 -m megatron_oar.cli bench logits-memory --responses 2048,4096,8192 --repeats 2 --out /tmp/logits_out" ;;
+  *) bg="echo skipped" ;;
+  esac
+  setsid nohup bash -c "$bg > /tmp/bg.log 2>&1; echo \$? > /tmp/bg.done" >/dev/null 2>&1 &
+  sleep 5; tail -3 /tmp/bg.log ;;
 piece)
-  cp "$@" /tmp/pieces/ && ls -la /tmp/pieces && tail -3 /tmp/bg_pytest.log ;;
+  cp "$@" /tmp/pieces/ && ls -la /tmp/pieces && tail -2 /tmp/bg.log ;;
+te)
+  zstd=$(command -v zstd || echo /tmp/zs/zstd)
+  # TE goes to its own folder, on the path only once its torch extension is built: megatron
+  # imports TE where it finds it, and a TE without the extension raises more than ImportError
+  mkdir -p $TE_SITE
+  cat /tmp/pieces/te.* | LD_LIBRARY_PATH=/tmp/zs $zstd -dc | tar -xf - -C $TE_SITE || exit 1
+  rm -f /tmp/pieces/te.*
+  mkdir -p /tmp/te_src && tar -xzf /tmp/te_torch.tar.gz -C /tmp/te_src --strip-components=1 || exit 1
+  command -v nvcc || ls -d /usr/local/cuda*/bin/nvcc
+  # the torch extension is C++ only (TE 2.14's CppExtension): ninja builds it; the core wheel's
+  # libtransformer_engine.so came unpacked above
+  setsid nohup bash -c "cd /tmp/te_src && PATH=$SITE/bin:$SITE/ninja/data/bin:\$PATH MAX_JOBS=10 \
+    NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 NVTE_PYTORCH_FORCE_BUILD=TRUE \
+    python3 setup.py build_ext --inplace > /tmp/te_build.log 2>&1 && cp transformer_engine_torch*.so $TE_SITE/ \
+    && cd /tmp && PYTHONPATH=\$PYTHONPATH:$TE_SITE python3 -c 'import transformer_engine.pytorch as te, transformer_engine; print(\"te\", transformer_engine.__version__)' >> /tmp/te_build.log 2>&1; \
+    echo \$? > /tmp/te_build.done" >/dev/null 2>&1 &
+  sleep 20; tail -3 /tmp/te_build.log; tail -2 /tmp/bg.log ;;
 vllm)
   out=$1
   zstd=$(command -v zstd || echo /tmp/zs/zstd)
   cat /tmp/pieces/vz.* | LD_LIBRARY_PATH=/tmp/zs $zstd -dc | tar -xf - -C $SITE || exit 1
+  rm -f /tmp/pieces/vz.*
   python3 -c "import vllm; print('vllm', vllm.__version__)" || exit 1
+  for _ in $(seq 1 60); do [ -f /tmp/bg.done ] && break; sleep 2; done
+  echo "background exit $(cat /tmp/bg.done 2>/dev/null)"; cp /tmp/bg.log "$out"/; tail -20 /tmp/bg.log
+  cp -r /tmp/logits_out "$out"/ 2>/dev/null
   # vLLM 0.24 asks FlashInfer about its sampler unless told not to; FlashInfer is not carried
   python3 -c "import flashinfer" 2>/dev/null || export VLLM_USE_FLASHINFER_SAMPLER=0
-  for _ in $(seq 1 150); do [ -f /tmp/bg_pytest.done ] && break; sleep 2; done
-  cp /tmp/bg_pytest.log "$out"/
-  echo "tests/gpu (background) exit $(cat /tmp/bg_pytest.done 2>/dev/null)"; tail -5 /tmp/bg_pytest.log
-  export OAR_GPU_FIGURES=$out/figures.jsonl
-  timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_vllm.py > "$out"/vllm.log 2>&1
-  echo "test_gpu_vllm exit $?"; grep -E "GPU-FIGURE|passed|failed|Error" "$out"/vllm.log | tail -30
-  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_train_e2e.py > "$out"/e2e.log 2>&1
-  echo "test_gpu_train_e2e exit $?"; grep -E "GPU-FIGURE|passed|failed|Error" "$out"/e2e.log | tail -30 ;;
-bench)
-  out=$1
   python3 -c "from megatron_oar.repro.demo_model import make_demo_model as m; m('/tmp/b05', hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048)"
   for credit in grpo oar_g; do
-    timeout 200 python3 -m megatron_oar.cli train --config examples/tiny_cpu.yaml model.path=/tmp/b05 \
-      run_dir=/tmp/run_$credit credit=$credit model.dtype=bf16 rollout.dtype=bf16 parallel.tp=1 \
-      launch.gpus_per_node=1 rollout.enforce_eager=false rollout.gpu_memory_utilization=0.4 \
+    timeout 220 python3 -m megatron_oar.cli train --config examples/tiny_cpu.yaml model.path=/tmp/b05 \
+      run_dir=/tmp/run_$credit credit=$credit model.spec=local model.dtype=bf16 rollout.dtype=bf16 parallel.tp=1 \
+      launch.gpus_per_node=1 rollout.enforce_eager=false rollout.gpu_memory_utilization=0.5 \
       rollout.max_model_len=1100 rollout.max_new_tokens=1024 train.steps=3 train.prompts_per_step=16 \
       train.group_size=8 train.mini_batches=1 train.max_tokens_per_micro_batch=8448 \
       attribution.max_tokens_per_micro_batch=8448 train.eval_interval=0 checkpoint.interval=100 \
@@ -58,5 +81,16 @@ bench)
       > "$out"/bench_$credit.log 2>&1
     echo "$credit exit $?"; cp /tmp/run_$credit/logs/metrics.jsonl "$out"/metrics_$credit.jsonl
     grep -E "Error|error" "$out"/bench_$credit.log | tail -5
-  done ;;
+  done
+  tail -3 /tmp/te_build.log ;;
+tests)
+  out=$1
+  shift
+  for _ in $(seq 1 150); do [ -f /tmp/te_build.done ] && break; sleep 2; done
+  echo "TE build exit $(cat /tmp/te_build.done 2>/dev/null)"; cp /tmp/te_build.log "$out"/; tail -5 /tmp/te_build.log
+  [ "$(cat /tmp/te_build.done 2>/dev/null)" = 0 ] && export PYTHONPATH=$PYTHONPATH:$TE_SITE
+  python3 -c "import flashinfer" 2>/dev/null || export VLLM_USE_FLASHINFER_SAMPLER=0
+  export OAR_GPU_FIGURES=$out/figures.jsonl
+  timeout ${OAR_GPU_TESTS_TIMEOUT:-400} python3 -m pytest -q -s -p no:cacheprovider "$@" > "$out"/tests.log 2>&1
+  echo "pytest exit $?"; grep -E "GPU-FIGURE|passed|failed|Error|FAILED" "$out"/tests.log | tail -40 ;;
 esac
