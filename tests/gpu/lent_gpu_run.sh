@@ -12,11 +12,17 @@
 #                                                       # in the background (setsid)
 #   bash tests/gpu/lent_gpu_run.sh vllm OUT             # unpack vLLM; one GRPO and one OAR-G run of a
 #                                                       # 0.5B-shaped model (step 6); the bench's results
+#   bash tests/gpu/lent_gpu_run.sh cublas               # unpack a newer cuBLAS (cb.* pieces): TE 2.13/2.14's
+#                                                       # cu13 core needs cuBLASLt >= 13.2, torch 2.11+cu130
+#                                                       # brings 13.1; later stages preload it
 #   bash tests/gpu/lent_gpu_run.sh tests OUT [FILE...]  # wait for TE; pytest the GPU test files
 set -uo pipefail
 SITE=/tmp/site
 TE_SITE=/tmp/te_site
 export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1
+CUBLAS=/tmp/cublas
+# a carried cuBLAS replaces torch's for the whole process (same soname, newer minor release)
+[ -f $CUBLAS/libcublasLt.so.13 ] && export LD_PRELOAD=$CUBLAS/libcublasLt.so.13:$CUBLAS/libcublas.so.13
 stage=$1
 shift
 case $stage in
@@ -57,20 +63,26 @@ te)
     && cd /tmp && PYTHONPATH=\$PYTHONPATH:$TE_SITE python3 -c 'import transformer_engine.pytorch as te, transformer_engine; print(\"te\", transformer_engine.__version__)' >> /tmp/te_build.log 2>&1; \
     echo \$? > /tmp/te_build.done" >/dev/null 2>&1 &
   sleep 20; tail -3 /tmp/te_build.log; tail -2 /tmp/bg.log ;;
+cublas)
+  zstd=$(command -v zstd || echo /tmp/zs/zstd)
+  mkdir -p $CUBLAS
+  cat /tmp/pieces/cb.* | LD_LIBRARY_PATH=/tmp/zs $zstd -dc | tar -xf - -C $CUBLAS --strip-components=3 || exit 1
+  rm -f /tmp/pieces/cb.*
+  ls -la $CUBLAS ;;
 vllm)
   out=$1
   zstd=$(command -v zstd || echo /tmp/zs/zstd)
   cat /tmp/pieces/vz.* | LD_LIBRARY_PATH=/tmp/zs $zstd -dc | tar -xf - -C $SITE || exit 1
   rm -f /tmp/pieces/vz.*
   python3 -c "import vllm; print('vllm', vllm.__version__)" || exit 1
-  for _ in $(seq 1 60); do [ -f /tmp/bg.done ] && break; sleep 2; done
+  for _ in $(seq 1 60); do [ -f /tmp/bg.done ] && break; sleep 2; done  # the setup's background job
   echo "background exit $(cat /tmp/bg.done 2>/dev/null)"; cp /tmp/bg.log "$out"/; tail -20 /tmp/bg.log
   cp -r /tmp/logits_out "$out"/ 2>/dev/null
   # vLLM 0.24 asks FlashInfer about its sampler unless told not to; FlashInfer is not carried
   python3 -c "import flashinfer" 2>/dev/null || export VLLM_USE_FLASHINFER_SAMPLER=0
   python3 -c "from megatron_oar.repro.demo_model import make_demo_model as m; m('/tmp/b05', hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048)"
-  for credit in grpo oar_g; do
-    timeout 220 python3 -m megatron_oar.cli train --config examples/tiny_cpu.yaml model.path=/tmp/b05 \
+  for credit in ${OAR_GPU_CREDITS:-grpo oar_g}; do  # OAR_GPU_OVERRIDES: more config overrides
+    timeout 180 python3 -m megatron_oar.cli train --config examples/tiny_cpu.yaml model.path=/tmp/b05 \
       run_dir=/tmp/run_$credit credit=$credit model.spec=local model.dtype=bf16 rollout.dtype=bf16 parallel.tp=1 \
       launch.gpus_per_node=1 rollout.enforce_eager=false rollout.gpu_memory_utilization=0.5 \
       rollout.max_model_len=1100 rollout.max_new_tokens=1024 train.steps=3 train.prompts_per_step=16 \
@@ -78,7 +90,7 @@ vllm)
       attribution.max_tokens_per_micro_batch=8448 train.eval_interval=0 checkpoint.interval=100 \
       checkpoint.export_hf_at_end=false log.tensorboard=false attribution.probe.warmup_steps=0 \
       rewards.format_weight=1.0 rewards.accuracy_weight=0.0 'rewards.format_pattern=.*[0-9].*' \
-      > "$out"/bench_$credit.log 2>&1
+      ${OAR_GPU_OVERRIDES:-} > "$out"/bench_$credit.log 2>&1
     echo "$credit exit $?"; cp /tmp/run_$credit/logs/metrics.jsonl "$out"/metrics_$credit.jsonl
     grep -E "Error|error" "$out"/bench_$credit.log | tail -5
   done
