@@ -205,10 +205,11 @@ def test_faults_in_turn_then_a_slurm_requeue_one_run_recovers_each(model, refere
     * attempt 3: SIGTERM to torchrun inside step 5's update -> every rank finishes step 5,
       checkpoints it (5 is not a save step: the save is the signal's) and exits;
     * ``slurm.sbatch`` resumes from step 5, and Slurm's SIGUSR1 comes in the worst place: during
-      step 6's generation (made 8 s long), just after the end-of-step check. The ranks stop at
-      the next phase's entry, before step 6's update: step 6 is dropped (not finished and
-      saved), step 5 is checkpointed again (over the checkpoint it resumed from) with the prompt
-      sampler rewound, and the job requeues itself;
+      step 6's generation (which lasts until the signal reaches the rank:
+      ``stall-until-signal``), just after the end-of-step check. The ranks stop at the next
+      phase's entry, before step 6's update: step 6 is dropped (not finished and saved), step 5
+      is checkpointed again (over the checkpoint it resumed from) with the prompt sampler
+      rewound, and the job requeues itself;
     * the requeued job resumes from step 5 and finishes: the final weights equal the
       uninterrupted run's bit for bit, and every step has one metrics record.
     """
@@ -234,12 +235,13 @@ def test_faults_in_turn_then_a_slurm_requeue_one_run_recovers_each(model, refere
     sent = {}
 
     def signal_in_step_6s_generation(proc, line):
-        if "sent" not in sent and "injecting stall at generate" in line:
+        if "sent" not in sent and "injecting stall-until-signal at generate" in line:
             sent["sent"] = time.monotonic()
             os.kill(proc.pid, signal.SIGUSR1)  # what --signal=B:USR1@600 does
 
-    job = _stream(sbatch, run_dir, _env("stall@generate:step=6:rank=0:seconds=8", **fake_slurm,
-                                        MASTER_PORT=str(free_port())), 900, signal_in_step_6s_generation)
+    stall = "stall-until-signal@generate:step=6:rank=0:seconds=60"  # ends as the signal comes
+    job = _stream(sbatch, run_dir, _env(stall, **fake_slurm, MASTER_PORT=str(free_port())), 900,
+                  signal_in_step_6s_generation)
     text = job.text[-4000:]
     log = (tmp_path / "scontrol.log").read_text()
     assert "requeue 4242" in log, (log, text)
