@@ -10,13 +10,16 @@ testing/faults.py``) and every run must end with final weights bit-identical to 
   rank finishes the step, checkpoints it and exits);
 * the same run then continues as a Slurm job (``slurm.sbatch``): SIGUSR1 to the script (Slurm's
   warning before the time limit) in the worst place, during the first step after the resume's
-  generation: the script passes it on, the workers drop that step at the next phase's entry,
+  generation (``stall-until-signal``: it lasts until the signal reaches the rank, no fixed
+  sleep): the script passes it on, the workers drop that step at the next phase's entry,
   checkpoint the one before again and exit, the script requeues the job, and the requeued job
   finishes.
 
 One run carries all the faults (about 6 start-ups of 2 ranks; each start-up imports torch,
-megatron-core, transformers and vLLM and builds an engine, about 10 s on 2 cores): about 2.5 min
-with the uninterrupted reference run.
+megatron-core, transformers and vLLM and builds an engine, about 10 s on 2 cores; and the 20 s
+``train.phase_timeout_s`` of the hang): about 2.5 min on a quiet machine with the uninterrupted
+reference run (its own ``oar train``, about 35 s); 221 s alone at a load average of 9 to 24 on
+the 2 shared cores (2026-11-26).
 
 Each case prints its figures with ``pytest -s`` (``[fault] ...``): recovery is the time from the
 fault until the step it interrupted has been completed again (a start-up of about a minute on
