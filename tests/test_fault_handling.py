@@ -66,6 +66,33 @@ def test_injected_enospc_and_error(monkeypatch):
         faults.reset()
 
 
+def test_stall_until_signal_ends_on_a_stop_signal_or_after_its_seconds(monkeypatch):
+    """test_faults' Slurm case stalls a rank's generation until SIGUSR1 reaches it: the stall
+    ends as the signal comes (the trainer's handler still records it), never before, and after
+    ``seconds`` without one; the process's signal wake-up fd is left as it was."""
+    import threading
+    import time
+
+    monkeypatch.setenv("RANK", "0")
+    p = Preemption().install()
+    try:
+        for fault, signal_after, lasts in (("stall-until-signal@generate:seconds=30", 0.5, (0.5, 10)),
+                                           ("stall-until-signal@generate:seconds=1", None, (1, 10))):
+            monkeypatch.setenv(faults.ENV, fault)
+            faults.reset()
+            if signal_after is not None:
+                threading.Timer(signal_after, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+            t = time.monotonic()
+            faults.inject("generate", step=1)
+            assert lasts[0] <= time.monotonic() - t < lasts[1], (fault, time.monotonic() - t)
+            assert p.received == (None if signal_after is None else signal.SIGUSR1)
+            p.received = None
+        assert signal.set_wakeup_fd(-1) == -1
+    finally:
+        p.uninstall()
+        faults.reset()
+
+
 # ----------------------------------------------------------------------------------- watchdog
 
 def _watch(tmp_path: Path, body: str, timeout: float = 1.0) -> subprocess.CompletedProcess:

@@ -10,13 +10,16 @@ testing/faults.py``) and every run must end with final weights bit-identical to 
   rank finishes the step, checkpoints it and exits);
 * the same run then continues as a Slurm job (``slurm.sbatch``): SIGUSR1 to the script (Slurm's
   warning before the time limit) in the worst place, during the first step after the resume's
-  generation: the script passes it on, the workers drop that step at the next phase's entry,
+  generation (``stall-until-signal``: it lasts until the signal reaches the rank, no fixed
+  sleep): the script passes it on, the workers drop that step at the next phase's entry,
   checkpoint the one before again and exit, the script requeues the job, and the requeued job
   finishes.
 
 One run carries all the faults (about 6 start-ups of 2 ranks; each start-up imports torch,
-megatron-core, transformers and vLLM and builds an engine, about 10 s on 2 cores): about 2.5 min
-with the uninterrupted reference run.
+megatron-core, transformers and vLLM and builds an engine, about 10 s on 2 cores; and the 20 s
+``train.phase_timeout_s`` of the hang): about 2.5 min on a quiet machine with the uninterrupted
+reference run (its own ``oar train``, about 35 s); 221 s alone at a load average of 9 to 24 on
+the 2 shared cores (2026-11-26).
 
 Each case prints its figures with ``pytest -s`` (``[fault] ...``): recovery is the time from the
 fault until the step it interrupted has been completed again (a start-up of about a minute on
@@ -205,10 +208,11 @@ def test_faults_in_turn_then_a_slurm_requeue_one_run_recovers_each(model, refere
     * attempt 3: SIGTERM to torchrun inside step 5's update -> every rank finishes step 5,
       checkpoints it (5 is not a save step: the save is the signal's) and exits;
     * ``slurm.sbatch`` resumes from step 5, and Slurm's SIGUSR1 comes in the worst place: during
-      step 6's generation (made 8 s long), just after the end-of-step check. The ranks stop at
-      the next phase's entry, before step 6's update: step 6 is dropped (not finished and
-      saved), step 5 is checkpointed again (over the checkpoint it resumed from) with the prompt
-      sampler rewound, and the job requeues itself;
+      step 6's generation (which lasts until the signal reaches the rank:
+      ``stall-until-signal``), just after the end-of-step check. The ranks stop at the next
+      phase's entry, before step 6's update: step 6 is dropped (not finished and saved), step 5
+      is checkpointed again (over the checkpoint it resumed from) with the prompt sampler
+      rewound, and the job requeues itself;
     * the requeued job resumes from step 5 and finishes: the final weights equal the
       uninterrupted run's bit for bit, and every step has one metrics record.
     """
@@ -234,12 +238,13 @@ def test_faults_in_turn_then_a_slurm_requeue_one_run_recovers_each(model, refere
     sent = {}
 
     def signal_in_step_6s_generation(proc, line):
-        if "sent" not in sent and "injecting stall at generate" in line:
+        if "sent" not in sent and "injecting stall-until-signal at generate" in line:
             sent["sent"] = time.monotonic()
             os.kill(proc.pid, signal.SIGUSR1)  # what --signal=B:USR1@600 does
 
-    job = _stream(sbatch, run_dir, _env("stall@generate:step=6:rank=0:seconds=8", **fake_slurm,
-                                        MASTER_PORT=str(free_port())), 900, signal_in_step_6s_generation)
+    stall = "stall-until-signal@generate:step=6:rank=0:seconds=60"  # ends as the signal comes
+    job = _stream(sbatch, run_dir, _env(stall, **fake_slurm, MASTER_PORT=str(free_port())), 900,
+                  signal_in_step_6s_generation)
     text = job.text[-4000:]
     log = (tmp_path / "scontrol.log").read_text()
     assert "requeue 4242" in log, (log, text)

@@ -10,25 +10,31 @@ holds comma-separated faults ``ACTION@POINT[:key=value...]``::
     OAR_FAULTS="error@sync.bucket:step=2:rank=0"      raise RuntimeError inside the weight sync
     OAR_FAULTS="term-launcher@update:step=3:rank=0"   SIGTERM to the parent (torchrun) process
     OAR_FAULTS="stall@generate:step=3:seconds=8"      a phase that takes 8 s longer (a long one)
+    OAR_FAULTS="stall-until-signal@generate:step=3"   a phase that lasts until the rank gets a
+                                                      stop signal (SIGTERM/SIGUSR1; at most
+                                                      ``seconds``): a signal during that phase
 
 Points are the trainer's phases (``training/phases.py``: ``generate``, ``update``, ...) and
 finer ones inside them (``checkpoint.shards``, ``sync.bucket``). ``step`` is the step being
 computed, numbered as the logs and checkpoints number it (the first step is 1; the evaluation
 before it is step 0). Filters: ``step``, ``rank`` (global), ``attempt`` (torchrun's
 ``TORCHELASTIC_RESTART_COUNT``; default 0, so a restarted group runs clean); ``seconds`` is the
-stall's length (default 10). A fault fires at most once per process.
+stall's length (default 10; for ``stall-until-signal`` the longest wait). A fault fires at most once per process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import select
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 
 ENV = "OAR_FAULTS"
-ACTIONS = ("kill", "hang", "enospc", "error", "term-launcher", "stall")
+ACTIONS = ("kill", "hang", "enospc", "error", "term-launcher", "stall", "stall-until-signal")
 FILTERS = ("step", "rank", "attempt")
 
 
@@ -103,6 +109,11 @@ def inject(point: str, *, step: int | None = None) -> None:
 
 def _fire(fault: Fault, step: int | None) -> None:
     where = f"{fault.point} (step {step}, rank {_env_int('RANK', 0)})"
+    if fault.action == "stall-until-signal":
+        with _stop_signal_wakeup() as wait:  # armed before the line a test may answer
+            print(f"[{ENV}] injecting {fault.action} at {where}", flush=True)
+            wait(fault.seconds)
+        return
     print(f"[{ENV}] injecting {fault.action} at {where}", flush=True)
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -117,3 +128,30 @@ def _fire(fault: Fault, step: int | None) -> None:
         os.kill(os.getppid(), signal.SIGTERM)
     elif fault.action == "stall":
         time.sleep(fault.seconds)
+
+
+@contextlib.contextmanager
+def _stop_signal_wakeup():
+    """Yields ``wait(seconds)``, which returns once this process has received a stop signal
+    (``STOP_SIGNALS``, while a Python handler such as the trainer's is installed: its handler
+    runs as usual) since the block was entered, or after ``seconds``. Uses Python's signal
+    wake-up fd, so it must run on the main thread; the previous fd is put back."""
+    from megatron_oar.runtime.stop_signals import STOP_SIGNALS
+
+    r, w = socket.socketpair()
+    r.setblocking(False)
+    w.setblocking(False)
+    previous = signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+
+    def wait(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([r], [], [], left)[0] and set(r.recv(64)) & set(STOP_SIGNALS):
+                return
+
+    try:
+        yield wait
+    finally:
+        signal.set_wakeup_fd(previous)
+        r.close()
+        w.close()
