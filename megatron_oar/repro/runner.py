@@ -146,7 +146,7 @@ def sft_start(out: Path, config: Path, steps: int | None) -> Path:
     return hf
 
 
-def sft_checkpoint(out: Path, sft: Path, config: Path, overrides: list[str]) -> Path:
+def sft_checkpoint(out: Path, sft: Path, config: Path, overrides: list[str], starter=None) -> Path:
     """The SFT start converted to a Megatron checkpoint once (``oar-convert hf-to-megatron`` in
     its own process), so that the runs start from it instead of each converting it again
     (``training/policy.py: init_checkpoint``, a process start-up and a conversion per run)."""
@@ -159,7 +159,7 @@ def sft_checkpoint(out: Path, sft: Path, config: Path, overrides: list[str]) -> 
         return ckpt
     dtype = load_config(config, overrides).model.dtype
     _run_one_process(hf_to_megatron_command(sft, ckpt, dtype), out / "sft_convert.log",
-                     "converting the SFT start")
+                     "converting the SFT start", starter)
     return ckpt
 
 
@@ -199,9 +199,10 @@ def run_overrides(spec: RunSpec, sft: Path, run_dir: Path, g: Grid) -> list[str]
             *g.overrides, *spec.overrides]
 
 
-def train_run(spec: RunSpec, out: Path, sft: Path, config: Path, g: Grid) -> dict:
-    """One run, resumable: training (one process) from ``sft`` (the SFT start, an HF directory
-    or its Megatron conversion), the HF export, pass@k; ``result.json``."""
+def train_run(spec: RunSpec, out: Path, sft: Path, config: Path, g: Grid, starter=None) -> dict:
+    """One run, resumable: training (one process, forked by ``starter`` when given) from ``sft``
+    (the SFT start, an HF directory or its Megatron conversion), the HF export, pass@k;
+    ``result.json``."""
     run_dir = out / "runs" / spec.name
     if (run_dir / "result.json").is_file():
         return json.loads((run_dir / "result.json").read_text())
@@ -210,7 +211,7 @@ def train_run(spec: RunSpec, out: Path, sft: Path, config: Path, g: Grid) -> dic
     overrides = run_overrides(spec, sft, run_dir, g)
     cmd = [sys.executable, "-m", "megatron_oar.commands.train", "--config", str(config), *overrides]
     t0 = time.perf_counter()
-    _run_one_process(cmd, run_dir / "train.log", f"run {spec.name}")
+    _run_one_process(cmd, run_dir / "train.log", f"run {spec.name}", starter)
     exported = sorted((run_dir / "hf").iterdir())[-1]
     from megatron_oar.config import load_config
 
@@ -223,7 +224,7 @@ def train_run(spec: RunSpec, out: Path, sft: Path, config: Path, g: Grid) -> dic
     return result
 
 
-def oracle_run(probe: str, out: Path, sft: Path, config: Path, g: Grid) -> Path:
+def oracle_run(probe: str, out: Path, sft: Path, config: Path, g: Grid, starter=None) -> Path:
     """The causal-token oracle on the SFT start with ``probe`` and the grid's overrides, as the
     runs see them; resumable (``recall.json``). ``sft`` is the start the runs use (its Megatron
     conversion: the oracle does not convert it again)."""
@@ -235,30 +236,73 @@ def oracle_run(probe: str, out: Path, sft: Path, config: Path, g: Grid) -> Path:
            "parallel.tp=1", "rollout.tp=1", *g.overrides, f"attribution.probe.kind={probe}",
            f"run_dir={dst / 'run'}"]
     dst.mkdir(parents=True, exist_ok=True)
-    _run_one_process(cmd, dst / "oracle.log", f"oracle ({probe})")
+    _run_one_process(cmd, dst / "oracle.log", f"oracle ({probe})", starter)
     return dst
 
 
-def _run_one_process(cmd: list[str], log: Path, what: str) -> None:
-    """``cmd`` as a one-process torch.distributed world (its own port, one thread, so two run
-    side by side on 2 cores), output appended to ``log``; raises naming ``what`` on failure. It runs
-    in this process's directory, so relative paths (``--out``, ``--config``) mean the same there."""
+def _run_one_process(cmd: list[str], log: Path, what: str, starter=None) -> None:
+    """``cmd`` (``python -m MODULE ...``) as a one-process torch.distributed world (its own port,
+    one thread, so two run side by side on 2 cores), output appended to ``log``; raises naming
+    ``what`` on failure. It runs in this process's directory, so relative paths (``--out``,
+    ``--config``) mean the same there. With ``starter`` (a :class:`~megatron_oar.repro.warm_start.
+    WarmStarter`) the process is forked from its warm interpreter instead of starting Python."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    with open(log, "a") as f:
-        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if starter is not None:
+        if cmd[:2] != [sys.executable, "-m"]:
+            raise ValueError(f"{what}: not a `python -m MODULE` command: {cmd}")
+        rc = starter.run(cmd[2], cmd[3:], env=env, log=log)
+    else:
+        with open(log, "a") as f:
+            rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if rc != 0:
         raise RuntimeError(f"{what} failed (exit {rc}); see {log}")
+
+
+def _run_grid(out: Path, g: Grid, config: Path, jobs: int, starter, console, t_all: float) -> None:
+    """The SFT start, its conversion, the runs and the oracle, ``jobs`` at a time (what is done
+    is skipped)."""
+    console.rule("[bold]oar repro: SFT start")
+    sft = sft_start(out, config, g.sft_steps)
+    console.print(f"SFT start: {sft} ({json.loads((sft / 'sft.json').read_text())})")
+    start = sft_checkpoint(out, sft, config, g.overrides, starter)
+    specs = grid(g)
+    todo = [s for s in specs if not (out / "runs" / s.name / "result.json").is_file()]
+    probes = ("answer_mean", *g.probes)  # the causal-token oracle on the SFT start, per probe
+    console.rule(f"[bold]{len(specs)} runs ({len(specs) - len(todo)} done) and the oracle with "
+                 f"{len(probes)} probes, {jobs} at a time")
+    done = [0]
+
+    def one(spec: RunSpec) -> None:
+        t = time.perf_counter()
+        res = train_run(spec, out, start, config, g, starter)
+        done[0] += 1
+        elapsed = time.perf_counter() - t_all
+        eta = elapsed / done[0] * (len(todo) - done[0])
+        console.print(f"[{done[0]}/{len(todo)}] {spec.name}: {time.perf_counter() - t:.0f}s, "
+                      f"pass@{g.pass_k} {res['pass_at_k']:.1%} · elapsed {elapsed / 60:.1f} min, "
+                      f"ETA {eta / 60:.1f} min")
+
+    def oracle(probe: str) -> None:
+        t = time.perf_counter()
+        oracle_run(probe, out, start, config, g, starter)
+        console.print(f"oracle, probe {probe}: {time.perf_counter() - t:.0f}s")
+
+    # the oracle runs need only the SFT start: they share the pool with the training runs
+    work = [partial(oracle, p) for p in probes] + [partial(one, s) for s in todo]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(lambda job: job(), work))  # re-raises the first failure
 
 
 def run(out: Path, g: Grid, *, config: Path = CONFIG, jobs: int = 2, report_only: bool = False) -> dict:
     from rich.console import Console
 
     from megatron_oar.repro import report
+    from megatron_oar.repro.warm_start import WarmStarter
 
     console = Console()
     out.mkdir(parents=True, exist_ok=True)
@@ -268,37 +312,8 @@ def run(out: Path, g: Grid, *, config: Path = CONFIG, jobs: int = 2, report_only
     atomic_write_text(out / "settings.json", json.dumps(settings, indent=1))
     t_all = time.perf_counter()
     if not report_only:
-        console.rule("[bold]oar repro: SFT start")
-        sft = sft_start(out, config, g.sft_steps)
-        console.print(f"SFT start: {sft} ({json.loads((sft / 'sft.json').read_text())})")
-        start = sft_checkpoint(out, sft, config, g.overrides)
-        specs = grid(g)
-        todo = [s for s in specs if not (out / "runs" / s.name / "result.json").is_file()]
-        probes = ("answer_mean", *g.probes)  # the causal-token oracle on the SFT start, per probe
-        console.rule(f"[bold]{len(specs)} runs ({len(specs) - len(todo)} done) and the oracle with "
-                     f"{len(probes)} probes, {jobs} at a time")
-        done = [0]
-
-        def one(spec: RunSpec) -> None:
-            t = time.perf_counter()
-            res = train_run(spec, out, start, config, g)
-            done[0] += 1
-            elapsed = time.perf_counter() - t_all
-            eta = elapsed / done[0] * (len(todo) - done[0])
-            console.print(f"[{done[0]}/{len(todo)}] {spec.name}: {time.perf_counter() - t:.0f}s, "
-                          f"pass@{g.pass_k} {res['pass_at_k']:.1%} · elapsed {elapsed / 60:.1f} min, "
-                          f"ETA {eta / 60:.1f} min")
-
-        def oracle(probe: str) -> None:
-            t = time.perf_counter()
-            oracle_run(probe, out, start, config, g)
-            console.print(f"oracle, probe {probe}: {time.perf_counter() - t:.0f}s")
-
-        # the oracle runs need only the SFT start: they share the pool with the training runs
-        work = [partial(oracle, p) for p in probes] + [partial(one, s) for s in todo]
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            list(pool.map(lambda job: job(), work))  # re-raises the first failure
-    if not report_only:
+        with WarmStarter() as starter:  # the runs' processes, forked from one warm interpreter
+            _run_grid(out, g, config, jobs, starter, console, t_all)
         settings["wall_seconds"] += time.perf_counter() - t_all
         atomic_write_text(out / "settings.json", json.dumps(settings, indent=1))
     rep = report.build(out, settings, aliases=[asdict(s) for s in _baselines(grid(g), g)])
