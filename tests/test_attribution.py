@@ -111,16 +111,42 @@ def _worker(ckpt: str, tp: int, pp: int, out: str, names: tuple[str, ...] | None
     del ps
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def setup(request, tmp_path_factory):
+def _jobs_worker(jobs: list[tuple[str, str]], tp: int, pp: int) -> None:
+    """:func:`_worker` once per ``(checkpoint, out)``, in one set of ranks."""
+    for ckpt, out in jobs:
+        _worker(ckpt, tp, pp, out)
 
-    root = tmp_path_factory.mktemp("attr_tied" if request.param else "attr_untied")
-    # larger weights than HF's default init, so that masking a token moves the probe well above
-    # fp32 rounding (with std 0.02 the KLs are ~1e-5 and HF-vs-Megatron rounding dominates)
-    hf = make_tiny_qwen2(root / "hf", tied=request.param, seed=5, initializer_range=0.3)
-    ckpt = root / "ckpt"
-    hf_to_megatron(hf, ckpt, progress=False)
-    return root, ckpt, reference_importance(hf, CASES)
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    """``untied`` and ``tied``: the tiny model's directory, its converted checkpoint, and the
+    transformers reference's importance for every case."""
+    out = {}
+    for tied in (False, True):
+        root = tmp_path_factory.mktemp("attr_tied" if tied else "attr_untied")
+        # larger weights than HF's default init, so that masking a token moves the probe well above
+        # fp32 rounding (with std 0.02 the KLs are ~1e-5 and HF-vs-Megatron rounding dominates)
+        hf = make_tiny_qwen2(root / "hf", tied=tied, seed=5, initializer_range=0.3)
+        ckpt = root / "ckpt"
+        hf_to_megatron(hf, ckpt, progress=False)
+        out["tied" if tied else "untied"] = (root, ckpt, reference_importance(hf, CASES))
+    return out
+
+
+@pytest.fixture(scope="module")
+def layout_results(models):
+    """``(tp, pp) -> {"untied"|"tied": per-rank results}``: one job per layout runs both models
+    (a world per layout, not per layout and model); the layout's first test starts it."""
+    done: dict[tuple[int, int], dict] = {}
+
+    def results(tp: int, pp: int) -> dict:
+        if (tp, pp) not in done:
+            outs = {name: root / f"attr_tp{tp}pp{pp}.pt" for name, (root, _, _) in models.items()}
+            launch(_jobs_worker, tp * pp, [(str(models[n][1]), str(o)) for n, o in outs.items()], tp, pp)
+            done[tp, pp] = {name: torch.load(o, weights_only=False) for name, o in outs.items()}
+        return done[tp, pp]
+
+    return results
 
 
 def reference_importance(hf, names) -> dict:
@@ -161,11 +187,10 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{t}pp{p}" for t, p in LAYOUTS])
-def test_importance_matches_reference(setup, tp, pp):
-    root, ckpt, refs = setup
-    out = root / f"attr_tp{tp}pp{pp}.pt"
-    launch(_worker, tp * pp, str(ckpt), tp, pp, str(out))
-    ranks = torch.load(out, weights_only=False)
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_importance_matches_reference(models, layout_results, which, tp, pp):
+    refs = models[which][2]
+    ranks = layout_results(tp, pp)[which]
     for rank, results in enumerate(ranks):
         assert results["grads_untouched"], f"rank {rank}: attribution touched parameter gradients"
         assert results["requires_grad_restored"], f"rank {rank}"
