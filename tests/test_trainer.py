@@ -89,13 +89,12 @@ LOSS_OF_CREDIT = {
     "oar_p": ("loss.policy_loss=cispo", "loss.rollout_correction=tis"),
 }
 
-def _modes_worker(ckpt: str, root: str, out: str) -> None:
-    import torch.distributed as dist
-
+def _modes(ckpt: str, root: str, engine=None) -> tuple[dict, object]:
+    """Each credit scheme's run (``LOSS_OF_CREDIT``); returns the results and the engine (made
+    by the first run when none is given)."""
     from megatron_oar.training.trainer import Trainer
 
     results = {}
-    engine = None
     for credit, loss in LOSS_OF_CREDIT.items():
         run_dir = Path(root) / credit
         # answer spans: the reward regex counts digits, the probe looks for a digit run
@@ -108,16 +107,33 @@ def _modes_worker(ckpt: str, root: str, out: str) -> None:
         after = _weights(trainer)
         changed = max(float((after[k] - before[k]).abs().max()) for k in before)
         results[credit] = {"changed": changed, "records": _records(run_dir)}
+    return results, engine
+
+
+def _modes_and_guard_worker(ckpt: str, root: str, out: str) -> None:
+    """The credit-scheme runs, then the non-finite guard's (:func:`_guard`), on one engine: both
+    at the example's TP2 on the same checkpoint and rollout settings."""
+    import torch.distributed as dist
+
+    modes, engine = _modes(ckpt, str(Path(root) / "modes"))
+    guard = _guard(ckpt, str(Path(root) / "guard"), engine)
     engine.shutdown()
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(results))
+        Path(out).write_text(json.dumps({"modes": modes, "guard": guard}))
+
+
+@pytest.fixture(scope="module")
+def modes_and_guard(model, tmp_path_factory) -> tuple[Path, dict]:
+    """One job (a world of 2, one vLLM engine per rank) for test_every_credit_mode_trains and
+    test_nonfinite_guard_skips_then_aborts: the run directories and the results."""
+    root = tmp_path_factory.mktemp("modes_and_guard")
+    launch(_modes_and_guard_worker, 2, str(model), str(root), str(root / "results.json"))
+    return root, json.loads((root / "results.json").read_text())
 
 
 @pytest.mark.slow
-def test_every_credit_mode_trains(model, tmp_path):
-    out = tmp_path / "modes.json"
-    launch(_modes_worker, 2, str(model), str(tmp_path), str(out))
-    results = json.loads(out.read_text())
+def test_every_credit_mode_trains(model, modes_and_guard):
+    results = modes_and_guard[1]["modes"]
     arch = parse_arch(json.loads((model / "hf" / "config.json").read_text()))
     n_mm = matmul_params(arch)
     n_layers = n_mm - arch.vocab_size * arch.hidden_size  # attribution: logits at the probes only
@@ -208,9 +224,8 @@ def test_resume_is_bit_exact(model, tmp_path):
 
 # ---------------------------------------------------------------------------------- NaN guard
 
-def _guard_worker(ckpt: str, root: str, out: str) -> None:
-    import torch.distributed as dist
-
+def _guard(ckpt: str, root: str, engine) -> dict:
+    """A NaN loss at the second of 3 steps (skipped), then at every step (aborts after 2)."""
     from megatron_oar.training import policy_passes
     from megatron_oar.training.trainer import NonFiniteError, Trainer
 
@@ -225,7 +240,6 @@ def _guard_worker(ckpt: str, root: str, out: str) -> None:
     policy_passes.policy_loss = flaky
     cfg = _config(ckpt, str(Path(root) / "skip"), "credit=grpo", "train.steps=3",
                   "train.max_nonfinite_steps=2")
-    engine = _engine(cfg)
     trainer = Trainer(cfg, engine=engine)
     snapshots = []
     step_fn = trainer.train_step
@@ -250,19 +264,16 @@ def _guard_worker(ckpt: str, root: str, out: str) -> None:
         error = None
     except NonFiniteError as e:
         error = str(e)
-    engine.shutdown()
-    policy_passes.policy_loss = real
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps({"unchanged": unchanged, "error": error}))
+    finally:
+        policy_passes.policy_loss = real
+    return {"unchanged": unchanged, "error": error}
 
 
 @pytest.mark.slow
-def test_nonfinite_guard_skips_then_aborts(model, tmp_path):
-    out = tmp_path / "guard.json"
-    launch(_guard_worker, 2, str(model), str(tmp_path), str(out))
-    res = json.loads(out.read_text())
+def test_nonfinite_guard_skips_then_aborts(modes_and_guard):
+    root, res = modes_and_guard[0], modes_and_guard[1]["guard"]
     assert res["unchanged"] == 0.0  # the NaN step left the weights alone
-    records = _records(tmp_path / "skip")
+    records = _records(root / "guard" / "skip")
     assert [r["guard/skipped_updates"] for r in records] == [0, 1, 0]
     assert records[-1]["guard/nonfinite_total"] == 1
     assert res["error"] and "2 steps in a row" in res["error"] and "train.max_nonfinite_steps" in res["error"]
