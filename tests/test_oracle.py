@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_oar.eval.recall import K_PERCENTS, recall_table, render_markdown, top_mask, write_outputs
 from megatron_oar.eval.records import RecordError, TokenRecord, read_records, write_records
+from tests.distributed import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,18 +82,41 @@ def warm_model(warm_demo_model):
     return warm_demo_model  # conftest: the demo model after 300 SFT steps, shared with test_eval
 
 
-def _oracle(model: Path, work: Path, nproc: int = 1) -> subprocess.CompletedProcess:
-    """`oar analyze oracle` on the tiny config, one process or ``nproc`` under torchrun (DP)."""
-    from megatron_oar.runtime import env_without_launcher
+class Done:
+    """What a run of ``oar analyze oracle`` left: exit status, stdout, stderr."""
 
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable])
-    cmd = [*launcher, "-m", "megatron_oar.eval.oracle", "--config",
-           str(ROOT / "examples/tiny_cpu.yaml"), "--model", str(model), "--trajectories", "6",
-           "--samples-per-prompt", "4", "--k-percents", "10,20,50", "--out", str(work / "oracle"),
-           "parallel.tp=1", f"run_dir={work / 'run'}"]
-    # a fresh world: no torchrun variables (an earlier test's MASTER_PORT may be taken)
-    return subprocess.run(cmd, cwd=work, env=env_without_launcher(), capture_output=True, text=True, timeout=600)
+    def __init__(self, out: Path) -> None:
+        self.returncode = json.loads((out / "rc.json").read_text())
+        self.stdout, self.stderr = (out / "stdout.txt").read_text(), (out / "stderr.txt").read_text()
+
+
+def _oracle_job(argv: list[str], work: str) -> None:
+    """One rank of ``oar analyze oracle``: its ``main`` in this world's rank (``nproc`` ranks of the
+    warm pool, as torchrun would start them), stdout/stderr and exit status to ``work`` (rank 0's)."""
+    import contextlib
+    import io
+    import os
+
+    from megatron_oar.eval.oracle import main
+
+    os.chdir(work)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    if os.environ["RANK"] == "0":
+        (Path(work) / "stdout.txt").write_text(out.getvalue())
+        (Path(work) / "stderr.txt").write_text(err.getvalue())
+        (Path(work) / "rc.json").write_text(json.dumps(rc))
+
+
+def _oracle(model: Path, work: Path, nproc: int = 1) -> Done:
+    """`oar analyze oracle` on the tiny config, one rank or ``nproc`` (DP), as jobs of the warm
+    world pool (tests/distributed.py: a fresh world with torchrun's environment in each)."""
+    argv = ["--config", str(ROOT / "examples/tiny_cpu.yaml"), "--model", str(model), "--trajectories", "6",
+            "--samples-per-prompt", "4", "--k-percents", "10,20,50", "--out", str(work / "oracle"),
+            "parallel.tp=1", f"run_dir={work / 'run'}"]
+    launch(_oracle_job, nproc, argv, str(work))
+    return Done(work)
 
 
 @pytest.fixture(scope="module")
@@ -187,10 +209,14 @@ def test_oracle_eval_split_needs_an_eval_set(capsys):
 @pytest.mark.slow
 def test_oracle_data_parallel_equals_one_process(warm_model, single, tmp_path):
     """Two torchrun ranks (DP2: each scores half the trajectories, the rollout groups share the
-    counterfactual decodes) give the same trajectories, substitutes, labels and scores."""
+    counterfactual decodes) give the same trajectories, substitutes, labels and scores. They start
+    from the checkpoint the one-process run converted the HF model to (``init_checkpoint``, the
+    same weights): the conversion is that run's to test, not repeated here."""
     import torch
 
-    done = _oracle(warm_model, tmp_path, nproc=2)
+    converted = single[0] / "oracle" / "init_checkpoint"
+    assert (converted / "oar_checkpoint.json").is_file()
+    done = _oracle(converted, tmp_path, nproc=2)
     assert done.returncode == 0, done.stderr[-4000:]
     one = {r.id: r for r in read_records(single[0] / "oracle" / "records.jsonl")}
     two = {r.id: r for r in read_records(tmp_path / "oracle" / "records.jsonl")}
