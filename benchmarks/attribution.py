@@ -35,7 +35,8 @@ sync, allocator warm-up):
 
 The default config is ``tiny_cpu.yaml``, shipped in the package (``megatron_oar/resources/``;
 ``examples/tiny_cpu.yaml`` links to it), so the suite runs from any directory and after any install;
-the runs start in the current directory, where a relative ``--config`` is read.
+the runs start in the current directory, where a relative ``--config`` is read. The model is
+converted to a Megatron checkpoint once (``OUT/init_checkpoint``), which every run starts from.
 
 Writes ``OUT/attribution.json`` (every measured step, the summaries, the machine) and
 ``OUT/attribution.md`` (the BENCHMARKS.md section); ``--update-benchmarks`` rewrites that section
@@ -289,6 +290,22 @@ def prepare_model(args, out: Path) -> tuple[Path, dict]:
                 "sft_final_loss": info.get("sft", {}).get("final_loss")}
 
 
+def start_checkpoint(hf: Path, out: Path, dtype: str) -> Path:
+    """The runs' start: ``hf`` converted to a Megatron checkpoint once per invocation, here (an
+    oar checkpoint as it is), so that every run does not convert it again in a process of its
+    own (``training/policy.py: init_checkpoint``). Not timed: it precedes the runs' steps."""
+    from checkpoints_convert.convert import hf_to_megatron
+    from megatron_oar.models.model_checkpoint import META_FILE
+
+    if (hf / META_FILE).is_file():
+        return hf
+    ckpt = out / "init_checkpoint"
+    shutil.rmtree(ckpt, ignore_errors=True)  # the model may have been rebuilt since
+    print(f"[bench] converting {hf} to {ckpt} (once, for every run)", flush=True)
+    hf_to_megatron(hf, ckpt, dtype=dtype, progress=False)
+    return ckpt
+
+
 def _arch_of(cfg: dict) -> dict:
     keys = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "tie_word_embeddings")
@@ -333,7 +350,8 @@ def _last_error(log: Path) -> str:
 
 def run_method(name: str, method: Method, *, config: str, hf: Path, run_dir: Path, steps: int,
                nproc: int, overrides: list[str], timeout: float, threads: int | None) -> dict:
-    """One training run; returns ``{"status", "reason", "records", "log", "seconds"}``."""
+    """One training run from ``hf`` (``model.path``: an HF directory or a Megatron checkpoint);
+    returns ``{"status", "reason", "records", "log", "seconds"}``."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     ov = [f"credit={method.credit}", *method.overrides, f"model.path={hf}", f"run_dir={run_dir}",
@@ -472,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     label = args.config or DEFAULT_CONFIG  # how the report names it
     hf, model = prepare_model(args, out)
     base_cfg = load_config(config, [f"model.path={hf}", *args.overrides])
+    start = start_checkpoint(hf, out, base_cfg.model.dtype)
     nproc = args.nproc_per_node or base_cfg.parallel.tp * base_cfg.parallel.pp
     epochs, reference = base_cfg.train.ppo_epochs, base_cfg.loss.kl_coef > 0
 
@@ -485,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {name} ({method.label}), run {rep + 1}/{args.repeats}: "
                   f"{args.steps} steps, {nproc} process(es), log {run_dir.with_suffix('.log')}",
                   flush=True)
-            res = run_method(name, method, config=config, hf=hf, run_dir=run_dir, steps=args.steps,
+            res = run_method(name, method, config=config, hf=start, run_dir=run_dir, steps=args.steps,
                              nproc=nproc, overrides=args.overrides, timeout=args.timeout,
                              threads=args.threads)
             runs[name].append(res)

@@ -3,7 +3,8 @@
 Fast tests run on synthetic metrics records (no training): per-step ratios against GRPO's median
 and their min/median/max, the forward-equivalent accounting, the exact table header, and the
 replacement of one suite's section of BENCHMARKS.md. The slow test runs the attribution suite
-end to end (demo model, grpo + oar_g, 2 short steps each).
+end to end (demo model, grpo + oar_g, 2 short steps each: two torchruns of 2 ranks from one
+conversion of the model, about 60 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -251,6 +252,11 @@ def test_attribution_suite_end_to_end(tmp_path, warm_demo_model):
     report = json.loads((out / "attribution.json").read_text())
     by = {m["name"]: m for m in report["methods"]}
     assert set(by) == {"grpo", "oar_g"} and all(m["status"] == "ok" for m in by.values())
+    # one conversion of the model for both runs, none in a run (training/policy.py: init_checkpoint)
+    from megatron_oar.training.policy import INIT_CHECKPOINT
+
+    assert (out / "init_checkpoint" / "oar_checkpoint.json").is_file()
+    assert not any((out / "runs" / name / INIT_CHECKPOINT).exists() for name in by)
     for m in by.values():
         (step,) = m["steps"]
         assert step["step"] == 2 and step["action_tokens"] > 0 and step["sweep_s"] > 0
