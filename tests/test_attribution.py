@@ -4,6 +4,10 @@ OAR-G and OAR-P importance at TP1, TP2, PP2 and TP2xPP2 against single-process a
 brute force (tests/attribution_reference.py) on tiny random Qwen2 models, tied and untied;
 batched OAR-P equals serial; micro-batch sizes, token budgets and the padded path do not change
 scores; parameter gradients and model outputs are untouched by attribution.
+
+Cost (2 cores): 4 jobs of the warm world pool (1, 2, 2 and 4 ranks), each running every case on
+both models (tied and untied); the layout's first test runs the job, its other model's test
+reads the results. About 60-100 s, the PP layouts most of it.
 """
 
 from __future__ import annotations

