@@ -219,3 +219,35 @@ def test_tiny_grid_end_to_end(tmp_path):
     stamps = {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/result.json")}
     runner.run(tmp_path, runner.GRIDS["tiny"], jobs=2)
     assert stamps == {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/result.json")}
+
+
+def test_warm_started_runs_report_status_output_and_environment(tmp_path):
+    """A run forked from the warm interpreter (``repro/warm_start.py``) gets the environment and
+    working directory it is given, appends its stdout and stderr to its log and returns its exit
+    status; two threads may start runs at once; a failed run raises naming what and the log.
+    (The converter's CLI stands in for a run: what its ``main`` imports is preloaded, not vLLM.)"""
+    import os
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_oar.repro.warm_start import WarmStarter
+
+    log = tmp_path / "run.log"
+    preload = ("checkpoints_convert.cli", "checkpoints_convert.convert", "checkpoints_convert.hf_io",
+               "megatron_oar.models.model_checkpoint", "torch.distributed.checkpoint.api")
+    with WarmStarter(preload=preload) as starter:
+        env = {**os.environ, "COLUMNS": "40"}  # argparse wraps its usage at COLUMNS
+        assert starter.run("checkpoints_convert.cli", ["--help"], env=env, log=log) == 0
+        assert "usage: oar-convert" in log.read_text()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            rcs = list(pool.map(lambda argv: starter.run("checkpoints_convert.cli", argv, env=env, log=log),
+                                [["nope"], ["verify"]]))
+        assert rcs == [2, 2]
+        text = log.read_text()
+        assert text.count("usage: oar-convert") == 3 and "invalid choice: 'nope'" in text
+        assert "usage: oar-convert [-h]\n" in text  # wrapped at the child's COLUMNS=40
+        with pytest.raises(RuntimeError, match=r"converting x failed \(exit 2\); see .*run.log"):
+            runner._run_one_process([sys.executable, "-m", "checkpoints_convert.cli", "nope"], log,
+                                    "converting x", starter)
+        with pytest.raises(ValueError, match="not a `python -m MODULE` command"):
+            runner._run_one_process(["oar-convert", "nope"], log, "converting x", starter)

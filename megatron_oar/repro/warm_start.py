@@ -49,8 +49,8 @@ def _child(module: str, argv: list[str], env: dict[str, str], cwd: str, log: str
         atexit._run_exitfuncs()  # as the interpreter does at exit (a fork child ends in os._exit)
 
 
-def _serve(conn) -> None:
-    """The server: imports :data:`PRELOAD`, then forks a child per request ``(id, module, argv,
+def _serve(conn, preload: tuple[str, ...]) -> None:
+    """The server: imports ``preload``, then forks a child per request ``(id, module, argv,
     env, cwd, log)`` and answers ``(id, exit status)`` when it ends. ``None`` or a closed pipe ends
     it (children still running then are killed: their caller is gone)."""
     import importlib
@@ -58,7 +58,7 @@ def _serve(conn) -> None:
     from multiprocessing.connection import wait
 
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch: no OpenMP pool in the process we fork
-    for name in PRELOAD:
+    for name in preload:
         importlib.import_module(name)
     fork = mp.get_context("fork")
     running: dict[int, tuple[int, object]] = {}  # sentinel -> (request id, process)
@@ -88,7 +88,8 @@ class WarmStarter:
     """One warm server; :meth:`run` starts a module's ``main`` as a forked process and waits for
     it. Use as a context manager (``close`` ends the server)."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = PRELOAD) -> None:
+        self._preload = tuple(preload)
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}
         self._next = 0
@@ -99,7 +100,7 @@ class WarmStarter:
 
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child,), name="oar-repro-starter")
+        self._proc = ctx.Process(target=_serve, args=(child, self._preload), name="oar-repro-starter")
         self._proc.start()
         child.close()
         threading.Thread(target=self._read, name="oar-repro-starter-reader", daemon=True).start()
