@@ -5,9 +5,10 @@ brute force (tests/attribution_reference.py) on tiny random Qwen2 models, tied a
 batched OAR-P equals serial; micro-batch sizes, token budgets and the padded path do not change
 scores; parameter gradients and model outputs are untouched by attribution.
 
-Cost (2 cores): 4 jobs of the warm world pool (1, 2, 2 and 4 ranks), each running every case on
-both models (tied and untied); the layout's first test runs the job, its other model's test
-reads the results. About 60-100 s, the PP layouts most of it.
+Cost (2 cores): 8 jobs of the warm world pool (one per layout and model, 1 to 4 ranks) and the
+reference once per model in the pytest process: 110-140 s of wall time on a busy machine, about
+125 s of CPU. One job per layout running both models was tried: the same CPU time (the pool's
+per-job cost is well under a second; each job's first use of a rank's imports is most of it).
 """
 
 from __future__ import annotations
@@ -115,42 +116,16 @@ def _worker(ckpt: str, tp: int, pp: int, out: str, names: tuple[str, ...] | None
     del ps
 
 
-def _jobs_worker(jobs: list[tuple[str, str]], tp: int, pp: int) -> None:
-    """:func:`_worker` once per ``(checkpoint, out)``, in one set of ranks."""
-    for ckpt, out in jobs:
-        _worker(ckpt, tp, pp, out)
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def setup(request, tmp_path_factory):
 
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict:
-    """``untied`` and ``tied``: the tiny model's directory, its converted checkpoint, and the
-    transformers reference's importance for every case."""
-    out = {}
-    for tied in (False, True):
-        root = tmp_path_factory.mktemp("attr_tied" if tied else "attr_untied")
-        # larger weights than HF's default init, so that masking a token moves the probe well above
-        # fp32 rounding (with std 0.02 the KLs are ~1e-5 and HF-vs-Megatron rounding dominates)
-        hf = make_tiny_qwen2(root / "hf", tied=tied, seed=5, initializer_range=0.3)
-        ckpt = root / "ckpt"
-        hf_to_megatron(hf, ckpt, progress=False)
-        out["tied" if tied else "untied"] = (root, ckpt, reference_importance(hf, CASES))
-    return out
-
-
-@pytest.fixture(scope="module")
-def layout_results(models):
-    """``(tp, pp) -> {"untied"|"tied": per-rank results}``: one job per layout runs both models
-    (a world per layout, not per layout and model); the layout's first test starts it."""
-    done: dict[tuple[int, int], dict] = {}
-
-    def results(tp: int, pp: int) -> dict:
-        if (tp, pp) not in done:
-            outs = {name: root / f"attr_tp{tp}pp{pp}.pt" for name, (root, _, _) in models.items()}
-            launch(_jobs_worker, tp * pp, [(str(models[n][1]), str(o)) for n, o in outs.items()], tp, pp)
-            done[tp, pp] = {name: torch.load(o, weights_only=False) for name, o in outs.items()}
-        return done[tp, pp]
-
-    return results
+    root = tmp_path_factory.mktemp("attr_tied" if request.param else "attr_untied")
+    # larger weights than HF's default init, so that masking a token moves the probe well above
+    # fp32 rounding (with std 0.02 the KLs are ~1e-5 and HF-vs-Megatron rounding dominates)
+    hf = make_tiny_qwen2(root / "hf", tied=request.param, seed=5, initializer_range=0.3)
+    ckpt = root / "ckpt"
+    hf_to_megatron(hf, ckpt, progress=False)
+    return root, ckpt, reference_importance(hf, CASES)
 
 
 def reference_importance(hf, names) -> dict:
@@ -191,10 +166,11 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{t}pp{p}" for t, p in LAYOUTS])
-@pytest.mark.parametrize("which", ["untied", "tied"])
-def test_importance_matches_reference(models, layout_results, which, tp, pp):
-    refs = models[which][2]
-    ranks = layout_results(tp, pp)[which]
+def test_importance_matches_reference(setup, tp, pp):
+    root, ckpt, refs = setup
+    out = root / f"attr_tp{tp}pp{pp}.pt"
+    launch(_worker, tp * pp, str(ckpt), tp, pp, str(out))
+    ranks = torch.load(out, weights_only=False)
     for rank, results in enumerate(ranks):
         assert results["grads_untouched"], f"rank {rank}: attribution touched parameter gradients"
         assert results["requires_grad_restored"], f"rank {rank}"
