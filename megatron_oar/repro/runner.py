@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -312,7 +313,13 @@ def run(out: Path, g: Grid, *, config: Path = CONFIG, jobs: int = 2, report_only
     atomic_write_text(out / "settings.json", json.dumps(settings, indent=1))
     t_all = time.perf_counter()
     if not report_only:
-        with WarmStarter() as starter:  # the runs' processes, forked from one warm interpreter
+        # The runs' processes are forked from one warm interpreter, on CPU-only machines: a fork
+        # of a process whose imports initialised CUDA's driver cannot use CUDA, so where a GPU is
+        # present each run starts its own interpreter.
+        import torch
+
+        warm = contextlib.nullcontext() if torch.cuda.is_available() else WarmStarter()
+        with warm as starter:
             _run_grid(out, g, config, jobs, starter, console, t_all)
         settings["wall_seconds"] += time.perf_counter() - t_all
         atomic_write_text(out / "settings.json", json.dumps(settings, indent=1))

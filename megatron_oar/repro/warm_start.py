@@ -9,7 +9,9 @@ process that imports :data:`PRELOAD` once with ``OMP_NUM_THREADS=1`` (so no Open
 exists to be forked), then forks each run from it: ``MODULE.main(argv)`` in a fresh child with
 the run's environment and working directory, stdout and stderr appended to its log, the
 interpreter's exit functions run at its end, and its exit status (``-N`` when signal N ended it)
-returned to the caller. Runs may be started from several threads at once.
+returned to the caller. Runs may be started from several threads at once. ``oar repro`` uses
+it only where CUDA is absent (``runner.run``): a fork of a process whose imports initialised
+CUDA's driver cannot use CUDA.
 """
 
 from __future__ import annotations
