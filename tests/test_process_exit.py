@@ -71,3 +71,25 @@ def test_entry_points_end_through_exit_after(tmp_path, module, argv):
     assert "missing.yaml" in proc.stderr, proc.stderr
     frozen = [line for line in proc.stderr.splitlines() if line.startswith("frozen=")]
     assert frozen and int(frozen[-1].split("=")[1]) > 1000, proc.stderr
+
+
+# the server answers gc.get_freeze_count() through a method registered for this check
+WRITER_MANAGER = textwrap.dedent("""
+    import gc
+    from multiprocessing.managers import SyncManager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron_oar.models.model_checkpoint import _results_queue_dies_with_us
+
+    SyncManager.register("freeze_count", callable=gc.get_freeze_count)
+    _results_queue_dies_with_us()  # megatron's writer Manager, as the first save starts it
+    print("frozen", filesystem_async._oar_manager.freeze_count()._getvalue())
+""")
+
+
+def test_the_checkpoint_writers_manager_server_runs_with_its_heap_frozen():
+    """A rank's exit joins that server (multiprocessing's atexit hook): its own exit must not
+    walk the modules it imported either."""
+    proc = subprocess.run([sys.executable, "-c", WRITER_MANAGER], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split("frozen")[1]) > 1000, proc.stdout
