@@ -57,7 +57,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "oar=megatron_oar.cli:main",
+            "oar=megatron_oar.cli:console_main",
             "oar-convert=checkpoints_convert.cli:main",
         ]
     },

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from megatron_oar.log_setup import backend_notices, quiet_backend_notices
 
@@ -165,5 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     return _info()
 
 
+def console_main() -> NoReturn:
+    """The ``oar`` console script (``setup.py``) and ``python -m megatron_oar.cli``: :func:`main`,
+    the process then ending as :func:`megatron_oar.commands.process_exit.exit_after` ends it."""
+    from megatron_oar.commands.process_exit import exit_after
+
+    exit_after(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()
