@@ -19,6 +19,7 @@ import torch
 
 from tests.distributed import launch_and_load, save_gathered
 from tests.test_attribution import SEQ_ADV, make_batch
+from tests.test_micro_batches import assert_same_update
 
 BUDGET = 60  # padded tokens per micro-batch: the 5 rows (widths 13..29) fall into several groups
 TOL = 1e-5
@@ -115,28 +116,13 @@ def runs(scaled_checkpoint, tmp_path_factory):
     return launch_and_load(_worker, 2, out, str(scaled_checkpoint))
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.allclose(a, b, rtol=TOL, atol=TOL)
-
-
 @pytest.mark.slow
 def test_losses_do_not_depend_on_the_micro_batches(runs):
     for rank, res in enumerate(runs):
         for (tp, pp, name, batching), budget in res.items():
             if batching != "token_budget":
                 continue
-            padded, where = res[(tp, pp, name, "padded")], f"rank {rank} tp{tp} pp{pp} {name}"
-            assert padded["applied"] and budget["applied"], where
-            assert budget["loss"] == pytest.approx(padded["loss"], rel=TOL), where
-            assert budget["grad_norm"] == pytest.approx(padded["grad_norm"], rel=TOL), where
-            for got, want in zip(budget["grads"], padded["grads"]):
-                assert (got - want).abs().max() <= TOL * want.abs().max(), f"{where}: grads"
-            # Adam's first step is lr * g / (|g| + eps): where a gradient is at rounding level
-            # its sign, and so the step, is rounding (as tests/test_micro_batches.py)
-            for got, want, grad in zip(budget["weights"], padded["weights"], padded["grads"]):
-                firm = grad.abs() > 1e-4 * grad.abs().max()
-                assert _close(got[firm], want[firm]), f"{where}: updated weights"
-                assert (got - want).abs().max() <= 2 * LR + TOL, f"{where}: updated weights"
+            assert_same_update(budget, res[(tp, pp, name, "padded")], f"rank {rank} tp{tp} pp{pp} {name}", LR)
 
 
 @pytest.mark.slow

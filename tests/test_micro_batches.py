@@ -164,17 +164,23 @@ def assert_same_passes(got: dict, want: dict, rank: int) -> None:
         assert _close(got[name][valid], want[name][valid]), f"rank {rank}: {name}"
     for g, w in zip(got["teacher"], want["teacher"]):
         assert _close(g, w), f"rank {rank}: teacher"
-    assert want["applied"] and got["applied"]
-    assert got["loss"] == pytest.approx(want["loss"], rel=TOL)
-    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL)
+    assert_same_update(got, want, f"rank {rank}")
+
+
+def assert_same_update(got: dict, want: dict, where: str, lr: float = LR) -> None:
+    """Two runs of one ``update_step`` (Adam, learning rate ``lr``) agree to fp32 rounding: both
+    applied, loss, grad norm, gradients and updated weights (tests/test_loss_layouts.py too)."""
+    assert want["applied"] and got["applied"], where
+    assert got["loss"] == pytest.approx(want["loss"], rel=TOL), where
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL), where
     for g, w in zip(got["grads"], want["grads"]):
-        assert (g - w).abs().max() <= TOL * w.abs().max(), f"rank {rank}: grads"
+        assert (g - w).abs().max() <= TOL * w.abs().max(), f"{where}: grads"
     # Adam's first step is lr * g / (|g| + eps): where a gradient is at rounding level its
     # sign, and so the step, is rounding; elsewhere the updated weights agree
     for g, w, grad in zip(got["weights"], want["weights"], want["grads"]):
         firm = grad.abs() > 1e-4 * grad.abs().max()
-        assert _close(g[firm], w[firm]), f"rank {rank}: updated weights"
-        assert (g - w).abs().max() <= 2 * LR + TOL, f"rank {rank}: updated weights"
+        assert _close(g[firm], w[firm]), f"{where}: updated weights"
+        assert (g - w).abs().max() <= 2 * lr + TOL, f"{where}: updated weights"
 
 
 @pytest.mark.slow
