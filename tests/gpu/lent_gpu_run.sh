@@ -72,8 +72,11 @@ cublas)
 vllm)
   out=$1
   zstd=$(command -v zstd || echo /tmp/zs/zstd)
-  cat /tmp/pieces/vz.* | LD_LIBRARY_PATH=/tmp/zs $zstd -dc | tar -xf - -C $SITE || exit 1
-  rm -f /tmp/pieces/vz.*
+  # unpacked once per machine: a second call on the same warm machine (its pieces deleted) reuses it
+  if ! python3 -c "import vllm" 2>/dev/null; then
+    cat /tmp/pieces/vz.* | LD_LIBRARY_PATH=/tmp/zs $zstd -dc | tar -xf - -C $SITE || exit 1
+    rm -f /tmp/pieces/vz.*
+  fi
   python3 -c "import vllm; print('vllm', vllm.__version__)" || exit 1
   for _ in $(seq 1 60); do [ -f /tmp/bg.done ] && break; sleep 2; done  # the setup's background job
   echo "background exit $(cat /tmp/bg.done 2>/dev/null)"; cp /tmp/bg.log "$out"/; tail -20 /tmp/bg.log
@@ -82,6 +85,7 @@ vllm)
   python3 -c "import flashinfer" 2>/dev/null || export VLLM_USE_FLASHINFER_SAMPLER=0
   python3 -c "from megatron_oar.repro.demo_model import make_demo_model as m; m('/tmp/b05', hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048)"
   for credit in ${OAR_GPU_CREDITS:-grpo oar_g}; do  # OAR_GPU_OVERRIDES: more config overrides
+    rm -rf /tmp/run_$credit  # a run_dir left by an earlier call would resume past its last step
     timeout 180 python3 -m megatron_oar.cli train --config examples/tiny_cpu.yaml model.path=/tmp/b05 \
       run_dir=/tmp/run_$credit credit=$credit model.spec=local model.dtype=bf16 rollout.dtype=bf16 parallel.tp=1 \
       launch.gpus_per_node=1 rollout.enforce_eager=false rollout.gpu_memory_utilization=0.5 \
