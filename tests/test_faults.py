@@ -17,9 +17,10 @@ testing/faults.py``) and every run must end with final weights bit-identical to 
 
 One run carries all the faults (about 6 start-ups of 2 ranks; each start-up imports torch,
 megatron-core, transformers and vLLM and builds an engine, about 10 s on 2 cores; and the 20 s
-``train.phase_timeout_s`` of the hang): about 2.5 min on a quiet machine with the uninterrupted
-reference run (its own ``oar train``, about 35 s); 221 s alone at a load average of 9 to 24 on
-the 2 shared cores (2026-11-26).
+``train.phase_timeout_s`` of the hang). The uninterrupted reference run (its own ``oar train``,
+about 27 s alone) starts as the rank hangs and runs in the cores that wait leaves idle: the file
+took 138 s on a quiet machine, against 156 s with the reference run before the test
+(2026-11-26, one run each).
 
 Each case prints its figures with ``pytest -s`` (``[fault] ...``): recovery is the time from the
 fault until the step it interrupted has been completed again (a start-up of about a minute on
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -165,13 +167,40 @@ def model(trainer_checkpoint) -> Path:
     return trainer_checkpoint
 
 
+class Reference:
+    """The uninterrupted run, started in the background when :meth:`start` is first called (the
+    test calls it as the faulted run's rank hangs: for the 20 s of ``train.phase_timeout_s`` the
+    cores are otherwise idle). A process of its own, with its own rendezvous port and run id, so
+    the two runs share nothing. :meth:`weights` starts it if need be and waits for its final
+    weights."""
+
+    def __init__(self, model: Path, run_dir: Path):
+        self.model, self.run_dir = model, run_dir
+        self.pool = ThreadPoolExecutor(1)
+        self.future = None
+        self.lock = threading.Lock()
+
+    def _run(self) -> dict[str, torch.Tensor]:
+        run = oar_train(self.model, self.run_dir, "checkpoint.interval=1")
+        assert run.rc == 0, run.text[-4000:]
+        assert not run.resumed_steps()
+        return final_weights(run)
+
+    def start(self) -> None:
+        with self.lock:
+            if self.future is None:
+                self.future = self.pool.submit(self._run)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        self.start()
+        return self.future.result()
+
+
 @pytest.fixture(scope="module")
-def reference(model, tmp_path_factory) -> dict[str, torch.Tensor]:
-    """The final weights of the uninterrupted run."""
-    run = oar_train(model, tmp_path_factory.mktemp("reference") / "run", "checkpoint.interval=1")
-    assert run.rc == 0, run.text[-4000:]
-    assert not run.resumed_steps()
-    return final_weights(run)
+def reference(model, tmp_path_factory):
+    ref = Reference(model, tmp_path_factory.mktemp("reference") / "run")
+    yield ref
+    ref.pool.shutdown(wait=True)  # a test that failed early still waits for its processes to end
 
 
 @pytest.fixture
@@ -222,7 +251,11 @@ def test_faults_in_turn_then_a_slurm_requeue_one_run_recovers_each(model, refere
               "term-launcher@update:step=5:rank=0:attempt=3")    # the launcher is told to stop
     run_dir = tmp_path / "run"
     args = ("checkpoint.interval=2", "launch.max_restarts=3", "train.phase_timeout_s=20")
-    stopped = oar_train(model, run_dir, *args, faults=faults)
+    def start_the_reference_as_a_rank_hangs(proc, line):
+        if "injecting hang at generate" in line:
+            reference.start()
+
+    stopped = oar_train(model, run_dir, *args, faults=faults, on_line=start_the_reference_as_a_rank_hangs)
     text = stopped.text[-6000:]
     assert stopped.rc != 0, text  # torchrun re-raises the signal once the workers are done
     assert stopped.resumed_steps() == [2, 2, 4], text  # never the partial step-4 save
@@ -258,7 +291,7 @@ def test_faults_in_turn_then_a_slurm_requeue_one_run_recovers_each(model, refere
                                             SLURM_RESTART_COUNT="1"), 900)
     assert requeued.rc == 0, requeued.text[-4000:]
     assert requeued.resumed_steps() == [5]
-    assert_bit_identical(requeued, reference)
+    assert_bit_identical(requeued, reference.weights())
     assert not [c for c in checkpoints(requeued) if c.endswith((".tmp", ".old"))], checkpoints(requeued)
     records = [json.loads(line)["step"] for line in (run_dir / "logs" / "metrics.jsonl").open()]
     assert records == list(range(1, STEPS + 1)), records  # the re-run steps replaced their records
