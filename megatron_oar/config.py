@@ -38,10 +38,12 @@ from megatron_oar.log_setup import LEVELS as LOG_LEVELS
 from megatron_oar.methods import ATTRIBUTION_METHODS, CREDIT_METHODS, shaping_scheme
 from megatron_oar.models import DTYPES, ModelConfigError, ModelOptions, check_layout, parse_arch
 from megatron_oar.models.builder import (
+    ATTENTIONS,
     MOE_DISPATCHERS,
     ROUTING_REPLAY_MODES,
     check_fp8_recipe_device,
     check_spec_features,
+    resolve_attention,
     resolve_spec,
 )
 from megatron_oar.models.chunked_logits import DEFAULT_CHUNK_TOKENS
@@ -442,6 +444,7 @@ def _check_spec(m: ModelConfig) -> None:
     try:
         spec = resolve_spec(m) if m.spec == "auto" else m.spec
         check_spec_features(m, spec)
+        resolve_attention(m.attention, spec)
         if not check_fp8_recipe_device(m):
             log.warning("model.fp8_recipe=mxfp8 needs a Blackwell GPU (compute capability >= 10.0; "
                         "not H100/H200): no GPU here to check it, the model build checks it there")
@@ -472,6 +475,7 @@ def _check_model_and_layout(cfg: Config, world_size: int | None) -> int:
     m, p, r = cfg.model, cfg.parallel, cfg.rollout
     _need(bool(m.path), "model.path: not set (an HF model dir or an oar-convert checkpoint dir)")
     _one_of("model.spec", m.spec, ("auto", "local", "te"))
+    _one_of("model.attention", m.attention, ATTENTIONS)
     _one_of("model.dtype", m.dtype, tuple(DTYPES))
     _one_of("model.fp8", m.fp8, (None, "hybrid", "e4m3"))
     _one_of("model.fp8_recipe", m.fp8_recipe, FP8_RECIPES)
@@ -515,11 +519,11 @@ def _check_batches(cfg: Config, dp: int) -> None:
                    "train.ppo_epochs train.max_nonfinite_steps")  # micro_batch_size: any batching
     _at_least(cfg, "train.group_size", 2)  # a group of one always has zero advantage
     _one_of("train.batching", t.batching, BATCHINGS)
-    if t.batching == "packed":  # THD sequences run through TE's attention; the local spec's refuses them
-        spec = resolve_spec(cfg.model) if cfg.model.spec == "auto" else cfg.model.spec
-        _need(spec == "te", f"train.batching=packed needs model.spec=te (Transformer Engine's THD attention), "
-              f"got model.spec={cfg.model.spec!r}" + (f", which resolves to {spec!r} on this machine"
-                                                     if cfg.model.spec == "auto" else ""))
+    # THD sequences: TE's or SDPA's attention (model.attention=te needs the TE spec: _check_spec);
+    # megatron's unfused attention refuses them
+    _need(t.batching != "packed" or cfg.model.attention != "unfused",
+          "train.batching=packed needs model.attention=auto, sdpa or te (THD attention); megatron's "
+          "unfused attention (model.attention=unfused) refuses packed sequences")
     _need(t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch >= 1,
           f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch}: must be >= 1 or null")
     _need(t.logits_chunk_tokens >= 0, f"train.logits_chunk_tokens={t.logits_chunk_tokens}: must be >= 0 "

@@ -69,10 +69,12 @@ def test_padding_fraction_drops_with_token_budgets():
 # ----------------------------------------------------------------------------- the passes
 
 def _passes(ckpt: str, rows: list[int], batching: str, sharded_optimizer: bool = True, *,
-            logits_chunk: int | None = None, sequence_parallel: bool = False) -> dict:
+            logits_chunk: int | None = None, sequence_parallel: bool = False,
+            attention: str = "auto") -> dict:
     """The trainer's Megatron passes on ``rows`` of the test batch; this rank's outputs
     (``sharded_optimizer=False``: DDP all-reduces whole gradients, so ``grads`` are global;
-    ``logits_chunk``: ``train.logits_chunk_tokens``, None for the passes' default)."""
+    ``logits_chunk``: ``train.logits_chunk_tokens``, None for the passes' default;
+    ``attention``: ``model.attention``)."""
     from transformers import AutoTokenizer
 
     from megatron_oar.algorithms import PolicyLossConfig
@@ -86,7 +88,8 @@ def _passes(ckpt: str, rows: list[int], batching: str, sharded_optimizer: bool =
 
     ckpt = Path(ckpt)
     policy = build_policy(read_hf_config(ckpt / "hf"),
-                          ModelConfig(path=str(ckpt), spec="local", sequence_parallel=sequence_parallel),
+                          ModelConfig(path=str(ckpt), spec="local", sequence_parallel=sequence_parallel,
+                                      attention=attention),
                           OptimConfig(lr=LR, use_distributed_optimizer=sharded_optimizer), checkpoint=ckpt,
                           total_optimizer_steps=4)
     vocab = read_hf_config(ckpt / "hf")["vocab_size"]

@@ -3,19 +3,22 @@
 The bookkeeping on plain tensors; the padding accounting; the config check. Then the trainer's
 Megatron passes (old-logprob with the probe teacher, reference log-probs, one ``update_step``)
 with ``packed`` against ``token_budget`` on the same rows at TP1, TP2 and PP2, at sequence
-multiples 1, 4 and 8, on the real megatron local-spec GPTModel. Its attention refuses
-``packed_seq_params``, so :func:`_emulate_te_thd_attention` stands in for Transformer Engine's
-THD attention: everything else (the embedding of the ``[1, T]`` sequence, megatron's own THD
-rotary embedding from ``cu_seqlens_padded``, the MLPs, the pipeline's activations, the logits)
-is megatron's code on the packed sequence, and the emulation sees only the packed query/key/value
-and the ``PackedSeqParams``, so a wrong pack, wrong cu_seqlens or a wrong unpack changes the
-results. (Checked by hand once: an ``unpack`` that reads each token's right neighbour fails
-``test_packed_equals_token_budget`` at every multiple, one that finds the rows at their real
-offsets ``cu_seqlens`` instead of ``cu_seqlens_padded`` fails it at multiple 4.) TE's own
-numerics are tests/gpu/test_gpu_packed.py's.
+multiples 1, 4 and 8, on the real megatron local-spec GPTModel, whose core attention is PyTorch
+SDPA (``models/sdpa_attention.py``: each THD row attends within itself). The same passes with
+megatron's unfused ``DotProductAttention`` (``model.attention=unfused``, token budgets) are the
+reference for SDPA, token-budget and packed alike, and OAR-G / OAR-P importance under both
+attentions agree too. A wrong pack, wrong cu_seqlens or a wrong unpack changes the results.
+(Checked by hand once, with an emulation of TE's THD attention in SDPA's place: an ``unpack``
+that reads each token's right neighbour fails ``test_packed_equals_token_budget`` at every
+multiple, one that finds the rows at their real offsets ``cu_seqlens`` instead of
+``cu_seqlens_padded`` fails it at multiple 4.) TE's own numerics are tests/gpu/test_gpu_packed.py's.
+
+Cost (2 cores): 3 jobs of the warm world pool (1, 2, 2 ranks), about 60-90 s of wall time.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,54 +102,65 @@ def test_packed_slots():
         micro_batches(lengths, batching="packed", rows_per_micro=2)
 
 
-def test_packed_needs_the_te_spec(monkeypatch):
+def test_packed_needs_a_thd_attention(monkeypatch):
     import megatron_oar.config as config_module
 
     cfg = ("qwen2.5-7b_oar_g.yaml", "train.batching=packed")
-    with raises(r"train.batching=packed needs model.spec=te .*got model.spec='local'$"):
-        config_module.validate(example(*cfg, "model.spec=local"), world_size=8, hf_config=HF["7b"])
-    config_module.validate(example(*cfg, "model.spec=te"), world_size=8, hf_config=HF["7b"])
+    with raises(r"train.batching=packed needs model.attention=auto, sdpa or te .*unfused"):
+        config_module.validate(example(*cfg, "model.spec=local", "model.attention=unfused"), world_size=8,
+                               hf_config=HF["7b"])
+    for spec in ("te", "local"):
+        config_module.validate(example(*cfg, f"model.spec={spec}"), world_size=8, hf_config=HF["7b"])
     monkeypatch.setattr(config_module, "resolve_spec", lambda opts: "local")  # a machine without TE
-    with raises(r"train.batching=packed needs model.spec=te .*got model.spec='auto', which resolves "
-                r"to 'local' on this machine"):
-        config_module.validate(example(*cfg, "model.spec=auto"), world_size=8, hf_config=HF["7b"])
+    config_module.validate(example(*cfg, "model.spec=auto"), world_size=8, hf_config=HF["7b"])
+    with raises(r"model.attention='te' needs model.spec=te"):
+        config_module.validate(example(*cfg, "model.spec=auto", "model.attention=te"), world_size=8,
+                               hf_config=HF["7b"])
 
 
 # ----------------------------------------------------------------------------- the passes
 
-def _emulate_te_thd_attention(log: list):
-    """Makes megatron's local ``DotProductAttention`` take ``packed_seq_params`` as TE's THD
-    attention does: query/key/value ``[T, heads, dim]``, each row the segment
-    ``cu_seqlens_*_padded[i]:[i+1]`` of which the first ``cu_seqlens_*[i+1] - cu_seqlens_*[i]``
-    tokens attend causally among themselves (the rest of the segment gets zeros), output
-    ``[T, heads * dim]``. Each row runs through the local attention alone. Appends the segments of
-    every call to ``log``."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+def _count_thd_calls(log: list):
+    """Records the row segments of every packed call of SDPA's core attention in ``log``, after
+    checking the ``PackedSeqParams`` as TE's THD attention would take them."""
+    from megatron_oar.models.sdpa_attention import SDPAttention
 
-    dense = DotProductAttention.forward
+    packed = SDPAttention._packed
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if packed_seq_params is None:
-            return dense(self, query, key, value, attention_mask, attn_mask_type, attention_bias)
-        p = packed_seq_params
-        assert p.qkv_format == "thd" and query.dim() == 3 and attention_mask is None and attention_bias is None
+    def counted(self, query, key, value, p, causal, dropout):
+        assert p.qkv_format == "thd" and query.dim() == 3 and causal
         for a, b in ((p.cu_seqlens_q, p.cu_seqlens_kv), (p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded)):
             assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b)
         offsets = p.cu_seqlens_q_padded.tolist()
-        real = p.cu_seqlens_q.diff().tolist()
         segments = [b - a for a, b in zip(offsets, offsets[1:])]
         assert offsets[0] == 0 and offsets[-1] == query.shape[0] == key.shape[0]
-        assert all(0 < n <= s <= p.max_seqlen_q for n, s in zip(real, segments)), (real, segments)
-        pieces = []
-        for start, n, s in zip(offsets, real, segments):
-            row = [t[start:start + n].unsqueeze(1).contiguous() for t in (query, key, value)]
-            ctx = dense(self, *row, None, attn_mask_type)  # [n, 1, heads * dim], causal
-            pieces += [ctx[:, 0], ctx.new_zeros(s - n, ctx.shape[-1])]
+        assert all(0 < s <= p.max_seqlen_q for s in segments), segments
         log.append(segments)
-        return torch.cat(pieces)
+        return packed(self, query, key, value, p, causal, dropout)
 
-    DotProductAttention.forward = forward
+    SDPAttention._packed = counted
+
+
+IMPORTANCE = ("oar_g_answer_mean", "oar_p_answer_mean")
+
+
+def _importance(ckpt: str, attention: str) -> dict:
+    """OAR-G and OAR-P importance (tests/test_attribution.py's cases) of a model with this
+    ``model.attention``."""
+    from transformers import AutoTokenizer
+
+    from megatron_oar.attribution import compute_importance
+    from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
+    from megatron_oar.models.model_checkpoint import load_model
+    from tests.test_attribution import CASES, SEQ_ADV, make_batch
+
+    model = build_gpt_model(read_hf_config(Path(ckpt) / "hf"), ModelOptions(attention=attention))
+    meta = load_model(model, ckpt)
+    tok = AutoTokenizer.from_pretrained(str(Path(ckpt) / "hf"))
+    batch = make_batch(tok)
+    model.train()
+    return {name: compute_importance(model, batch, CASES[name], vocab_size=meta.vocab_size, seq_adv=SEQ_ADV,
+                                     step=3, tokenizer=tok).importance for name in IMPORTANCE}
 
 
 def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
@@ -157,10 +171,11 @@ def _worker(ckpt: str, tp: int, pp: int, out: str) -> None:
 
     init_runtime(ParallelConfig(tp=tp, pp=pp))
     log: list = []
-    _emulate_te_thd_attention(log)
+    _count_thd_calls(log)
     dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = list(range(d, 5, dp))
-    results = {}
+    results = {"unfused": _passes(ckpt, rows, "token_budget", attention="unfused"),
+               "importance": {a: _importance(ckpt, a) for a in ("unfused", "sdpa")}}
     for multiple in MULTIPLES:
         with force_multiple(multiple):
             for batching in ("token_budget", "packed"):
@@ -181,6 +196,21 @@ def runs(request, scaled_checkpoint, tmp_path_factory):
 def test_packed_equals_token_budget(runs, multiple):
     for rank, res in enumerate(runs):
         assert_same_passes(res["packed", multiple], res["token_budget", multiple], rank)
+
+
+@pytest.mark.slow
+def test_sdpa_equals_unfused_attention(runs):
+    """SDPA (the local spec's default) against megatron's unfused attention: the passes with
+    token budgets and packed, and OAR-G / OAR-P importance."""
+    from tests.test_attribution import rel_error
+
+    for rank, res in enumerate(runs):
+        assert_same_passes(res["token_budget", 1], res["unfused"], rank)
+        assert_same_passes(res["packed", 1], res["unfused"], rank)
+        for name in IMPORTANCE:
+            got, want = res["importance"]["sdpa"][name], res["importance"]["unfused"][name]
+            assert want.abs().max() > 0, name
+            assert rel_error(got, want) <= 2e-5, f"rank {rank}: {name}"
 
 
 @pytest.mark.slow

@@ -27,6 +27,9 @@ class ModelOptions:
     """How to instantiate the model; everything else comes from the HF config."""
 
     spec: str = "auto"  # auto | local | te   (auto: te when CUDA and TE are present)
+    # core attention: auto | sdpa | unfused | te (auto: TE's fused attention under the TE spec,
+    # PyTorch SDPA under the local spec; unfused: megatron's DotProductAttention, s x s scores)
+    attention: str = "auto"
     dtype: str = "fp32"  # fp32 | bf16 | fp16 (parameter dtype)
     fp8: str | None = None  # None | hybrid | e4m3 (TE spec only)
     fp8_recipe: str = "delayed"  # delayed | tensorwise | mxfp8 | blockwise (megatron's names)
@@ -44,6 +47,7 @@ class ModelOptions:
 
 
 MOE_DISPATCHERS = ("auto", "alltoall", "allgather")
+ATTENTIONS = ("auto", "sdpa", "unfused", "te")  # model.attention
 ROUTING_REPLAY_MODES = ("none", "training", "rollout")  # model.routing_replay
 
 
@@ -97,6 +101,21 @@ def resolve_moe_dispatcher(opts: ModelOptions) -> str:
                                "token dispatcher creates CUDA streams); use allgather (or auto) "
                                "on CPU")
     return opts.moe_dispatcher
+
+
+def resolve_attention(attention: str, spec: str) -> str:
+    """The core attention a model of layer ``spec`` (``local`` / ``te``) runs for
+    ``model.attention``: ``auto`` is TE's fused attention under the TE spec and PyTorch SDPA
+    (``models/sdpa_attention.py``) under the local spec; ``unfused`` is megatron's
+    ``DotProductAttention`` (``[b, heads, s, s]`` scores); ``te`` needs the TE spec."""
+    if attention not in ATTENTIONS:
+        raise ModelConfigError(f"model.attention={attention!r}; expected one of {', '.join(ATTENTIONS)}")
+    if attention == "auto":
+        return "te" if spec == "te" else "sdpa"
+    if attention == "te" and spec != "te":
+        raise ModelConfigError("model.attention='te' needs model.spec=te (Transformer Engine); the "
+                               "local spec runs sdpa or unfused")
+    return attention
 
 
 def resolve_spec(opts: ModelOptions) -> str:
@@ -247,7 +266,7 @@ def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
 
 
 def layer_spec(spec: str, config=None, vp_stage: int | None = None, *,
-               qk_layernorm: bool | None = None):
+               qk_layernorm: bool | None = None, attention: str = "auto"):
     """The layer spec, or with ``config`` the decoder block's spec for this pipeline stage.
 
     The block spec names the final norm explicitly. Given only a layer spec, megatron's
@@ -262,12 +281,16 @@ def layer_spec(spec: str, config=None, vp_stage: int | None = None, *,
     the final norm (megatron's choice for it depends on the TE version and on apex), so it is an
     RMSNorm (``config.normalization``) under either spec. Its weight is replicated over TP.
 
+    ``attention`` (``model.attention``, :func:`resolve_attention`)
+    picks the core attention: TE's, PyTorch SDPA's or megatron's unfused one.
+
     A MoE config (``config.num_moe_experts``) gets megatron's MoE layer where
     :func:`moe_layer_pattern` says so (this stage's slice of it), the dense layer elsewhere.
     """
     if qk_layernorm is None:
         qk_layernorm = bool(getattr(config, "qk_layernorm", False))
-    layer, norm = _layer_spec(spec, qk_layernorm)
+    core = resolve_attention(attention, spec)
+    layer, norm = _layer_spec(spec, qk_layernorm, core=core)
     if config is None:
         return layer
     from megatron.core.transformer.transformer_block import (
@@ -280,7 +303,8 @@ def layer_spec(spec: str, config=None, vp_stage: int | None = None, *,
         return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=norm)
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    moe_layer, _ = _layer_spec(spec, qk_layernorm, config.num_moe_experts, config.moe_grouped_gemm)
+    moe_layer, _ = _layer_spec(spec, qk_layernorm, config.num_moe_experts, config.moe_grouped_gemm,
+                               core=core)
     pattern = moe_layer_pattern(config)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(
@@ -297,7 +321,7 @@ def moe_layer_pattern(config) -> list[int]:
 
 
 def _layer_spec(spec: str, qk_layernorm: bool, num_experts: int | None = None,
-                grouped_gemm: bool = False):
+                grouped_gemm: bool = False, core: str = "te"):
     """(a decoder layer's spec, the norm class of the spec); with ``num_experts``, a MoE layer.
 
     A MoE layer's MLP-input norm is a module of its own under either spec (nothing to fuse it
@@ -320,8 +344,16 @@ def _layer_spec(spec: str, qk_layernorm: bool, num_experts: int | None = None,
                                                qk_layernorm=qk_layernorm, normalization="RMSNorm")
         norm = TorchRMSNorm  # megatron's WrappedTorchNorm, but usable with sequence parallelism
         layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
+    attn = layer.submodules.self_attention.submodules
+    if core == "sdpa":
+        from megatron_oar.models.sdpa_attention import SDPAttention
+
+        attn.core_attention = SDPAttention
+    elif core == "unfused":
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        attn.core_attention = DotProductAttention
     if qk_layernorm:
-        attn = layer.submodules.self_attention.submodules
         attn.q_layernorm = attn.k_layernorm = norm
     if num_experts:
         sub = layer.submodules
@@ -356,10 +388,11 @@ def build_gpt_model(hf_config: dict[str, Any] | QwenArch, opts: ModelOptions | N
     config = transformer_config(arch, opts, tp, pp, perform_initialization=perform_initialization,
                                 use_cpu_initialization=use_cpu_initialization, **moe)
     spec = resolve_spec(opts)
-    log_model_kernels(config, spec)
+    attention = resolve_attention(opts.attention, spec)
+    log_model_kernels(config, spec, attention)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec, config, vp_stage),
+        transformer_layer_spec=layer_spec(spec, config, vp_stage, attention=attention),
         vocab_size=arch.padded_vocab_size(opts.vocab_multiple),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

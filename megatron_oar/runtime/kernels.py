@@ -73,15 +73,20 @@ def log_kernel_report() -> KernelReport:
     return report
 
 
-def model_kernels_line(config, spec: str) -> str:
-    """What a model built from megatron ``config`` with layer ``spec`` (``local``/``te``) uses."""
+def model_kernels_line(config, spec: str, attention: str | None = None) -> str:
+    """What a model built from megatron ``config`` with layer ``spec`` (``local``/``te``) and core
+    ``attention`` (``te`` / ``sdpa`` / ``unfused``; None: the spec's default) uses."""
+    attention = attention or ("te" if spec == "te" else "sdpa")
     if spec == "te":
         norm = "transformer_engine RMSNorm (fused into linear_qkv / linear_fc1; final TENorm)"
-        attention = "transformer_engine DotProductAttention"
     else:
         norm = "torch RMSNorm (TorchRMSNorm, sequence-parallel capable)"
-        attention = ("megatron DotProductAttention "
-                     f"masked_softmax_fusion={_on(config.masked_softmax_fusion)}")
+    attention = {
+        "te": "transformer_engine DotProductAttention",
+        "sdpa": "torch scaled_dot_product_attention (SDPAttention; its kernel is logged at the first call)",
+        "unfused": ("megatron DotProductAttention (unfused, s x s scores) "
+                    f"masked_softmax_fusion={_on(config.masked_softmax_fusion)}"),
+    }[attention]
     recipe = getattr(config.fp8_recipe, "value", config.fp8_recipe)  # megatron's Fp8Recipe enum
     fp8 = f"{config.fp8} ({recipe})" if config.fp8 else "off"
     return (f"model kernels: spec={spec} norm={norm} attention={attention} "
@@ -96,9 +101,9 @@ def model_kernels_line(config, spec: str) -> str:
 _logged_model_lines: set[str] = set()
 
 
-def log_model_kernels(config, spec: str) -> str:
+def log_model_kernels(config, spec: str, attention: str | None = None) -> str:
     """Logs :func:`model_kernels_line` once per distinct line in this process."""
-    line = model_kernels_line(config, spec)
+    line = model_kernels_line(config, spec, attention)
     if line not in _logged_model_lines:
         _logged_model_lines.add(line)
         log.info(line)
