@@ -28,6 +28,8 @@
                                    responses, against the forward-equivalent floor
     oar bench logits-memory ...    peak memory and time of the old-logprob pass and the update,
                                    chunked vs whole-micro-batch logits (151,936-token vocabulary)
+    oar bench vs-hf ...            the old-logprob pass, the update and OAR-G against a plain
+                                   transformers + SDPA loop on the same batch (seconds, MFU, memory)
 
 """
 
@@ -43,7 +45,7 @@ from megatron_oar.log_setup import backend_notices, quiet_backend_notices
 # `oar bench SUITE`: the module in benchmarks/ (results in BENCHMARKS.md)
 BENCH_SUITES = {"attribution": "attribution", "rollout": "rollout", "screening": "screening",
                 "convert": "convert_memory", "batching": "batching", "attribution-flops": "attribution_flops",
-                "logits-memory": "logits_memory"}
+                "logits-memory": "logits_memory", "vs-hf": "vs_hf"}
 
 
 def _demo(args: argparse.Namespace) -> int:

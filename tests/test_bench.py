@@ -393,3 +393,29 @@ def test_attribution_flops_suite_end_to_end(tmp_path):
     assert 1 < m["oar_g"]["flop_floor"] < m["oar_g"]["floor"]  # the output layer runs at one position
     assert torch.tensor(res["responses"]).min() >= 8
     assert "| oar_p | " in (out / "attribution_flops.md").read_text()
+
+
+def test_vs_hf_suite_end_to_end(tmp_path):
+    """`oar bench vs-hf` on a tiny model: ours with SDPA and with megatron's unfused attention and
+    the plain transformers loop run every pass on the same batch; their old log-probs agree to
+    fp32 rounding (the same weights), and OAR-G's sweep and FLOP floor are counted."""
+    from benchmarks import vs_hf
+
+    out = tmp_path / "bench"
+    assert vs_hf.main(["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
+                       "--vocab", "512", "--tied", "--rows", "3", "--max-tokens-per-micro-batch", "200",
+                       "--hf-update-tokens", "100", "--out", str(out)]) == 0
+    res = json.loads((out / "vs_hf.json").read_text())["result"]
+    b = res["batches"]["batch"]
+    assert len(b["responses"]) == 3 and b["tokens"] == sum(32 + r for r in b["responses"])
+    for who in ("sdpa", "unfused"):
+        runs = res["ours"][who]["batch"]
+        assert runs["max_abs_logprob_diff_vs_hf"] < 1e-5, who
+        for name in ("logprob", "update", "oar_g"):
+            assert not runs[name]["oom"] and runs[name]["seconds"] > 0 and runs[name]["tflops"] > 0
+        g = runs["oar_g"]
+        assert 1 < g["flop_floor"] < 1.5 and g["sweep_ratio"] > 1
+        assert runs["logprob"]["mfu"] is None  # no GPU: no peak to compare with
+    assert all(res["hf"]["batch"][n]["seconds"] > 0 for n in ("logprob", "update"))
+    table = (out / "vs_hf.md").read_text()
+    assert "| old-logprob | " in table and "| OAR-G attribution | " in table and "sdpa / HF" in table

@@ -224,6 +224,16 @@ def test_activation_levers_reduce_memory():
     assert selective == sp < local
 
 
+def test_only_unfused_attention_keeps_the_attention_matrix():
+    """SDPA (the local spec's default) and TE's attention keep no s x s matrix; the plan counts one
+    only for ``model.attention=unfused``."""
+    path = EXAMPLES[0]
+    for spec, attention, flash in (("te", "auto", True), ("local", "auto", True), ("local", "sdpa", True),
+                                   ("local", "unfused", False), ("te", "unfused", False)):
+        cfg = load_config(path, [f"model.spec={spec}", f"model.attention={attention}"])
+        assert P._act_setup(cfg)[3] is flash, (spec, attention)
+
+
 def test_vllm_kv_cache_by_hand():
     pl = _plan("qwen2.5-7b_oar_g")  # rollout TP1, 0.5 of 80 GiB, 28 layers x 4 KV heads x 128
     weights = P.total_params(parse_arch(PRESETS["qwen2.5-7b"])) * 2

@@ -13,16 +13,17 @@ preset, :mod:`megatron_oar.models.presets`); nothing is allocated. Per GPU it ad
 * **Activations** of the passes that run while vLLM sleeps, the largest of them:
   - update (train mode): per layer and token, following Korthikanti et al. 2022, "Reducing
     Activation Recomputation in Large Transformer Models" (Sec. 4), re-derived for Qwen2 (GQA,
-    SwiGLU, RMSNorm, no dropout) in 16-bit elements: the two norm inputs and the QKV and FC1
-    inputs (4h, split by TP only with sequence parallelism), Q/K/V ((a+2g)d), the attention output
-    (ad), FC1's output (2f) and SwiGLU's output (f), split by TP; plus the attention matrix
-    (a*s per token, 6 bytes: fp32 softmax and its bf16 copy) unless the TE spec's flash attention
-    or selective recompute removes it. Full recompute keeps only each layer's input (h) plus one
-    layer's activations. With 1F1B pipelining the first stage holds ``min(pp, micro-batches)``
-    micro-batches in flight (Narayanan et al. 2021, Sec. 2.2). The last stage adds the logits:
-    with ``train.logits_chunk_tokens`` (the default) those of one chunk (chunk*V/TP, 14 bytes:
-    :func:`logits_bytes`), else of a whole micro-batch (s*b*V/TP, 10 bytes: bf16 output, fp32
-    log-softmax, fp32 gradient).
+    SwiGLU, RMSNorm, no dropout) in 16-bit elements: the two norm inputs and the QKV and FC1 inputs
+    (4h, split by TP only with sequence parallelism), Q/K/V ((a+2g)d), the attention output (ad),
+    FC1's output (2f) and SwiGLU's output (f), split by TP; plus the attention matrix (a*s per
+    token, 6 bytes: fp32 softmax and its bf16 copy) only with megatron's unfused attention
+    (``model.attention=unfused``) and without selective recompute; TE's fused attention and PyTorch
+    SDPA (the defaults, ``models/sdpa_attention.py``) keep none. Full recompute keeps only each
+    layer's input (h) plus one layer's activations. With 1F1B pipelining the first stage holds
+    ``min(pp, micro-batches)`` micro-batches in flight (Narayanan et al. 2021, Sec. 2.2). The last
+    stage adds the logits: with ``train.logits_chunk_tokens`` (the default) those of one chunk
+    (chunk*V/TP, 14 bytes: :func:`logits_bytes`), else of a whole micro-batch (s*b*V/TP, 10 bytes:
+    bf16 output, fp32 log-softmax, fp32 gradient).
   - old-logprob and reference passes (forward only): one layer's working set plus the logits.
   - OAR-G: a forward that keeps activations for one backward to the input embeddings. It runs in
     eval mode, where megatron-core does **not** recompute, so it is sized without recompute at
@@ -451,7 +452,9 @@ def budget_rows(tokens: int, s: int) -> float:
 
 def _act_setup(cfg):
     m, par = cfg.model, cfg.parallel
-    flash = m.spec in ("te", "auto")  # auto resolves to TE on a CUDA machine that has it
+    # no s x s matrix: TE's fused attention (the TE spec) and SDPA (the local spec's default,
+    # models/sdpa_attention.py) alike; only megatron's unfused attention keeps it
+    flash = m.attention != "unfused"
     return par.tp, par.pp, par.sequence_parallel, flash, par.tp if par.etp is None else par.etp
 
 

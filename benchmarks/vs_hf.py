@@ -1,0 +1,422 @@
+"""``oar bench vs-hf``: the project's Megatron passes against a plain ``transformers`` + SDPA loop,
+on the same batch and device, in one process.
+
+    oar bench vs-hf [--preset qwen2.5-1.5b | --hidden ... --layers ...] [--dtype bf16]
+                    [--batch short --batch long | --rows 8 --median-response 256 ...]
+                    [--attention sdpa,unfused] [--max-tokens-per-micro-batch 8192]
+                    [--hf-update-tokens 4096] [--repeats 1] [--out bench_out] [--update-benchmarks]
+
+A random Qwen2 of the shape (``--preset qwen2.5-1.5b``: hidden 1536, 28 layers, 12/2 heads, ffn
+8960, vocab 151,936, tied) is written as an HF checkpoint and converted as a user's model would
+be. Per batch and per core attention of ours (``model.attention``: ``sdpa``, the local spec's
+default, and megatron's ``unfused``), the trainer's passes of one step run with token-budget
+micro-batches (``--max-tokens-per-micro-batch``, the trainer's ``train.max_tokens_per_micro_batch``):
+
+- **old-logprob**: ``old_logprob_pass`` (forward, log-probs and entropy of the response tokens);
+- **update**: ``update_step`` (forward, backward, megatron's distributed optimizer step);
+- **OAR-G**: ``compute_importance`` (a noisy forward and an input-gradient backward per scored
+  row, the output layer at the probe positions only), with its sweep (old-logprob + OAR-G +
+  update) over GRPO's (old-logprob + update) against its FLOP floor.
+
+The baseline is what a plain loop does: ``AutoModelForCausalLM`` with
+``attn_implementation="sdpa"``, fp32 parameters under bf16 autocast (with ``--dtype bf16``), the
+same micro-batches right-padded with no attention mask (causal attention keeps pads after every
+real token, so SDPA may use its flash kernels), log-probs from the full logits, and for the
+update a PPO-style token loss, backward and a fused AdamW step (its own token budget,
+``--hf-update-tokens``, where its full logits would not fit).
+
+Per pass: seconds (median of ``--repeats`` after a warm-up), MFU (model FLOPs of the real tokens,
+``models/flops.py``, over the seconds and the GPU's dense bf16 peak), peak memory
+(``torch.cuda.max_memory_allocated`` during the pass, the other framework's model freed first),
+and how far ours and the baseline's old log-probs differ. A pass that runs out of memory is
+reported as such. On the CPU the suite runs at a small shape (tests/test_bench.py): no MFU or
+peak memory there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.random_model import add_model_args
+
+SUITE = "vs_hf"
+PRESETS = {  # --preset: the shapes of released models (random weights)
+    "qwen2.5-1.5b": dict(hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, vocab=151936, tied=True),
+    "qwen2.5-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab=151936, tied=True),
+}
+# --batch NAME: rows, median response, min, max (log-normal lengths, sigma --length-sigma)
+BATCHES = {"short": (16, 1024, 256, 2048), "long": (8, 4096, 2048, 8192)}
+
+
+def _lengths(rows: int, median: int, sigma: float, lo: int, hi: int, seed: int = 0) -> list[int]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    drawn = torch.exp(torch.randn(rows, generator=g) * sigma) * median
+    return drawn.round().clamp(lo, hi).long().tolist()
+
+
+def _sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class _Timed:
+    """Seconds and peak memory (GiB, CUDA only) of one pass; an out-of-memory marks it ``oom``."""
+
+    def __init__(self):
+        self.seconds: float | None = None
+        self.peak_gib: float | None = None
+        self.oom = False
+
+    @contextlib.contextmanager
+    def run(self):
+        import torch
+
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        try:
+            yield
+            _sync()
+            self.seconds = time.perf_counter() - t
+        except torch.OutOfMemoryError:
+            self.oom = True
+        if cuda:
+            self.peak_gib = torch.cuda.max_memory_allocated() / 2**30
+            if self.oom:
+                torch.cuda.empty_cache()
+
+
+def _repeat(fn, repeats: int) -> dict:
+    """``fn`` once to warm up, then ``repeats`` times: median seconds, the largest peak."""
+    first = _Timed()
+    with first.run():
+        fn()
+    if first.oom:
+        return {"oom": True, "peak_gib": first.peak_gib}
+    runs = []
+    for _ in range(repeats):
+        t = _Timed()
+        with t.run():
+            fn()
+        if t.oom:
+            return {"oom": True, "peak_gib": t.peak_gib}
+        runs.append(t)
+    peaks = [r.peak_gib for r in runs if r.peak_gib is not None]
+    return {"oom": False, "seconds": statistics.median(r.seconds for r in runs),
+            "all": [r.seconds for r in runs], "peak_gib": max(peaks) if peaks else None}
+
+
+def _free():
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- ours
+
+def _ours(ckpt: Path, args, attention: str, batches: dict) -> dict:
+    """The trainer's passes with ``model.attention=attention`` on every batch."""
+    from megatron_oar.algorithms import PolicyLossConfig
+    from megatron_oar.attribution import AttributionConfig, ProbeConfig, compute_importance, locate_probes
+    from megatron_oar.config import ModelConfig, OptimConfig
+    from megatron_oar.models import read_hf_config
+    from megatron_oar.runtime import ParallelConfig, destroy_runtime, init_runtime
+    from megatron_oar.training.policy import build_policy
+    from megatron_oar.training.policy_passes import old_logprob_pass, update_step
+
+    budget = args.max_tokens_per_micro_batch
+    kw = {"batching": "token_budget", "max_tokens": budget}
+    out = {}
+    init_runtime(ParallelConfig())
+    try:
+        hf_config = read_hf_config(ckpt / "hf")
+        policy = build_policy(hf_config, ModelConfig(path=str(ckpt), spec="local", dtype=args.dtype,
+                                                     attention=attention),
+                              OptimConfig(lr=1e-7), checkpoint=ckpt,
+                              total_optimizer_steps=4 * (1 + args.repeats) * len(batches))
+        probe = ProbeConfig(kind="last_token")
+        attr_cfg = AttributionConfig(method="oar_g", probe=probe, pad_id=0).resolve(
+            batching="token_budget", max_tokens=budget)
+        for name, batch in batches.items():
+            sites = locate_probes(batch, probe)
+            res: dict = {}
+            teacher = {}
+
+            def logprob():
+                batch.old_logprobs, batch.entropy, teacher["t"] = old_logprob_pass(
+                    policy.model, batch, args.vocab, 1, sites=sites, **kw)
+
+            res["logprob"] = _repeat(logprob, args.repeats)
+            if res["logprob"]["oom"]:
+                out[name] = res
+                _free()
+                continue
+            res["logprobs"] = batch.old_logprobs.float().cpu()
+            work = {}
+
+            def attribution():
+                attr = compute_importance(policy.model, batch, attr_cfg, vocab_size=args.vocab,
+                                          seq_adv=batch.seq_adv, sites=sites, teacher=teacher["t"],
+                                          external_teacher=True)
+                work["w"] = attr.work
+
+            res["oar_g"] = _repeat(attribution, args.repeats)
+            res["oar_g_work"] = work.get("w")
+            batch.advantages = batch.seq_adv[:, None] * batch.loss_mask
+
+            def update():
+                update_step(policy, batch, PolicyLossConfig(), args.vocab, 1, **kw)
+
+            _free()
+            res["update"] = _repeat(update, args.repeats)
+            out[name] = res
+            _free()
+        policy = None  # freed before the baseline runs
+    finally:
+        destroy_runtime()
+        _free()
+    return out
+
+
+# --------------------------------------------------------------------------- the baseline
+
+def _hf(hf_dir: Path, args, batches: dict) -> dict:
+    """A plain transformers + SDPA loop: old log-probs, and one PPO-style update with AdamW."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_oar.models.micro_batches import micro_batches
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                 attn_implementation="sdpa").to(dev)
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=dev.type == "cuda")
+    autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if args.dtype == "bf16"
+                else contextlib.nullcontext())
+    out = {}
+    for name, batch in batches.items():
+        lengths = batch.lengths.tolist()
+        tokens, mask = batch.tokens.to(dev), batch.loss_mask.to(dev)
+        adv = batch.seq_adv.to(dev)
+        res: dict = {}
+
+        def token_logprobs(rows, width):
+            toks = tokens[rows, :width]
+            with autocast:
+                logits = model(input_ids=toks).logits
+            lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            return lp.gather(-1, toks[:, 1:, None])[..., 0]  # [m, width - 1]: token t+1 given t
+
+        logprobs = torch.zeros(tokens.shape, device=dev)
+
+        def logprob():
+            groups = micro_batches(lengths, batching="token_budget", rows_per_micro=1,
+                                   max_tokens=args.max_tokens_per_micro_batch)
+            with torch.no_grad():
+                for g in groups:
+                    width = max(lengths[i] for i in g)
+                    logprobs[g, 1:width] = token_logprobs(g, width)
+
+        res["logprob"] = _repeat(logprob, args.repeats)
+        if not res["logprob"]["oom"]:
+            res["logprobs"] = logprobs.cpu()
+        total = mask.sum()
+
+        def update():
+            groups = micro_batches(lengths, batching="token_budget", rows_per_micro=1,
+                                   max_tokens=args.hf_update_tokens)
+            for g in groups:
+                width = max(lengths[i] for i in g)
+                lp = token_logprobs(g, width)
+                m = mask[g, 1:width].float()
+                # the PPO ratio's gradient at ratio 1: -A * d logp; token-level mean over the batch
+                loss = -(lp * adv[g, None] * m).sum() / total
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        _free()
+        res["update"] = _repeat(update, args.repeats)
+        out[name] = res
+        _free()
+    model = opt = None  # freed
+    _free()
+    return out
+
+
+# --------------------------------------------------------------------------- measure and render
+
+def measure(args) -> dict:
+    import torch
+
+    from benchmarks.attribution_flops import attribution_flops
+    from benchmarks.random_model import random_batch
+    from checkpoints_convert.convert import hf_to_megatron
+    from megatron_oar.models import parse_arch, read_hf_config
+    from megatron_oar.models.flops import forward_flops, peak_tflops
+    from megatron_oar.models.tiny import make_tiny_qwen2
+
+    specs = {name: _lengths(rows, median, args.length_sigma, lo, hi, seed=i)
+             for i, (name, (rows, median, lo, hi)) in enumerate(args.batches.items())}
+    longest = max(max(r) for r in specs.values())
+    peak = peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = make_tiny_qwen2(Path(tmp) / "hf", tied=args.tied, vocab_size=args.vocab, hidden_size=args.hidden,
+                             intermediate_size=args.ffn, num_hidden_layers=args.layers,
+                             num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                             max_position_embeddings=args.prompt + longest + 64)
+        ckpt = Path(tmp) / "ckpt"
+        hf_to_megatron(hf, ckpt, progress=False)
+        arch = parse_arch(read_hf_config(ckpt / "hf"))
+        batches = {name: random_batch(args.prompt, r, args.vocab, seed=1) for name, r in specs.items()}
+        result = {"peak_tflops": peak, "batches": {}, "ours": {}}
+        for attention in args.attention:
+            result["ours"][attention] = _ours(ckpt, args, attention, batches)
+        result["hf"] = _hf(hf, args, batches)
+    for name, batch in batches.items():
+        lengths = batch.lengths.tolist()
+        forward = forward_flops(arch, lengths)
+        b = {"responses": specs[name], "tokens": sum(lengths), "forward_flops": forward}
+        valid = batch.loss_mask.bool().cpu()
+        hf_lp = result["hf"][name].get("logprobs")
+        for who, runs in [*((f"ours ({a})", result["ours"][a][name]) for a in args.attention),
+                          ("hf", result["hf"][name])]:
+            ours_lp = runs.pop("logprobs", None)
+            if who != "hf" and ours_lp is not None and hf_lp is not None:
+                runs["max_abs_logprob_diff_vs_hf"] = float((ours_lp - hf_lp)[valid].abs().max())
+            for pass_name, flops in (("logprob", forward), ("update", 3 * forward)):
+                r = runs[pass_name]
+                if not r["oom"]:
+                    r["tflops"] = flops / r["seconds"] / 1e12
+                    r["mfu"] = r["tflops"] / peak if peak else None
+            if "oar_g" in runs and not runs["oar_g"]["oom"] and not runs["update"]["oom"]:
+                g = runs["oar_g"]
+                g["flops"] = attribution_flops(arch, runs.pop("oar_g_work") or [])
+                g["tflops"] = g["flops"] / g["seconds"] / 1e12
+                grpo = runs["logprob"]["seconds"] + runs["update"]["seconds"]
+                g["sweep_ratio"] = (grpo + g["seconds"]) / grpo
+                g["flop_floor"] = 1 + g["flops"] / (4 * forward)
+            runs.pop("oar_g_work", None)
+        result["batches"][name] = b
+    return result
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if r["oom"]:
+        peak = f" (at {r['peak_gib']:.1f} GiB)" if r.get("peak_gib") else ""
+        return f"**out of memory**{peak}"
+    parts = [f"{r['seconds']:.3f} s"]
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {r['mfu']:.2f}")
+    elif r.get("tflops") is not None:
+        parts.append(f"{r['tflops'] * 1e3:.1f} GFLOP/s")
+    if r.get("peak_gib") is not None:
+        parts.append(f"{r['peak_gib']:.1f} GiB")
+    return ", ".join(parts)
+
+
+def _ratio(ours: dict, hf: dict) -> str:
+    if ours is None or hf is None or ours["oom"] or hf["oom"]:
+        return "-"
+    x = ours["seconds"] / hf["seconds"]
+    return f"{x:.2f}x" + (" (slower)" if x > 1 else " (faster)")
+
+
+def render(res: dict, args) -> str:
+    shape = (f"random Qwen2, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
+             f"ffn {args.ffn}, vocab {args.vocab}, {'tied' if args.tied else 'untied'}, {args.dtype}")
+    weights = "fp32 weights under bf16 autocast" if args.dtype == "bf16" else "fp32"
+    lines = [f"Model: {shape}. Ours: local spec, token budget {args.max_tokens_per_micro_batch}; plain HF: "
+             f"`attn_implementation=\"sdpa\"`, {weights}, "
+             f"old-logprob budget {args.max_tokens_per_micro_batch}, update budget {args.hf_update_tokens}, "
+             f"fused AdamW. Median of {args.repeats} after a warm-up.", ""]
+    for name, b in res["batches"].items():
+        r = b["responses"]
+        lines += [f"**{name}**: {len(r)} rows, {args.prompt}-token prompts, responses {min(r)}-{max(r)} tokens "
+                  f"({b['tokens']:,} tokens)", "",
+                  "| pass | " + " | ".join(f"ours, {a}" for a in args.attention) + " | plain HF + SDPA | "
+                  + " | ".join(f"{a} / HF" for a in args.attention) + " |",
+                  "|---|" + "---|" * (2 * len(args.attention) + 1)]
+        hf = res["hf"][name]
+        for pass_name, label in (("logprob", "old-logprob"), ("update", "update (fwd+bwd+optimizer)")):
+            ours = [res["ours"][a][name].get(pass_name) for a in args.attention]
+            lines.append(f"| {label} | " + " | ".join(_cell(o) for o in ours) + f" | {_cell(hf[pass_name])} | "
+                         + " | ".join(_ratio(o, hf[pass_name]) for o in ours) + " |")
+        cells = []
+        for a in args.attention:
+            g = res["ours"][a][name].get("oar_g")
+            if g is None or g["oom"]:
+                cells.append(_cell(g))
+            else:
+                cells.append(f"{_cell(g)}; sweep {g['sweep_ratio']:.2f}x GRPO's, FLOP floor {g['flop_floor']:.2f}x")
+        lines.append("| OAR-G attribution | " + " | ".join(cells) + " | - | " + " | ".join("-" for _ in cells) + " |")
+        diffs = [f"{a} {res['ours'][a][name]['max_abs_logprob_diff_vs_hf']:.2e}" for a in args.attention
+                 if "max_abs_logprob_diff_vs_hf" in res["ours"][a][name]]
+        if diffs:
+            lines += ["", "Max |old log-prob ours - HF| over the response tokens: " + ", ".join(diffs) + "."]
+        lines.append("")
+    lines.append("MFU: model FLOPs of the real tokens (`models/flops.py`; update = 3 forwards) over seconds and "
+                 "the GPU's dense bf16 peak. Peak memory: `torch.cuda.max_memory_allocated` during the pass, "
+                 "the other framework's model freed. OAR-G sweep = old-logprob + OAR-G + update over "
+                 "old-logprob + update; FLOP floor = 1 + OAR-G's model FLOPs over GRPO's (4 forwards).")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="oar bench vs-hf", description=__doc__.split("\n\n")[1])
+    add_model_args(p)
+    p.add_argument("--tied", action="store_true", help="tie the embeddings (the presets set it)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a released model's shape (overrides the shape flags)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--batch", action="append", choices=sorted(BATCHES),
+                   help=f"a named batch (repeatable): {BATCHES} as rows, median, min, max response")
+    p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--median-response", type=int, default=64)
+    p.add_argument("--length-sigma", type=float, default=0.4)
+    p.add_argument("--min-response", type=int, default=16)
+    p.add_argument("--max-response", type=int, default=128)
+    p.add_argument("--attention", default="sdpa,unfused", help="ours: model.attention values to run")
+    p.add_argument("--max-tokens-per-micro-batch", type=int, default=8192)
+    p.add_argument("--hf-update-tokens", type=int, default=4096, help="the HF update's token budget")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("bench_out"))
+    p.add_argument("--update-benchmarks", action="store_true", help="rewrite BENCHMARKS.md's section")
+    args = p.parse_args(argv)
+    if args.preset:
+        for k, v in PRESETS[args.preset].items():
+            setattr(args, k, v)
+    args.attention = [a for a in args.attention.split(",") if a]
+    if not args.attention or set(args.attention) - {"sdpa", "unfused"}:
+        p.error(f"--attention {args.attention}: choose from sdpa, unfused")
+    if not 1 <= args.min_response <= args.max_response or args.rows < 1:
+        p.error("need --rows >= 1 and 1 <= --min-response <= --max-response")
+    args.batches = ({b: BATCHES[b] for b in args.batch} if args.batch else
+                    {"batch": (args.rows, args.median_response, args.min_response, args.max_response)})
+    from benchmarks import common
+
+    return common.run_and_publish(args, argv, suite=SUITE, prog="oar bench vs-hf",
+                                  title="Ours against a plain transformers + SDPA loop", measure=measure,
+                                  render=render)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
