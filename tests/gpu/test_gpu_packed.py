@@ -1,11 +1,13 @@
-"""CUDA + Transformer Engine: packed (THD) micro-batches against token budgets, in bf16.
+"""CUDA: packed (THD) micro-batches against token budgets, in bf16, through Transformer Engine's
+THD attention (the TE spec) and through SDPA's (the local spec: variable-length FlashAttention).
 
-The TE-spec GPTModel runs the old-logprob pass, the reference pass and one ``update_step`` with
+The GPTModel runs the old-logprob pass, the reference pass and one ``update_step`` with
 ``batching=packed`` and with ``batching=token_budget`` on the same rows, at sequence multiples 1
 and 16 (the FP8 multiple: every row padded inside the packed sequence): the log-probs, the
-entropies and the loss agree at bf16 tolerance. The CPU tests (tests/test_packing.py) check the
-bookkeeping through an emulation of TE's THD attention; this is the only check of TE itself.
-Skipped without CUDA and TE; record runs in docs/gpu-validation.md.
+entropies and the loss agree at bf16 tolerance; and under the local spec SDPA's token-budget
+passes agree with megatron's unfused attention. The CPU tests (tests/test_packing.py) check the
+same in fp32 through SDPA's per-row path; this checks the CUDA kernels. Skipped without CUDA
+(the TE cases without TE); record runs in docs/gpu-validation.md.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import torch
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU on this machine)"),
-    pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
-                       reason="needs Transformer Engine (pip install 'megatron-oar[gpu]')"),
 ]
+NO_TE = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                           reason="needs Transformer Engine (pip install 'megatron-oar[gpu]')")
+# (model.spec, model.attention)
+MODELS = [pytest.param(("te", "auto"), marks=NO_TE, id="te"), pytest.param(("local", "sdpa"), id="sdpa")]
 
 LENGTHS = (97, 33, 64, 15, 80, 41)  # prompt + response tokens per row
 PROMPT = 8
@@ -41,9 +45,10 @@ def _rows(vocab: int):
     return tokens, lengths, mask
 
 
-def _passes(ckpt, batching: str, old_logprobs: torch.Tensor | None) -> dict:
-    """A fresh bf16 TE policy: old-logprob and reference passes, one update_step (with the given
-    old log-probs, so both batchings take the same step), on CPU tensors."""
+def _passes(ckpt, batching: str, old_logprobs: torch.Tensor | None, model: tuple[str, str]) -> dict:
+    """A fresh bf16 policy of ``model`` (spec, attention): old-logprob and reference passes, one
+    update_step (with the given old log-probs, so both batchings take the same step), on CPU
+    tensors."""
     from megatron_oar.algorithms import PolicyLossConfig
     from megatron_oar.config import ModelConfig, OptimConfig
     from megatron_oar.models import read_hf_config
@@ -53,7 +58,9 @@ def _passes(ckpt, batching: str, old_logprobs: torch.Tensor | None) -> dict:
 
     hf_config = read_hf_config(ckpt / "hf")
     vocab = hf_config["vocab_size"]
-    policy = build_policy(hf_config, ModelConfig(path=str(ckpt), spec="te", dtype="bf16"), OptimConfig(lr=1e-4),
+    spec, attention = model
+    policy = build_policy(hf_config, ModelConfig(path=str(ckpt), spec=spec, attention=attention, dtype="bf16"),
+                          OptimConfig(lr=1e-4),
                           checkpoint=ckpt, total_optimizer_steps=4)
     dev = torch.device("cuda", torch.cuda.current_device())
     tokens, lengths, mask = _rows(vocab)
@@ -73,8 +80,8 @@ def _passes(ckpt, batching: str, old_logprobs: torch.Tensor | None) -> dict:
             "valid": torch.arange(tokens.shape[1])[None] < lengths[:, None]}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+@pytest.fixture(scope="module", params=MODELS)
+def results(request, tmp_path_factory):
     from checkpoints_convert.convert import hf_to_megatron
     from megatron_oar.models.padding import force_multiple
     from megatron_oar.models.tiny import make_tiny_qwen2
@@ -89,9 +96,11 @@ def results(tmp_path_factory):
     try:
         for multiple in MULTIPLES:
             with force_multiple(multiple):
-                budget = _passes(root / "ckpt", "token_budget", None)
+                budget = _passes(root / "ckpt", "token_budget", None, request.param)
                 out["token_budget", multiple] = budget
-                out["packed", multiple] = _passes(root / "ckpt", "packed", budget["logprobs"])
+                out["packed", multiple] = _passes(root / "ckpt", "packed", budget["logprobs"], request.param)
+        if request.param[0] == "local":
+            out["unfused"] = _passes(root / "ckpt", "token_budget", None, ("local", "unfused"))
     finally:
         destroy_runtime()
     return out
@@ -116,3 +125,15 @@ def test_packed_update_matches_token_budget(results, multiple):
     assert budget["applied"] and packed["applied"]
     assert packed["loss"] == pytest.approx(budget["loss"], rel=2e-2, abs=1e-2)
     assert packed["grad_norm"] == pytest.approx(budget["grad_norm"], rel=5e-2)
+
+
+def test_sdpa_matches_unfused_attention(results):
+    if "unfused" not in results:
+        pytest.skip("the TE spec: no unfused reference run")
+    sdpa, unfused = results["token_budget", 1], results["unfused"]
+    valid = unfused["valid"]
+    for name in ("logprobs", "entropy", "ref_logprobs"):
+        diff = (sdpa[name] - unfused[name]).abs()[valid]
+        print(f"sdpa vs unfused {name}: max|diff|={diff.max():.3e} mean={diff.mean():.3e}")
+        assert diff.max() <= LOGPROB_TOL and diff.mean() <= LOGPROB_TOL / 10, name
+    assert sdpa["loss"] == pytest.approx(unfused["loss"], rel=2e-2, abs=1e-2)
