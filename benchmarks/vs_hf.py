@@ -272,6 +272,9 @@ def measure(args) -> dict:
     from megatron_oar.models.flops import forward_flops, peak_tflops
     from megatron_oar.models.tiny import make_tiny_qwen2
 
+    if args.memory_cap_gib and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
     specs = {name: _lengths(rows, median, args.length_sigma, lo, hi, seed=i)
              for i, (name, (rows, median, lo, hi)) in enumerate(args.batches.items())}
     longest = max(max(r) for r in specs.values())
@@ -347,7 +350,8 @@ def render(res: dict, args) -> str:
     lines = [f"Model: {shape}. Ours: local spec, token budget {args.max_tokens_per_micro_batch}; plain HF: "
              f"`attn_implementation=\"sdpa\"`, {weights}, "
              f"old-logprob budget {args.max_tokens_per_micro_batch}, update budget {args.hf_update_tokens}, "
-             f"fused AdamW. Median of {args.repeats} after a warm-up.", ""]
+             f"fused AdamW. Median of {args.repeats} after a warm-up."
+             + (f" GPU memory capped at {args.memory_cap_gib:g} GiB." if args.memory_cap_gib else ""), ""]
     for name, b in res["batches"].items():
         r = b["responses"]
         lines += [f"**{name}**: {len(r)} rows, {args.prompt}-token prompts, responses {min(r)}-{max(r)} tokens "
@@ -397,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default="sdpa,unfused", help="ours: model.attention values to run")
     p.add_argument("--max-tokens-per-micro-batch", type=int, default=8192)
     p.add_argument("--hf-update-tokens", type=int, default=4096, help="the HF update's token budget")
+    p.add_argument("--memory-cap-gib", type=float, default=None,
+                   help="CUDA: cap this process's GPU memory (e.g. 79 on an H200 to see what fits an 80 GB H100)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--update-benchmarks", action="store_true", help="rewrite BENCHMARKS.md's section")
