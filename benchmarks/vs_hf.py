@@ -119,6 +119,22 @@ def _repeat(fn, repeats: int) -> dict:
             "all": [r.seconds for r in runs], "peak_gib": max(peaks) if peaks else None}
 
 
+def _profile(fn, path: Path) -> None:
+    """One more run of ``fn`` under torch's profiler; the 30 costliest ops by device time (CPU
+    time without CUDA) to ``path``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        fn()
+        _sync()
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=30))
+
+
 def _free():
     import torch
 
@@ -177,6 +193,8 @@ def _ours(ckpt: Path, args, attention: str, batches: dict) -> dict:
 
             res["oar_g"] = _repeat(attribution, args.repeats)
             res["oar_g_work"] = work.get("w")
+            if args.profile and not res["oar_g"]["oom"]:
+                _profile(attribution, args.out / f"profile_oar_g_{attention}_{name}.txt")
             batch.advantages = batch.seq_adv[:, None] * batch.loss_mask
 
             def update():
@@ -184,6 +202,8 @@ def _ours(ckpt: Path, args, attention: str, batches: dict) -> dict:
 
             _free()
             res["update"] = _repeat(update, args.repeats)
+            if args.profile and not res["update"]["oom"]:
+                _profile(update, args.out / f"profile_update_{attention}_{name}.txt")
             out[name] = res
             _free()
         policy = None  # freed before the baseline runs
@@ -404,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-cap-gib", type=float, default=None,
                    help="CUDA: cap this process's GPU memory (e.g. 79 on an H200 to see what fits an 80 GB H100)")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--profile", action="store_true",
+                   help="ours: one more OAR-G and update run under torch's profiler (tables in --out)")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--update-benchmarks", action="store_true", help="rewrite BENCHMARKS.md's section")
     args = p.parse_args(argv)
