@@ -56,7 +56,9 @@ def oar_p(model, batch: SequenceBatch, sites: ProbeSites, rows: list[int], pad_i
 
 
 def oar_g(model, batch: SequenceBatch, sites: ProbeSites, rows: list[int], sigma: float, seed: int,
-          step: int) -> torch.Tensor:
+          step: int, noise_device: str | None = None) -> torch.Tensor:
+    """``noise_device``: where the noise is drawn (default: the model's; the CUDA generator draws
+    other numbers than the CPU's, so a CPU reference of a CUDA run draws it there)."""
     out = torch.zeros(batch.tokens.shape)
     embed = model.get_input_embeddings()
     for i in rows:
@@ -65,7 +67,8 @@ def oar_g(model, batch: SequenceBatch, sites: ProbeSites, rows: list[int], sigma
         with torch.no_grad():
             emb = embed(ids)
             teacher = probe(_logits(model, ids), sites, i)
-        noise = sample_noise(derive_seed(OAR_G_NOISE, seed, step, int(batch.sample_ids[i])), n, emb.shape[-1], sigma)
+        noise = sample_noise(derive_seed(OAR_G_NOISE, seed, step, int(batch.sample_ids[i])), n, emb.shape[-1], sigma,
+                             device=noise_device or emb.device).to(emb.device)
         x = (emb + noise * sites.score_mask[i, :n].unsqueeze(-1)).requires_grad_(True)
         student = probe(_logits(model, embeds=x), sites, i)
         divergence(teacher, student, sites.kinds[i], clamp=False).backward()

@@ -53,7 +53,8 @@ def results(tmp_path_factory):
     for name, cfg in CASES.items():
         sites = locate_probes(batch, cfg.probe, 3, SpanFinder(tok, cfg.probe.answer_pattern))
         rows = [i for i in range(batch.size) if sites.kinds[i] != "none" and SEQ_ADV[i] != 0]
-        want[name] = (ref.oar_g(hf_model, batch, sites, rows, cfg.sigma, cfg.seed, 3) if cfg.method == "oar_g"
+        want[name] = (ref.oar_g(hf_model, batch, sites, rows, cfg.sigma, cfg.seed, 3, noise_device="cuda")
+                      if cfg.method == "oar_g"
                       else ref.oar_p(hf_model, batch, sites, rows, tok.pad_token_id, cfg.probe.joint_importance))
     return got, want
 
