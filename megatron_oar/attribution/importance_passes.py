@@ -35,7 +35,7 @@ def sample_noise(seed: int, length: int, hidden: int, sigma: float,
                  device: torch.device | str = "cpu") -> torch.Tensor:
     """``N(0, sigma^2)`` noise ``[length, hidden]`` (float32) from a dedicated generator on
     ``device``: the embeddings' device, so the noise of a long micro-batch is not drawn by the CPU
-    and copied over (on a GPU that took about a quarter of OAR-G's time at 17k tokens). CUDA's
+    and copied over on every OAR-G micro-batch (docs/gpu-validation.md has the cost). CUDA's
     generator draws other numbers than the CPU's for a seed; on one kind of device the noise
     depends on the seed alone, not on the layout."""
     g = torch.Generator(device=device).manual_seed(seed)
