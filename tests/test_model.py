@@ -208,8 +208,14 @@ def test_local_spec_never_uses_apex_fused_norm(monkeypatch, caplog):
     assert "spec=local norm=torch RMSNorm (TorchRMSNorm, sequence-parallel capable)" in line
     assert "grad_accum_fusion=off" in line and "fp8=off" in line and "apex" not in line
     cfg = model.config
-    assert f"masked_softmax_fusion={'on' if cfg.masked_softmax_fusion else 'off'}" in line
+    assert "attention=torch scaled_dot_product_attention" in line  # model.attention=auto: SDPA
     assert f"bias_activation_fusion={'on' if cfg.bias_activation_fusion else 'off'}" in line
+    caplog.clear()
+    monkeypatch.setattr(kernels, "_logged_model_lines", set(), raising=False)
+    with caplog.at_level("INFO", logger=kernels.__name__):
+        model = _build_tiny(ModelOptions(spec="local", attention="unfused"))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("model kernels:"))
+    assert f"masked_softmax_fusion={'on' if model.config.masked_softmax_fusion else 'off'}" in line
 
 
 @pytest.mark.parametrize("cpu_init", [False, True])
