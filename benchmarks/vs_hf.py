@@ -332,6 +332,7 @@ def measure(args) -> dict:
                 g = runs["oar_g"]
                 g["flops"] = attribution_flops(arch, runs.pop("oar_g_work") or [])
                 g["tflops"] = g["flops"] / g["seconds"] / 1e12
+                g["mfu"] = g["tflops"] / peak if peak else None
                 grpo = runs["logprob"]["seconds"] + runs["update"]["seconds"]
                 g["sweep_ratio"] = (grpo + g["seconds"]) / grpo
                 g["flop_floor"] = 1 + g["flops"] / (4 * forward)
@@ -349,6 +350,8 @@ def _cell(r: dict | None) -> str:
     parts = [f"{r['seconds']:.3f} s"]
     if r.get("mfu") is not None:
         parts.append(f"MFU {r['mfu']:.2f}")
+    elif r.get("tflops", 0) >= 1:
+        parts.append(f"{r['tflops']:.0f} TFLOP/s")
     elif r.get("tflops") is not None:
         parts.append(f"{r['tflops'] * 1e3:.1f} GFLOP/s")
     if r.get("peak_gib") is not None:

@@ -47,7 +47,7 @@ def fp8_state(gpt) -> dict[str, float]:
     for module in gpt.modules():
         meta = getattr(module, "fp8_meta", None)
         fwd = meta.get("scaling_fwd") if isinstance(meta, dict) else None
-        if fwd is None:
+        if fwd is None or not hasattr(fwd, "amax_history"):  # current scaling keeps no history
             continue
         amax.append(float(fwd.amax_history.abs().max()))
         moved.append(float((fwd.scale - 1).abs().max()))

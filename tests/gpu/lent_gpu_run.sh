@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The issue-32 sequence on a lent GPU machine that has torch but no internet (docs/gpu-validation.md).
-# Packages travel as files in an ignored folder (DEPS: cp312 wheels, antlr4.zip with omegaconf's
-# pure-Python antlr4 runtime, optionally a zstd binary, Transformer Engine's torch-extension sdist
-# te_torch.tar.gz), vLLM (vz.*) and TE's core wheel unpacked (te.*) as zstd tarballs in pieces.
+# Packages travel as files in an ignored folder (DEPS: cp312 wheels, optionally antlr4.zip with a
+# pure-Python antlr4 runtime, a zstd binary with its libraries, Transformer Engine's torch-extension
+# sdist te_torch.tar.gz), vLLM (vz.*) and TE's core wheel unpacked (te.*) as zstd tarballs in
+# pieces. tests/gpu/build_payload.sh makes all of them in gpu_payload/ (its header: what and how big).
 #
 #   bash tests/gpu/lent_gpu_run.sh setup DEPS [PIECE...]  # install DEPS into /tmp/site; OAR_GPU_BG picks
 #                                                       # what runs in the background: logits (the 8k
@@ -12,17 +13,49 @@
 #                                                       # in the background (setsid)
 #   bash tests/gpu/lent_gpu_run.sh vllm OUT             # unpack vLLM; one GRPO and one OAR-G run of a
 #                                                       # 0.5B-shaped model (step 6); the bench's results
-#   bash tests/gpu/lent_gpu_run.sh cublas               # unpack a newer cuBLAS (cb.* pieces): TE 2.13/2.14's
-#                                                       # cu13 core needs cuBLASLt >= 13.2, torch 2.11+cu130
-#                                                       # brings 13.1; later stages preload it
+#   bash tests/gpu/lent_gpu_run.sh cublas               # optional: unpack a newer cuBLAS (cb.* pieces,
+#                                                       # nvidia/cu13/lib/... in the tar): only for
+#                                                       # TE >= 2.13, whose cu13 core needs cuBLASLt
+#                                                       # >= 13.2 while torch 2.11+cu130 brings 13.1;
+#                                                       # TE 2.12 (what build_payload.sh carries) needs
+#                                                       # nothing newer; later stages preload it
 #   bash tests/gpu/lent_gpu_run.sh tests OUT [FILE...]  # wait for TE; pytest the GPU test files
+#
+# A lease, as device calls (tests/gpu/build_payload.sh's files; each call under 64 MiB with the
+# repository; `carry` names the gpu_payload/ paths that the call reads):
+#   1. setup gpu_payload/deps gpu_payload/te.ac          carry gpu_payload/deps, gpu_payload/te.ac
+#   2. piece gpu_payload/te.aa                           carry gpu_payload/te.aa
+#   3. piece gpu_payload/te.ab && ... te                 carry gpu_payload/te.ab (TE builds meanwhile)
+#   4. piece gpu_payload/vz.aa                           carry gpu_payload/vz.aa
+#   5. piece gpu_payload/vz.ab                           carry gpu_payload/vz.ab
+#   6. piece gpu_payload/vz.ac && ... vllm $OUT          carry gpu_payload/vz.ac
+#   7. tests $OUT tests/gpu/...                          carry nothing
+# (each line is `bash tests/gpu/lent_gpu_run.sh STAGE ARGS`; pieces wait in /tmp/pieces on the
+# warm machine, so a machine given back in between means starting again from 1)
+#   bash tests/gpu/lent_gpu_run.sh collect OUT          # wait for the setup's background job; its log
+#                                                       # and outputs as OUT/bg.tgz
+#   bash tests/gpu/lent_gpu_run.sh unpack-vllm          # unpack vLLM's pieces (vz.*) only
 set -uo pipefail
 SITE=/tmp/site
 TE_SITE=/tmp/te_site
 export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1
 CUBLAS=/tmp/cublas
-# a carried cuBLAS replaces torch's for the whole process (same soname, newer minor release)
-[ -f $CUBLAS/libcublasLt.so.13 ] && export LD_PRELOAD=$CUBLAS/libcublasLt.so.13:$CUBLAS/libcublas.so.13
+# a carried cuBLAS replaces torch's for the whole process (same soname, newer minor release): the
+# libraries that the cublas stage unpacked, libcublasLt alone or with libcublas
+pre=$(ls $CUBLAS/libcublasLt.so.13 $CUBLAS/libcublas.so.13 2>/dev/null | paste -sd:)
+[ -n "$pre" ] && export LD_PRELOAD=$pre
+# where nvcc is, the CUDA toolkit: TE's build and its NVRTC kernels read their headers there
+nvcc=$(command -v nvcc || ls -d /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
+[ -z "${CUDA_HOME:-}" ] && [ -n "$nvcc" ] && export CUDA_HOME=${nvcc%/bin/nvcc}
+[ -z "${NVTE_CUDA_INCLUDE_DIR:-}" ] && [ -f "${CUDA_HOME:-/none}/include/cuda_runtime.h" ] &&
+  export NVTE_CUDA_INCLUDE_DIR=$CUDA_HOME/include
+unzst() {  # zstd -dc of stdin: the machine's zstd, else the carried one, else Python's zstandard (DEPS)
+  if command -v zstd >/dev/null; then zstd -dc
+  elif LD_LIBRARY_PATH=/tmp/zs /tmp/zs/zstd -V >/dev/null 2>&1; then LD_LIBRARY_PATH=/tmp/zs /tmp/zs/zstd -dc
+  else python3 -c 'import sys, zstandard
+zstandard.ZstdDecompressor(max_window_size=1 << 31).copy_stream(sys.stdin.buffer, sys.stdout.buffer)'
+  fi
+}
 stage=$1
 shift
 case $stage in
@@ -31,7 +64,7 @@ setup)
   shift
   mkdir -p $SITE /tmp/pieces /tmp/zs
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $SITE "$deps"/*.whl || exit 1
-  (cd $SITE && python3 -m zipfile -e "$OLDPWD/$deps/antlr4.zip" .) || exit 1
+  if [ -f "$deps"/antlr4.zip ]; then (cd $SITE && python3 -m zipfile -e "$OLDPWD/$deps/antlr4.zip" .) || exit 1; fi
   cp "$deps"/zstd "$deps"/*.so* /tmp/zs/ 2>/dev/null
   cp "$deps"/te_torch.tar.gz /tmp/ 2>/dev/null
   [ $# -gt 0 ] && cp "$@" /tmp/pieces/
@@ -40,22 +73,25 @@ setup)
   case ${OAR_GPU_BG:-logits} in
   pytest) bg="python3 -m pytest -q -s -p no:cacheprovider tests/gpu -k 'not vllm and not e2e'" ;;
   logits) bg="python3 -m megatron_oar.cli bench logits-memory --responses 2048,4096,8192 --repeats 2 --out /tmp/logits_out" ;;
+  # the attention issue's side-by-side on Qwen2.5-1.5B's shape, 80 GB of memory, then what drawing
+  # OAR-G's noise on the CPU cost (tests/gpu/noise_cost.py)
+  vshf) bg="python3 -m megatron_oar.cli bench vs-hf --preset qwen2.5-1.5b --dtype bf16 --batch short --batch long \
+    --attention sdpa,unfused --repeats 2 --memory-cap-gib 79 --profile --out /tmp/vshf_out; python3 tests/gpu/noise_cost.py" ;;
   *) bg="echo skipped" ;;
   esac
-  setsid nohup bash -c "$bg > /tmp/bg.log 2>&1; echo \$? > /tmp/bg.done" >/dev/null 2>&1 &
+  setsid nohup bash -c "{ $bg; } > /tmp/bg.log 2>&1; echo \$? > /tmp/bg.done" >/dev/null 2>&1 &
   sleep 5; tail -3 /tmp/bg.log ;;
 piece)
   cp "$@" /tmp/pieces/ && ls -la /tmp/pieces && tail -2 /tmp/bg.log ;;
 te)
-  zstd=$(command -v zstd || echo /tmp/zs/zstd)
   # TE goes to its own folder, on the path only once its torch extension is built: megatron
   # imports TE where it finds it, and a TE without the extension raises more than ImportError
   mkdir -p $TE_SITE
-  cat /tmp/pieces/te.* | LD_LIBRARY_PATH=/tmp/zs $zstd -dc | tar -xf - -C $TE_SITE || exit 1
+  cat /tmp/pieces/te.* | unzst | tar -xf - -C $TE_SITE || exit 1
   rm -f /tmp/pieces/te.*
   mkdir -p /tmp/te_src && tar -xzf /tmp/te_torch.tar.gz -C /tmp/te_src --strip-components=1 || exit 1
-  command -v nvcc || ls -d /usr/local/cuda*/bin/nvcc
-  # the torch extension is C++ only (TE 2.14's CppExtension): ninja builds it; the core wheel's
+  echo "nvcc ${nvcc:-not found}, CUDA_HOME ${CUDA_HOME:-unset}"
+  # the torch extension is C++ only (TE 2.12's and 2.14's CppExtension): ninja builds it; the core wheel's
   # libtransformer_engine.so came unpacked above
   setsid nohup bash -c "cd /tmp/te_src && PATH=$SITE/bin:$SITE/ninja/data/bin:\$PATH MAX_JOBS=10 \
     NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 NVTE_PYTORCH_FORCE_BUILD=TRUE \
@@ -64,17 +100,15 @@ te)
     echo \$? > /tmp/te_build.done" >/dev/null 2>&1 &
   sleep 20; tail -3 /tmp/te_build.log; tail -2 /tmp/bg.log ;;
 cublas)
-  zstd=$(command -v zstd || echo /tmp/zs/zstd)
   mkdir -p $CUBLAS
-  cat /tmp/pieces/cb.* | LD_LIBRARY_PATH=/tmp/zs $zstd -dc | tar -xf - -C $CUBLAS --strip-components=3 || exit 1
+  cat /tmp/pieces/cb.* | unzst | tar -xf - -C $CUBLAS --strip-components=3 || exit 1
   rm -f /tmp/pieces/cb.*
   ls -la $CUBLAS ;;
 vllm)
   out=$1
-  zstd=$(command -v zstd || echo /tmp/zs/zstd)
   # unpacked once per machine: a second call on the same warm machine (its pieces deleted) reuses it
   if ! python3 -c "import vllm" 2>/dev/null; then
-    cat /tmp/pieces/vz.* | LD_LIBRARY_PATH=/tmp/zs $zstd -dc | tar -xf - -C $SITE || exit 1
+    cat /tmp/pieces/vz.* | unzst | tar -xf - -C $SITE || exit 1
     rm -f /tmp/pieces/vz.*
   fi
   python3 -c "import vllm; print('vllm', vllm.__version__)" || exit 1
@@ -99,6 +133,17 @@ vllm)
     grep -E "Error|error" "$out"/bench_$credit.log | tail -5
   done
   tail -3 /tmp/te_build.log ;;
+collect)
+  out=$1
+  for _ in $(seq 1 ${OAR_GPU_BG_WAIT:-150}); do [ -f /tmp/bg.done ] && break; sleep 2; done
+  echo "background exit $(cat /tmp/bg.done 2>/dev/null || echo 'still running')"; tail -5 /tmp/bg.log
+  tar -czf "$out"/bg.tgz -C /tmp bg.log $(cd /tmp && ls -d vshf_out logits_out 2>/dev/null) ;;
+unpack-vllm)
+  if ! python3 -c "import vllm" 2>/dev/null; then
+    cat /tmp/pieces/vz.* | unzst | tar -xf - -C $SITE || exit 1
+    rm -f /tmp/pieces/vz.*
+  fi
+  python3 -c "import vllm; print('vllm', vllm.__version__)" ;;
 tests)
   out=$1
   shift

@@ -71,8 +71,11 @@ def test_delayed_scaling_first_pass_outside_fp8_then_scales_move(results):
     for name in ("te-fp8-delayed", "te-fp8-delayed-allow-fp8"):
         res = results[name]
         assert not res["first_pass_fp8"], name
-        assert res["fp8_after_first_pass"]["modules"] > 0, f"{name}: no TE module holds delayed-scaling state"
-        assert res["fp8_after_first_pass"]["amax_max"] == 0, f"{name}: a GEMM of the first pass ran under FP8"
+        # TE 2.12 creates a module's delayed-scaling state at its first FP8 forward (2026-11-27:
+        # none after the first pass, 20 modules after the update); where it exists, no amax yet
+        first = res["fp8_after_first_pass"]
+        assert not first or first["amax_max"] == 0, f"{name}: a GEMM of the first pass ran under FP8"
+        assert res["fp8_after_update"]["modules"] > 0, f"{name}: no TE module holds delayed-scaling state"
         assert res["fp8_after_update"]["amax_max"] > 0, f"{name}: the update's forwards recorded no amax"
         assert res["fp8_after_update"]["scale_moved"] > 0, f"{name}: TE's scales are still 1.0 after the update"
 
