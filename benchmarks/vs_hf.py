@@ -3,13 +3,14 @@ on the same batch and device, in one process.
 
     oar bench vs-hf [--preset qwen2.5-1.5b | --hidden ... --layers ...] [--dtype bf16]
                     [--batch short --batch long | --rows 8 --median-response 256 ...]
-                    [--attention sdpa,unfused] [--max-tokens-per-micro-batch 8192]
+                    [--ours sdpa,unfused,te,te-fp8] [--max-tokens-per-micro-batch 8192]
                     [--hf-update-tokens 4096] [--repeats 1] [--out bench_out] [--update-benchmarks]
 
 A random Qwen2 of the shape (``--preset qwen2.5-1.5b``: hidden 1536, 28 layers, 12/2 heads, ffn
 8960, vocab 151,936, tied) is written as an HF checkpoint and converted as a user's model would
-be. Per batch and per core attention of ours (``model.attention``: ``sdpa``, the local spec's
-default, and megatron's ``unfused``), the trainer's passes of one step run with token-budget
+be. Per batch and per variant of ours (``--ours``: the local spec with SDPA, its default, or
+with megatron's ``unfused`` attention; the Transformer Engine spec in bf16, ``te``, or with FP8,
+``te-fp8`` delayed and ``te-fp8-tensorwise``), the trainer's passes of one step run with token-budget
 micro-batches (``--max-tokens-per-micro-batch``, the trainer's ``train.max_tokens_per_micro_batch``):
 
 - **old-logprob**: ``old_logprob_pass`` (forward, log-probs and entropy of the response tokens);
@@ -50,6 +51,14 @@ SUITE = "vs_hf"
 PRESETS = {  # --preset: the shapes of released models (random weights)
     "qwen2.5-1.5b": dict(hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, vocab=151936, tied=True),
     "qwen2.5-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab=151936, tied=True),
+}
+# --ours: the model options of each variant (model.spec, model.attention, model.fp8, ...)
+VARIANTS = {
+    "sdpa": dict(spec="local", attention="sdpa"),
+    "unfused": dict(spec="local", attention="unfused"),
+    "te": dict(spec="te"),
+    "te-fp8": dict(spec="te", fp8="hybrid", fp8_recipe="delayed"),
+    "te-fp8-tensorwise": dict(spec="te", fp8="hybrid", fp8_recipe="tensorwise"),
 }
 # --batch NAME: rows, median response, min, max (log-normal lengths, sigma --length-sigma)
 BATCHES = {"short": (16, 1024, 256, 2048), "long": (8, 4096, 2048, 8192)}
@@ -145,8 +154,8 @@ def _free():
 
 # --------------------------------------------------------------------------- ours
 
-def _ours(ckpt: Path, args, attention: str, batches: dict) -> dict:
-    """The trainer's passes with ``model.attention=attention`` on every batch."""
+def _ours(ckpt: Path, args, variant: str, batches: dict) -> dict:
+    """The trainer's passes of ``variant`` (:data:`VARIANTS`) on every batch."""
     from megatron_oar.algorithms import PolicyLossConfig
     from megatron_oar.attribution import AttributionConfig, ProbeConfig, compute_importance, locate_probes
     from megatron_oar.config import ModelConfig, OptimConfig
@@ -161,8 +170,7 @@ def _ours(ckpt: Path, args, attention: str, batches: dict) -> dict:
     init_runtime(ParallelConfig())
     try:
         hf_config = read_hf_config(ckpt / "hf")
-        policy = build_policy(hf_config, ModelConfig(path=str(ckpt), spec="local", dtype=args.dtype,
-                                                     attention=attention),
+        policy = build_policy(hf_config, ModelConfig(path=str(ckpt), dtype=args.dtype, **VARIANTS[variant]),
                               OptimConfig(lr=1e-7), checkpoint=ckpt,
                               total_optimizer_steps=4 * (1 + args.repeats) * len(batches))
         probe = ProbeConfig(kind="last_token")
@@ -194,7 +202,7 @@ def _ours(ckpt: Path, args, attention: str, batches: dict) -> dict:
             res["oar_g"] = _repeat(attribution, args.repeats)
             res["oar_g_work"] = work.get("w")
             if args.profile and not res["oar_g"]["oom"]:
-                _profile(attribution, args.out / f"profile_oar_g_{attention}_{name}.txt")
+                _profile(attribution, args.out / f"profile_oar_g_{variant}_{name}.txt")
             batch.advantages = batch.seq_adv[:, None] * batch.loss_mask
 
             def update():
@@ -203,7 +211,7 @@ def _ours(ckpt: Path, args, attention: str, batches: dict) -> dict:
             _free()
             res["update"] = _repeat(update, args.repeats)
             if args.profile and not res["update"]["oom"]:
-                _profile(update, args.out / f"profile_update_{attention}_{name}.txt")
+                _profile(update, args.out / f"profile_update_{variant}_{name}.txt")
             out[name] = res
             _free()
         policy = None  # freed before the baseline runs
@@ -309,8 +317,8 @@ def measure(args) -> dict:
         arch = parse_arch(read_hf_config(ckpt / "hf"))
         batches = {name: random_batch(args.prompt, r, args.vocab, seed=1) for name, r in specs.items()}
         result = {"peak_tflops": peak, "batches": {}, "ours": {}}
-        for attention in args.attention:
-            result["ours"][attention] = _ours(ckpt, args, attention, batches)
+        for variant in args.ours:
+            result["ours"][variant] = _ours(ckpt, args, variant, batches)
         result["hf"] = _hf(hf, args, batches)
     for name, batch in batches.items():
         lengths = batch.lengths.tolist()
@@ -318,7 +326,7 @@ def measure(args) -> dict:
         b = {"responses": specs[name], "tokens": sum(lengths), "forward_flops": forward}
         valid = batch.loss_mask.bool().cpu()
         hf_lp = result["hf"][name].get("logprobs")
-        for who, runs in [*((f"ours ({a})", result["ours"][a][name]) for a in args.attention),
+        for who, runs in [*((f"ours ({a})", result["ours"][a][name]) for a in args.ours),
                           ("hf", result["hf"][name])]:
             ours_lp = runs.pop("logprobs", None)
             if who != "hf" and ours_lp is not None and hf_lp is not None:
@@ -370,7 +378,7 @@ def render(res: dict, args) -> str:
     shape = (f"random Qwen2, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
              f"ffn {args.ffn}, vocab {args.vocab}, {'tied' if args.tied else 'untied'}, {args.dtype}")
     weights = "fp32 weights under bf16 autocast" if args.dtype == "bf16" else "fp32"
-    lines = [f"Model: {shape}. Ours: local spec, token budget {args.max_tokens_per_micro_batch}; plain HF: "
+    lines = [f"Model: {shape}. Ours: token budget {args.max_tokens_per_micro_batch}; plain HF: "
              f"`attn_implementation=\"sdpa\"`, {weights}, "
              f"old-logprob budget {args.max_tokens_per_micro_batch}, update budget {args.hf_update_tokens}, "
              f"fused AdamW. Median of {args.repeats} after a warm-up."
@@ -379,23 +387,23 @@ def render(res: dict, args) -> str:
         r = b["responses"]
         lines += [f"**{name}**: {len(r)} rows, {args.prompt}-token prompts, responses {min(r)}-{max(r)} tokens "
                   f"({b['tokens']:,} tokens)", "",
-                  "| pass | " + " | ".join(f"ours, {a}" for a in args.attention) + " | plain HF + SDPA | "
-                  + " | ".join(f"{a} / HF" for a in args.attention) + " |",
-                  "|---|" + "---|" * (2 * len(args.attention) + 1)]
+                  "| pass | " + " | ".join(f"ours, {a}" for a in args.ours) + " | plain HF + SDPA | "
+                  + " | ".join(f"{a} / HF" for a in args.ours) + " |",
+                  "|---|" + "---|" * (2 * len(args.ours) + 1)]
         hf = res["hf"][name]
         for pass_name, label in (("logprob", "old-logprob"), ("update", "update (fwd+bwd+optimizer)")):
-            ours = [res["ours"][a][name].get(pass_name) for a in args.attention]
+            ours = [res["ours"][a][name].get(pass_name) for a in args.ours]
             lines.append(f"| {label} | " + " | ".join(_cell(o) for o in ours) + f" | {_cell(hf[pass_name])} | "
                          + " | ".join(_ratio(o, hf[pass_name]) for o in ours) + " |")
         cells = []
-        for a in args.attention:
+        for a in args.ours:
             g = res["ours"][a][name].get("oar_g")
             if g is None or g["oom"]:
                 cells.append(_cell(g))
             else:
                 cells.append(f"{_cell(g)}; sweep {g['sweep_ratio']:.2f}x GRPO's, FLOP floor {g['flop_floor']:.2f}x")
         lines.append("| OAR-G attribution | " + " | ".join(cells) + " | - | " + " | ".join("-" for _ in cells) + " |")
-        diffs = [f"{a} {res['ours'][a][name]['max_abs_logprob_diff_vs_hf']:.2e}" for a in args.attention
+        diffs = [f"{a} {res['ours'][a][name]['max_abs_logprob_diff_vs_hf']:.2e}" for a in args.ours
                  if "max_abs_logprob_diff_vs_hf" in res["ours"][a][name]]
         if diffs:
             lines += ["", "Max |old log-prob ours - HF| over the response tokens: " + ", ".join(diffs) + "."]
@@ -421,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length-sigma", type=float, default=0.4)
     p.add_argument("--min-response", type=int, default=16)
     p.add_argument("--max-response", type=int, default=128)
-    p.add_argument("--attention", default="sdpa,unfused", help="ours: model.attention values to run")
+    p.add_argument("--ours", default="sdpa,unfused",
+                   help=f"ours: the variants to run, comma-separated ({', '.join(VARIANTS)})")
     p.add_argument("--max-tokens-per-micro-batch", type=int, default=8192)
     p.add_argument("--hf-update-tokens", type=int, default=4096, help="the HF update's token budget")
     p.add_argument("--memory-cap-gib", type=float, default=None,
@@ -435,9 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset:
         for k, v in PRESETS[args.preset].items():
             setattr(args, k, v)
-    args.attention = [a for a in args.attention.split(",") if a]
-    if not args.attention or set(args.attention) - {"sdpa", "unfused"}:
-        p.error(f"--attention {args.attention}: choose from sdpa, unfused")
+    args.ours = [a for a in args.ours.split(",") if a]
+    if not args.ours or set(args.ours) - set(VARIANTS):
+        p.error(f"--ours {args.ours}: choose from {', '.join(VARIANTS)}")
     if not 1 <= args.min_response <= args.max_response or args.rows < 1:
         p.error("need --rows >= 1 and 1 <= --min-response <= --max-response")
     args.batches = ({b: BATCHES[b] for b in args.batch} if args.batch else

@@ -2,7 +2,8 @@
 # Builds gpu_payload/ (git-ignored), the files that tests/gpu/lent_gpu_run.sh carries to a lent GPU
 # machine (Python 3.12, torch 2.11.0+cu130 with cuBLAS 13.1.0.3, nvcc 13.0, sm_90, no internet,
 # 64 MiB per call). Run here, where pip reaches the package registry; from the repository root or
-# anywhere: the paths are relative to the repository.
+# anywhere: the paths are relative to the repository. Needs python3 with pip, unzip, zstd, nm
+# (binutils), split; about 1.5 GB of disk in gpu_payload/build/ (2.5 GB with cublas).
 #
 #   bash tests/gpu/build_payload.sh [deps|te|vllm|all|cublas]     (default: all; cublas only on request)
 #

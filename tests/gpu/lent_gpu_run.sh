@@ -35,6 +35,8 @@
 #   bash tests/gpu/lent_gpu_run.sh collect OUT          # wait for the setup's background job; its log
 #                                                       # and outputs as OUT/bg.tgz
 #   bash tests/gpu/lent_gpu_run.sh unpack-vllm          # unpack vLLM's pieces (vz.*) only
+#   bash tests/gpu/lent_gpu_run.sh bench-te OUT         # wait for TE; the vs-hf bench with the TE spec
+#                                                       # (bf16, FP8 delayed and tensorwise) beside SDPA
 set -uo pipefail
 SITE=/tmp/site
 TE_SITE=/tmp/te_site
@@ -76,7 +78,7 @@ setup)
   # the attention issue's side-by-side on Qwen2.5-1.5B's shape, 80 GB of memory, then what drawing
   # OAR-G's noise on the CPU cost (tests/gpu/noise_cost.py)
   vshf) bg="python3 -m megatron_oar.cli bench vs-hf --preset qwen2.5-1.5b --dtype bf16 --batch short --batch long \
-    --attention sdpa,unfused --repeats 2 --memory-cap-gib 79 --profile --out /tmp/vshf_out; python3 tests/gpu/noise_cost.py" ;;
+    --ours sdpa,unfused --repeats 2 --memory-cap-gib 79 --profile --out /tmp/vshf_out; python3 tests/gpu/noise_cost.py" ;;
   *) bg="echo skipped" ;;
   esac
   setsid nohup bash -c "{ $bg; } > /tmp/bg.log 2>&1; echo \$? > /tmp/bg.done" >/dev/null 2>&1 &
@@ -138,6 +140,14 @@ collect)
   for _ in $(seq 1 ${OAR_GPU_BG_WAIT:-150}); do [ -f /tmp/bg.done ] && break; sleep 2; done
   echo "background exit $(cat /tmp/bg.done 2>/dev/null || echo 'still running')"; tail -5 /tmp/bg.log
   tar -czf "$out"/bg.tgz -C /tmp bg.log $(cd /tmp && ls -d vshf_out logits_out 2>/dev/null) ;;
+bench-te)
+  out=$1
+  for _ in $(seq 1 150); do [ -f /tmp/te_build.done ] && break; sleep 2; done
+  [ "$(cat /tmp/te_build.done 2>/dev/null)" = 0 ] && export PYTHONPATH=$PYTHONPATH:$TE_SITE
+  python3 -m megatron_oar.cli bench vs-hf --preset qwen2.5-1.5b --dtype bf16 --batch short --batch long \
+    --ours sdpa,te,te-fp8,te-fp8-tensorwise --repeats 2 --memory-cap-gib 79 --out /tmp/vshf_te > /tmp/vshf_te.log 2>&1
+  echo "bench exit $?"; tail -3 /tmp/vshf_te.log
+  tar -czf "$out"/bench_te.tgz -C /tmp vshf_te.log $(cd /tmp && ls -d vshf_te 2>/dev/null) ;;
 unpack-vllm)
   if ! python3 -c "import vllm" 2>/dev/null; then
     cat /tmp/pieces/vz.* | unzst | tar -xf - -C $SITE || exit 1
