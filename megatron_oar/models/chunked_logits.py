@@ -21,6 +21,7 @@ logits, ``p = softmax(z)``, ``d lp/dz = onehot(target) - p`` and ``d H/dz = -p (
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -53,15 +54,35 @@ def output_weight(gpt) -> torch.Tensor:
 def hidden_states_out(model, on: bool = True):
     """While inside, the last pipeline stage returns its final-norm hidden states ``[s, b, h]``
     (sequence-scattered under SP) instead of logits: megatron-core's ``GPTModel._postprocess``
-    returns them when ``post_process`` is off, before the output layer."""
+    returns them when ``post_process`` is off, before the output layer.
+
+    ``post_process`` is back on while megatron's ``finalize_model_grads_func`` runs (the
+    schedule calls it at the end of a training pass): with tied embeddings and pipeline
+    parallelism it all-reduces the embedding's gradient over the first and last stages, and the
+    last stage finds its copy through ``shared_embedding_or_output_weight()``, which returns
+    None without ``post_process``: the last stage would skip the all-reduce the first stage
+    waits in."""
     gpt = unwrap(model)
-    saved = gpt.post_process
+    config = gpt.config
+    saved, finalize = gpt.post_process, config.finalize_model_grads_func
     if on:
         gpt.post_process = False
+        if finalize is not None:
+            config.finalize_model_grads_func = functools.partial(_as_built, gpt, saved, finalize)
     try:
         yield gpt
     finally:
         gpt.post_process = saved
+        config.finalize_model_grads_func = finalize
+
+
+def _as_built(gpt, post_process: bool, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with ``gpt.post_process`` as built, then off again."""
+    gpt.post_process = post_process
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        gpt.post_process = False
 
 
 class _ContiguousGrad(torch.autograd.Function):
