@@ -410,6 +410,7 @@ def test_lengths():
     (["data.template=nope"], r"data.template='nope'"),
     (["data.fields=nope"], r"data.fields='nope'"),
     (["rollout.temperature=-1"], r"rollout.temperature"),
+    (["shaping.entropy_kappa=1.0", "credit=entropy"], r"shaping.entropy_kappa=1.0: must be > 1"),
     (["rewards.extractors=[nope]"], r"rewards.extractors"),
     (["loss.agg=seq_mean_token_sum_norm"], r"loss.norm_len"),
     (["loss.policy_loss=gspo"], r"loss.policy_loss=gspo with credit=oar_g: .* Use loss.policy_loss=gspo_token"),
