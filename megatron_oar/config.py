@@ -509,7 +509,33 @@ def _check_model_and_layout(cfg: Config, world_size: int | None) -> int:
           "runs over TP x DP at each FP8 autocast exit. Set attribution.allow_fp8=false "
           "(attribution in bf16, the default) or use a layout with DP=1")
     _component(r.validate, world_size)
+    _check_rollout_sampling(cfg)
     return dp
+
+
+def _check_rollout_sampling(cfg: Config) -> None:
+    """rollout.temperature / top_p / top_k against the trainer's log-probs, which are of
+    ``softmax(logits / rollout.temperature)`` over the whole vocabulary (old-logprob, reference
+    and update passes): top-p and top-k sample from a truncated distribution those log-probs do
+    not describe (the PPO ratio, the rollout correction and the mismatch check would then compare
+    different policies), and vLLM's ``raw_logprobs`` are at temperature 1."""
+    r = cfg.rollout
+    _need(r.temperature > 0,
+          f"rollout.temperature={r.temperature}: training samples from the policy at this "
+          "temperature and divides its logits by it; greedy decoding (0) is for evaluation "
+          "(train.eval_temperature)")
+    truncated = {"top_p": r.top_p != 1.0, "top_k": r.top_k not in (0, -1)}
+    for key, off in (("top_p", "1"), ("top_k", "0")):
+        _need(not truncated[key],
+              f"rollout.{key}={getattr(r, key)}: the trainer's log-probs are of the whole softmax at "
+              f"rollout.temperature, not of the {key} truncated distribution vLLM would sample from, "
+              "so the PPO ratio and the rollout correction would compare other policies: set "
+              f"rollout.{key}={off} (a lower rollout.temperature sharpens sampling instead)")
+    _need(r.max_logprob_mismatch is None or r.reports_policy_logprobs,
+          f"rollout.logprobs_mode={r.logprobs_mode!r} at rollout.temperature={r.temperature}: vLLM "
+          "reports temperature-1 log-probs, the trainer's are at the rollout temperature, and "
+          f"rollout.max_logprob_mismatch={r.max_logprob_mismatch} compares them: set "
+          "rollout.logprobs_mode=processed_logprobs (or rollout.max_logprob_mismatch=null)")
 
 
 def _check_batches(cfg: Config, dp: int) -> None:
@@ -634,13 +660,11 @@ def _check_loss_composition(cfg: Config) -> None:
           f"{cfg.credit} reshapes would be averaged back to the sequence advantage and its "
           "reshaping silently dropped. Use loss.policy_loss=gspo_token (GSPO's sequence ratio, "
           "token advantages) or cispo, or credit=grpo")
-    comparable = r.logprobs_mode == "raw_logprobs" or (
-        r.temperature == 1.0 and r.top_p == 1.0 and r.top_k in (0, -1))
-    _need(loss.rollout_correction == "none" or comparable,
+    _need(loss.rollout_correction == "none" or r.reports_policy_logprobs,
           f"loss.rollout_correction={loss.rollout_correction} weighs by pi_old / pi_rollout with the "
-          "policy's temperature-1 log-probs, but rollout.logprobs_mode='processed_logprobs' at "
-          f"temperature={r.temperature}, top_p={r.top_p}, top_k={r.top_k} reports another "
-          "distribution's: use rollout.logprobs_mode=raw_logprobs")
+          f"trainer's log-probs at rollout.temperature={r.temperature} (softmax(logits / T)), but "
+          "rollout.logprobs_mode='raw_logprobs' reports vLLM's temperature-1 log-probs: use "
+          "rollout.logprobs_mode=processed_logprobs")
 
 
 def _check_optimizer_and_run(cfg: Config) -> None:

@@ -14,6 +14,12 @@ every tensor the old-logprob pass and the update create: the largest one with th
 vocabulary as its last dimension is ``chunk x V/TP`` chunked, and at least a whole micro-
 batch's ``tokens x V/TP`` unchunked. Cost: 21-47 s on 2 cores with the pool warm (load average
 near 14 for the 47 s; 28 passes, 14 policy builds).
+
+A second job of 2 ranks: a TIED copy of that model at PP2, where megatron's
+``finalize_model_grads`` all-reduces the embedding's gradient between the stages; the update
+with chunks of 5 against chunks of 0 (it deadlocked before ``hidden_states_out`` restored
+``post_process`` around that call). Its gloo timeout is one minute, the job's deadline 240 s.
+Cost: 3 s with the pool warm, about a minute from a cold pool with the conversion.
 """
 
 from __future__ import annotations
@@ -151,3 +157,56 @@ def test_logits_memory_is_one_chunk(runs):
         local = whole["local"]
         assert whole["largest"] >= whole["micro_tokens"] * local, (rank, whole)  # the old path's logits
         assert 0 < chunked["largest"] <= CHUNK * local, (rank, chunked)
+
+
+# ---------------------------------------------------------------- tied embeddings at PP2
+
+TIED_DEADLINE_S = 240.0  # the job's own deadline: a deadlocked update fails here, not at pytest's 900 s
+
+
+def _tied_pp2_worker(ckpt: str, out: str) -> None:
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+    from tests.test_micro_batches import _passes
+
+    # a collective left waiting (the deadlock this guards against) fails after a minute
+    init_runtime(ParallelConfig(pp=2, timeout_minutes=1))
+    rows = list(range(5))
+    results = {chunk: _passes(ckpt, rows, "token_budget", sharded_optimizer=False, logits_chunk=chunk)
+               for chunk in (0, CHUNK)}
+    save_gathered(results, out)
+
+
+@pytest.fixture(scope="module")
+def tied_pp2(tmp_path_factory):
+    """The scaled tiny Qwen2 with TIED embeddings at PP2 (world 2): the first stage holds the
+    embedding, the last the output layer's copy of it, and megatron's ``finalize_model_grads``
+    all-reduces their gradients over the embedding group inside the schedule."""
+    from checkpoints_convert.convert import hf_to_megatron
+    from tests.distributed import launch
+    from tests.tiny import make_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("tied_pp2")
+    hf = make_tiny_qwen2(root / "hf", tied=True, seed=5, initializer_range=0.3)
+    hf_to_megatron(hf, root / "ckpt", progress=False)
+    out = root / "runs.pt"
+    launch(_tied_pp2_worker, 2, str(root / "ckpt"), str(out), deadline_s=TIED_DEADLINE_S)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+def test_tied_pp2_chunked_update_matches_unchunked(tied_pp2):
+    """Chunked logits with tied embeddings at PP2 (issue 39, item 1): the update finishes (it
+    deadlocked while ``post_process`` was off in ``finalize_model_grads``), and its gradients
+    and updated weights, the tied embedding's included, are the unchunked path's."""
+    for rank, res in enumerate(tied_pp2):
+        whole, chunked = res[0], res[CHUNK]
+        assert whole["logprobs"][whole["valid"]].abs().max() > 1
+        assert_same_passes(chunked, whole, rank)
+    # the two stages' copies of the tied weight got one gradient and stayed equal
+    first, last = tied_pp2[0][CHUNK], tied_pp2[1][CHUNK]
+    emb = first["names"].index("embedding.word_embeddings.weight")
+    head = last["names"].index("output_layer.weight")
+    assert first["grads"][emb].abs().max() > 0
+    for kind in ("grads", "weights"):
+        a, b = first[kind][emb], last[kind][head]
+        assert (a - b).abs().max() <= 1e-6 * a.abs().max(), kind

@@ -410,12 +410,19 @@ def test_lengths():
     (["data.template=nope"], r"data.template='nope'"),
     (["data.fields=nope"], r"data.fields='nope'"),
     (["rollout.temperature=-1"], r"rollout.temperature"),
+    (["shaping.entropy_kappa=1.0", "credit=entropy"], r"shaping.entropy_kappa=1.0: must be > 1"),
     (["rewards.extractors=[nope]"], r"rewards.extractors"),
     (["loss.agg=seq_mean_token_sum_norm"], r"loss.norm_len"),
     (["loss.policy_loss=gspo"], r"loss.policy_loss=gspo with credit=oar_g: .* Use loss.policy_loss=gspo_token"),
     (["loss.policy_loss=gspo", "credit=entropy"], r"loss.policy_loss=gspo with credit=entropy"),
-    (["loss.rollout_correction=tis", "rollout.logprobs_mode=processed_logprobs", "rollout.temperature=0.7",
-      "rollout.max_logprob_mismatch=null"], r"loss.rollout_correction=tis .* rollout.logprobs_mode=raw_logprobs"),
+    # the trainer's log-probs are at rollout.temperature (issue 39, item 5): vLLM's must be too
+    (["loss.rollout_correction=tis", "rollout.temperature=0.7", "rollout.max_logprob_mismatch=null"],
+     r"loss.rollout_correction=tis .* rollout.temperature=0.7 .* use rollout.logprobs_mode=processed_logprobs"),
+    (["rollout.temperature=0.7"],
+     r"rollout.logprobs_mode='raw_logprobs' at rollout.temperature=0.7: .* rollout.max_logprob_mismatch=0.5"),
+    (["rollout.temperature=0"], r"rollout.temperature=0.0: training samples"),
+    (["rollout.top_p=0.9", "rollout.logprobs_mode=processed_logprobs"], r"rollout.top_p=0.9: .* set rollout.top_p=1"),
+    (["rollout.top_k=20"], r"rollout.top_k=20: .* set rollout.top_k=0"),
     (["optim.lr_schedule=step"], r"optim.lr_schedule='step'"),
     (["optim.min_lr=1"], r"optim.min_lr=1.0"),
     (["optim.adam_beta2=1.0"], r"optim.adam_beta2=1.0"),
@@ -430,6 +437,18 @@ def test_lengths():
 def test_validation_names_the_key(overrides, match):
     with raises(match):
         validate(example("tiny_cpu.yaml", *overrides), world_size=2, hf_config=HF["tiny"])
+
+
+def test_rollout_temperature_with_processed_logprobs_trains():
+    """At a rollout temperature other than 1, vLLM's processed log-probs are the trainer's
+    policy's (both log_softmax(logits / T)): the mismatch check and every correction accept it."""
+    for correction in ("none", "tis", "mis", "icepop"):
+        validate(example("tiny_cpu.yaml", "rollout.temperature=0.7", "rollout.logprobs_mode=processed_logprobs",
+                         f"loss.rollout_correction={correction}"), world_size=2, hf_config=HF["tiny"])
+    validate(example("tiny_cpu.yaml", "rollout.top_k=-1", "loss.rollout_correction=tis"), world_size=2,
+             hf_config=HF["tiny"])  # -1: off, as 0
+    validate(example("tiny_cpu.yaml", "rollout.temperature=0.7", "rollout.max_logprob_mismatch=null"),
+             world_size=2, hf_config=HF["tiny"])  # nothing compares vLLM's numbers
 
 
 @pytest.mark.parametrize("credit", ["grpo", "oar_g", "oar_p"])

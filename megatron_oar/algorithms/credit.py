@@ -5,7 +5,7 @@ scheme     token advantage ``A_t`` (weights ``w_t = A_t / A_i``)
 ========== ================================================================================
 ``grpo``    ``A_i`` on every valid token (GRPO's broadcast, Eq. 3)
 ``random``  ``A_i * w_t`` with ``w ~ U(0, 1)`` renormalised to sum T (the paper's diagnostic)
-``entropy`` ``A_i + min(alpha * sg(H_t), |A_i| / kappa)`` (Cheng et al., Eq. 6); not mass preserving
+``entropy`` ``A_i + min(alpha * sg(H_t), |A_i| / kappa)`` (Cheng et al., Eq. 6): a bonus >= 0, no mass kept; kappa > 1
 ``oar``     ``A_i * w_t`` with OAR's bi-level weights from importance scores (Eqs. 14-17)
 ========== ================================================================================
 
@@ -45,10 +45,18 @@ class ShapingConfig:
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise ValueError(f"credit scheme must be one of {SCHEMES}, got {self.scheme!r}")
-        if self.entropy_alpha < 0 or self.entropy_kappa <= 0:
-            raise ValueError(f"entropy_alpha must be >= 0 and entropy_kappa > 0, got "
-                             f"{self.entropy_alpha}, {self.entropy_kappa}")
+        _check_entropy_options(self.entropy_alpha, self.entropy_kappa)
         oar._check_options(self.tau, self.beta, self.tau_mode, self.floor, self.eps)
+
+
+def _check_entropy_options(alpha: float, kappa: float) -> None:
+    """Eq. 6's bonus ``min(alpha H, |A| / kappa)`` is >= 0: it must stay below ``|A|``, or a
+    negative advantage would reach 0 (kappa = 1) or flip its sign (kappa < 1)."""
+    if not alpha >= 0:
+        raise ValueError(f"shaping.entropy_alpha={alpha}: must be >= 0")
+    if not kappa > 1:
+        raise ValueError(f"shaping.entropy_kappa={kappa}: must be > 1 (the entropy bonus is capped at "
+                         "|A_i| / kappa; at kappa <= 1 it cancels or flips a negative advantage)")
 
 
 @dataclass
@@ -70,8 +78,11 @@ def entropy_advantages(seq_adv: torch.Tensor, entropy: torch.Tensor, mask: torch
                        alpha: float = 0.4, kappa: float = 2.0) -> torch.Tensor:
     """Eq. 6: ``A_t = A + min(alpha * sg(H_t), |A| / kappa)`` on valid tokens, 0 on padding.
 
-    The bonus is capped at ``|A| / kappa``, so with kappa > 1 it never flips the sign of A.
+    The bonus is non-negative and capped at ``|A| / kappa``: a positive advantage grows by up to
+    ``1 / kappa`` of itself, a negative one shrinks by as much, and with kappa > 1 (required) it
+    never reaches 0 or flips. Not mass preserving: a row's sum grows by up to ``T |A| / kappa``.
     """
+    _check_entropy_options(alpha, kappa)
     check_2d(entropy, "entropy")
     mask = as_bool_mask(mask, entropy)
     check_finite(entropy, mask, "entropy")

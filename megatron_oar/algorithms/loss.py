@@ -14,8 +14,10 @@ Per valid token t of sequence i, with ``r_t = exp(logp_t - old_logp_t)``, token 
 
 ``dual_clip`` (Ye et al. 2020, ppo_clip / gspo / gspo_token) bounds the loss of ``A < 0`` at
 ``-A * dual_clip``. ``clip_high > clip_low`` is DAPO's clip-higher; GSPO's defaults are the
-paper's 3e-4 / 4e-4 (its ratio is a per-token geometric mean, so near 1); CISPO's are ScaleRL's
-(no lower bound: ``1 - 1.0 = 0``; upper bound 5). With ``A`` constant over a sequence and
+paper's 3e-4 / 4e-4 (its ratio is a per-token geometric mean, so near 1); CISPO's are the weight
+range ``[0, 5]``: no lower bound (``1 - 1.0 = 0``; MiniMax-M1 sets none) and an upper bound of 5
+(SkyRL's defaults, ``cispo_eps_clip_low`` 0 / ``cispo_eps_clip_high`` 5, are ``[1, 6]``:
+``loss.cispo_clip_low=0 loss.cispo_clip_high=5`` here). With ``A`` constant over a sequence and
 ``seq_mean_token_mean`` aggregation, gspo_token has gspo's value and gradient.
 
 ``loss.rollout_correction`` (``algorithms.rollout_correction``: TIS, MIS, IcePop) multiplies each
@@ -60,8 +62,8 @@ class PolicyLossConfig:
     clip_high: float = 0.28  # ppo_clip: DAPO clip-higher; set equal to clip_low for symmetric PPO
     gspo_clip_low: float = 3e-4   # gspo, gspo_token: the GSPO paper's sequence-ratio clip range
     gspo_clip_high: float = 4e-4
-    cispo_clip_low: float = 1.0   # cispo: the IS weight's lower bound 1 - 1.0 = 0 (none; ScaleRL)
-    cispo_clip_high: float = 4.0  # cispo: upper bound 1 + 4 = 5 (ScaleRL)
+    cispo_clip_low: float = 1.0   # cispo: the IS weight's lower bound 1 - 1.0 = 0 (none, as MiniMax-M1)
+    cispo_clip_high: float = 4.0  # cispo: upper bound 1 + 4 = 5
     dual_clip: float | None = None  # c > 1 (e.g. 3.0) bounds the loss of A < 0 tokens at -c * A
     agg: str = "token_mean"
     norm_len: int | None = None  # Dr.GRPO's constant; default: the tensor's T (set max_new_tokens)

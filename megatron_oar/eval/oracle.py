@@ -15,7 +15,8 @@ process or under torchrun:
     torchrun --nproc-per-node 8 -m megatron_oar.eval.oracle --config ... parallel.tp=2
 
 1. Sample completions with vLLM and keep the verified-correct ones.
-2. Megatron, on each DP replica's share: top-2 tokens and entropy at every position (one forward),
+2. Megatron, on each DP replica's share: top-2 tokens and entropy (at ``rollout.temperature``, as
+   the ``entropy`` credit sees it) at every position (one forward),
    OAR-P and OAR-G importance (the trainer's attribution passes), a seeded random score.
 3. vLLM, every rollout group a share: one greedy suffix per scored token, all in batched calls
    (shared prefixes hit vLLM's prefix cache); the verifier labels the flips.
@@ -120,9 +121,12 @@ def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, t
     attribution = cfg.attribution_config()  # null batching keys: the training ones
     mbs = _micro_batch_size(len(rows), attribution.micro_batch_size)
 
+    temperature = cfg.rollout.temperature  # the entropy credit's: the trainer's, at the rollout's
+
     def top2_entropy(logits, _):  # vocab-parallel: the full vocabulary is never gathered
         top = vp.top_k(logits, vocab_size, 2)[1].float()  # ids < 2**24 are exact in float32
-        return torch.cat([top, vp.entropy(logits, vocab_size).float().unsqueeze(-1)], dim=-1)
+        tempered = logits if temperature == 1.0 else logits.float() / temperature
+        return torch.cat([top, vp.entropy(tempered, vocab_size).float().unsqueeze(-1)], dim=-1)
 
     chunk = cfg.train.logits_chunk_tokens  # the output layer over this many positions at a time
     if chunk:

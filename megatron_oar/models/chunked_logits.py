@@ -15,12 +15,14 @@ partial input gradients), else copied into the TP region (backward all-reduce). 
 are exact for the full vocabulary across TP ranks and never include the padded vocabulary rows.
 
 :class:`ChunkedTokenStats` has an analytic backward (no collective in it): with ``z`` a chunk's
-logits, ``p = softmax(z)``, ``d lp/dz = onehot(target) - p`` and ``d H/dz = -p (log p + H)``.
+logits divided by the sampling temperature ``T``, ``p = softmax(z)``, ``d lp/dz = onehot(target) - p``
+and ``d H/dz = -p (log p + H)``, and the raw logits' gradient is that over ``T``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -53,15 +55,35 @@ def output_weight(gpt) -> torch.Tensor:
 def hidden_states_out(model, on: bool = True):
     """While inside, the last pipeline stage returns its final-norm hidden states ``[s, b, h]``
     (sequence-scattered under SP) instead of logits: megatron-core's ``GPTModel._postprocess``
-    returns them when ``post_process`` is off, before the output layer."""
+    returns them when ``post_process`` is off, before the output layer.
+
+    ``post_process`` is back on while megatron's ``finalize_model_grads_func`` runs (the
+    schedule calls it at the end of a training pass): with tied embeddings and pipeline
+    parallelism it all-reduces the embedding's gradient over the first and last stages, and the
+    last stage finds its copy through ``shared_embedding_or_output_weight()``, which returns
+    None without ``post_process``: the last stage would skip the all-reduce the first stage
+    waits in."""
     gpt = unwrap(model)
-    saved = gpt.post_process
+    config = gpt.config
+    saved, finalize = gpt.post_process, config.finalize_model_grads_func
     if on:
         gpt.post_process = False
+        if finalize is not None:
+            config.finalize_model_grads_func = functools.partial(_as_built, gpt, saved, finalize)
     try:
         yield gpt
     finally:
         gpt.post_process = saved
+        config.finalize_model_grads_func = finalize
+
+
+def _as_built(gpt, post_process: bool, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with ``gpt.post_process`` as built, then off again."""
+    gpt.post_process = post_process
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        gpt.post_process = False
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -109,17 +131,21 @@ def _tp_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """float32 logits of one chunk over the rank's real rows (``weight`` already cut to them)."""
-    return F.linear(hidden, weight).float()
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """float32 logits of one chunk over the rank's real rows (``weight`` already cut to them),
+    divided by ``temperature``."""
+    z = F.linear(hidden, weight).float()
+    return z if temperature == 1.0 else z.div_(temperature)
 
 
 class ChunkedTokenStats(torch.autograd.Function):
-    """``(log p(target), entropy)`` per row of ``hidden [N, h]`` under ``weight [V/TP, h]``,
-    ``chunk`` rows at a time; all-reduced over TP; entropy is zeros unless ``with_entropy``."""
+    """``(log p(target), entropy)`` per row of ``hidden [N, h]`` under ``weight [V/TP, h]`` of
+    ``softmax(logits / temperature)``, ``chunk`` rows at a time; all-reduced over TP; entropy is
+    zeros unless ``with_entropy``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_size: int, chunk: int, with_entropy: bool):
+    def forward(ctx, hidden, weight, targets, vocab_size: int, chunk: int, with_entropy: bool,
+                temperature: float = 1.0):
         n = hidden.shape[0]
         start, valid = _local_vocab(weight, vocab_size)
         real = weight[:valid]
@@ -128,7 +154,7 @@ class ChunkedTokenStats(torch.autograd.Function):
         lse = torch.zeros(n, **f32)
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            z = _logits(hidden[a:b], real)  # [c, valid]
+            z = _logits(hidden[a:b], real, temperature)  # [c, valid]
             m = z.amax(dim=-1) if valid else torch.full((b - a,), float("-inf"), **f32)
             m = _tp_reduce(m, dist.ReduceOp.MAX)
             z -= m.unsqueeze(-1)  # shifted
@@ -145,13 +171,13 @@ class ChunkedTokenStats(torch.autograd.Function):
                 ent[a:b] = lt - sums[2] / sums[0]  # log sum e^(z-m) - E_p[z - m]
             lse[a:b] = lt + m
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.meta = (vocab_size, chunk, with_entropy)
+        ctx.meta = (vocab_size, chunk, with_entropy, temperature)
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
-        vocab_size, chunk, with_entropy = ctx.meta
+        vocab_size, chunk, with_entropy, temperature = ctx.meta
         n = hidden.shape[0]
         start, valid = _local_vocab(weight, vocab_size)
         real = weight[:valid]
@@ -159,11 +185,12 @@ class ChunkedTokenStats(torch.autograd.Function):
         grad_h = torch.zeros_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         use_ent = with_entropy and g_ent is not None
+        none = (None,) * 5  # targets, vocab_size, chunk, with_entropy, temperature
         if valid == 0 or (g_lp is None and not use_ent):
-            return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+            return grad_h, None if grad_w is None else grad_w.to(weight.dtype), *none
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            z = _logits(hidden[a:b], real)
+            z = _logits(hidden[a:b], real, temperature)
             z -= lse[a:b].unsqueeze(-1)  # log p
             p = z.exp()
             if use_ent:  # d H / dz = -p (log p + H), H all-reduced in the forward
@@ -176,6 +203,8 @@ class ChunkedTokenStats(torch.autograd.Function):
                 t, here = _local_targets(targets[a:b], start, valid)
                 rows = here.nonzero().squeeze(-1)
                 g[rows, t[rows]] += gl[rows, 0]
+            if temperature != 1.0:  # z = raw logits / temperature
+                g.div_(temperature)
             g = g.to(weight.dtype)
             if want_h:
                 grad_h[a:b] = g @ real
@@ -184,17 +213,18 @@ class ChunkedTokenStats(torch.autograd.Function):
                     grad_w[:valid].addmm_(g.t(), hidden[a:b])
                 else:
                     grad_w[:valid] += (g.t() @ hidden[a:b]).float()
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), *none
 
 
 def token_stats(gpt, hidden: torch.Tensor, targets: torch.Tensor, vocab_size: int, chunk: int,
-                with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                with_entropy: bool = True, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log p(target), entropy)`` of shape ``targets.shape`` from ``hidden [..., h]``
-    (positions that predict ``targets``; :func:`full_hidden`), ``chunk`` positions at a time."""
+    (positions that predict ``targets``; :func:`full_hidden`), ``chunk`` positions at a time, of
+    ``softmax(logits / temperature)`` (the rollout's sampling temperature)."""
     shape = targets.shape
     flat = hidden.reshape(-1, hidden.shape[-1])
     lp, ent = ChunkedTokenStats.apply(flat, output_weight(gpt), targets.reshape(-1), vocab_size, chunk,
-                                      with_entropy)
+                                      with_entropy, temperature)
     return lp.view(shape), ent.view(shape)
 
 

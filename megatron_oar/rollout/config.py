@@ -47,7 +47,10 @@ class RolloutConfig:
     ``max_new_tokens``, ``stop`` strings, ``stop_token_ids``.
 
     ``logprobs_mode``: ``raw_logprobs`` (log-softmax of the model's logits, i.e. temperature 1,
-    before top-p/top-k) or ``processed_logprobs`` (of the distribution actually sampled from).
+    before top-p/top-k) or ``processed_logprobs`` (of the distribution actually sampled from:
+    ``log_softmax(logits / temperature)`` without top-p/top-k). The trainer's log-probs are at
+    ``temperature`` (training refuses top-p and top-k: ``config._check_rollout_sampling``), so
+    at a temperature other than 1 only ``processed_logprobs`` compare with them.
 
     ``max_logprob_mismatch`` (default 0.5; ``null`` disables): every training step compares
     vLLM's log-probs of the sampled tokens with the policy's (the old-logprob pass, before
@@ -64,8 +67,8 @@ class RolloutConfig:
     detectable this way: one step moves the log-probs by about as much as bf16 rounding, which
     is why a sync that raises is caught in
     :meth:`~megatron_oar.rollout.engine.RolloutEngine.sync_weights` itself. The comparison
-    needs temperature-1 log-probs on both sides: ``raw_logprobs``, or ``processed_logprobs``
-    sampled at temperature 1, top_p 1 and top_k off (other settings must set the limit to null).
+    needs the same distribution on both sides (:attr:`reports_policy_logprobs`; training's
+    validation refuses other settings unless the limit is null).
     """
 
     tp: int = 1
@@ -136,13 +139,15 @@ class RolloutConfig:
             raise bad("logprobs_mode", f"expected one of {list(LOGPROBS_MODES)}")
         check_sampling(self.temperature, self.top_p, self.top_k, prefix="rollout.")
         self._check_mismatch_limit()
-        if (self.max_logprob_mismatch is not None and self.logprobs_mode == "processed_logprobs"
-                and not (self.temperature == 1.0 and self.top_p == 1.0 and self.top_k in (0, -1))):
-            raise bad("max_logprob_mismatch",
-                      f"compares vLLM's log-probs with the policy's temperature-1 log-probs, but "
-                      f"rollout.logprobs_mode='processed_logprobs' at temperature={self.temperature}, "
-                      f"top_p={self.top_p}, top_k={self.top_k} reports another distribution's: use "
-                      "rollout.logprobs_mode=raw_logprobs or set rollout.max_logprob_mismatch=null")
+
+    @property
+    def reports_policy_logprobs(self) -> bool:
+        """Whether vLLM's log-probs are the trainer's policy's, ``log_softmax(logits / T)`` at
+        ``T = temperature``: ``processed_logprobs`` without top-p / top-k (vLLM takes them after
+        the temperature; with top-p or top-k they are of the truncated distribution), or
+        ``raw_logprobs`` (temperature 1, before any processing) at temperature 1."""
+        untruncated = self.top_p == 1.0 and self.top_k in (0, -1)
+        return untruncated and (self.logprobs_mode == "processed_logprobs" or self.temperature == 1.0)
 
     @property
     def bucket_bytes(self) -> int:

@@ -101,9 +101,10 @@ def score_samples(samples: list[Sample], scorer: RewardScorer, group: dist.Proce
 def collect(engine: RolloutEngine, scorer: RewardScorer, sampler: PromptSampler,
             tokenizer: PreTrainedTokenizerBase, *, step: int, group_size: int, template: str,
             seed: int, dynamic_sampling: bool, max_refill_rounds: int,
-            group: dist.ProcessGroup) -> StepData:
+            group: dist.ProcessGroup, sampling: dict | None = None) -> StepData:
     """Collective: the step's ``sampler.batch_size`` groups of ``group_size`` scored completions
-    (``group``: a gloo group for the object gathers)."""
+    (``group``: a gloo group for the object gathers; ``sampling``: the engine's
+    ``temperature``/``top_p``/``top_k`` overrides, the trainer's ``rollout.*``)."""
     want = sampler.batch_size
     kept: list[list[Sample]] = []
     dropped: list[list[Sample]] = []
@@ -114,7 +115,7 @@ def collect(engine: RolloutEngine, scorer: RewardScorer, sampler: PromptSampler,
         prompts = next(sampler)
         seeds = [derive_seed(ROLLOUT, seed, step, rounds, i) for i in range(len(prompts))]
         t0 = time.perf_counter()
-        samples = generate_samples(engine, tokenizer, prompts, template, seeds)
+        samples = generate_samples(engine, tokenizer, prompts, template, seeds, **(sampling or {}))
         gen_seconds += time.perf_counter() - t0
         score_samples(samples, scorer, group)
         generated += samples

@@ -11,6 +11,9 @@ On an FP8 model the forward-only passes run under FP8 autocast only where its sc
 meaningful (:func:`no_grad_fp8`): under delayed scaling the reference model runs in bf16, and so
 does the old-logprob pass until the policy's first update in the process.
 
+Log-probs and entropies are of ``softmax(logits / temperature)``, ``rollout.temperature``: the
+distribution vLLM sampled from (the probe teacher's logits are the model's own).
+
 Every ``[B, L]`` tensor is aligned with ``tokens``: column ``t`` holds the value for token ``t``
 (computed from the logits at ``t - 1``); column 0 is never a response token. Both passes run
 on tokens right-padded to the model's sequence multiple (``models.padding``: sequence
@@ -83,16 +86,20 @@ def _shifted(values: torch.Tensor) -> torch.Tensor:
 
 
 def _next_token_stats(gpt, out: torch.Tensor, tokens: torch.Tensor, vocab_size: int, chunk: int,
-                      entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      entropy: bool = True, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(log p, entropy or None)`` of tokens ``1..s-1`` of ``tokens [m, s]``, ``[m, s-1]`` each,
     from a pass's output ``out``: the final hidden states ``[m, s, h]`` with ``chunk > 0`` (the
     output layer and the statistics ``chunk`` positions at a time: ``models.chunked_logits``),
-    else the vocab-parallel logits ``[m, s, V/TP]``."""
+    else the vocab-parallel logits ``[m, s, V/TP]``. The distribution is
+    ``softmax(logits / temperature)``: the one vLLM samples from at that temperature."""
     if chunk:
-        lp, ent = token_stats(gpt, out[:, :-1], tokens[:, 1:], vocab_size, chunk, entropy)
+        lp, ent = token_stats(gpt, out[:, :-1], tokens[:, 1:], vocab_size, chunk, entropy, temperature)
         return lp, ent if entropy else None
-    lp = vp.target_logprobs(out[:, :-1], tokens[:, 1:], vocab_size)
-    return lp, vp.entropy(out[:, :-1], vocab_size) if entropy else None
+    logits = out[:, :-1]
+    if temperature != 1.0:
+        logits = logits.float() / temperature
+    lp = vp.target_logprobs(logits, tokens[:, 1:], vocab_size)
+    return lp, vp.entropy(logits, vocab_size) if entropy else None
 
 
 @torch.no_grad()
@@ -100,7 +107,8 @@ def old_logprob_pass(model, batch: TrainBatch, vocab_size: int, micro_batch_size
                      sites: ProbeSites | None = None, batching: str = "padded",
                      max_tokens: int | None = None, fp8: bool = True,
                      routing: RoutingLog | None = None,
-                     logits_chunk: int = DEFAULT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor, ProbeOutput | None]:
+                     logits_chunk: int = DEFAULT_CHUNK_TOKENS,
+                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, ProbeOutput | None]:
     """``(logprobs [B, L], entropy [B, L], teacher)`` under the current weights, forward only,
     in micro-batches as :func:`update_step` groups them; ``fp8=False`` runs it outside FP8
     autocast on an FP8 model (the trainer: :func:`no_grad_fp8`).
@@ -110,11 +118,14 @@ def old_logprob_pass(model, batch: TrainBatch, vocab_size: int, micro_batch_size
     ``routing``: on a MoE model, the step's routing mode and metrics; with ``training`` this
     pass sets ``batch.routed_experts`` (its routing), with ``rollout`` it replays them.
     ``logits_chunk`` (``train.logits_chunk_tokens``): positions whose logits exist at a time
-    (``models.chunked_logits``); 0 forms each micro-batch's logits whole.
+    (``models.chunked_logits``); 0 forms each micro-batch's logits whole. ``temperature``
+    (``rollout.temperature``): log-probs and entropies are of ``softmax(logits / temperature)``,
+    the distribution vLLM sampled from; the teacher's logits stay as the model gives them
+    (attribution compares the model's outcome distributions, at temperature 1).
     """
     with _precision(model, fp8):
         return _old_logprobs(model, batch, vocab_size, micro_batch_size, sites, batching, max_tokens,
-                             routing, logits_chunk)
+                             routing, logits_chunk, temperature)
 
 
 def _old_logprob_routing(model, batch: TrainBatch, groups: list[list[int]],
@@ -131,7 +142,7 @@ def _old_logprob_routing(model, batch: TrainBatch, groups: list[list[int]],
 
 def _old_logprobs(model, batch: TrainBatch, vocab_size: int, micro_batch_size: int,
                   sites: ProbeSites | None, batching: str, max_tokens: int | None,
-                  routing: RoutingLog | None = None, chunk: int = 0):
+                  routing: RoutingLog | None = None, chunk: int = 0, temperature: float = 1.0):
     groups = _groups(model, batch, micro_batch_size, batching, max_tokens)
     gpt = unwrap(model)
     route = _old_logprob_routing(model, batch, groups, routing)
@@ -150,7 +161,7 @@ def _old_logprobs(model, batch: TrainBatch, vocab_size: int, micro_batch_size: i
             if chunk:
                 at_sites = torch.nn.functional.linear(at_sites, output_weight(gpt))
             picked.append((torch.tensor(idx, dtype=torch.long), at_sites.float()))
-        lp, ent = _next_token_stats(gpt, out, tokens, vocab_size, chunk)
+        lp, ent = _next_token_stats(gpt, out, tokens, vocab_size, chunk, temperature=temperature)
         return torch.stack([_shifted(lp.float()), _shifted(ent.float())], dim=1)
 
     with route or contextlib.nullcontext():
@@ -172,16 +183,17 @@ def _old_logprobs(model, batch: TrainBatch, vocab_size: int, micro_batch_size: i
 
 def reference_logprobs(ref_model, batch: TrainBatch, vocab_size: int, micro_batch_size: int, *,
                        batching: str = "padded", max_tokens: int | None = None,
-                       logits_chunk: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+                       logits_chunk: int = DEFAULT_CHUNK_TOKENS, temperature: float = 1.0) -> torch.Tensor:
     """``[B, L]`` log-probs of the sampled tokens under the frozen reference model (in bf16 under
     delayed FP8 scaling: it never trains, so its scales would stay TE's initial ones);
-    ``logits_chunk`` as in :func:`old_logprob_pass`."""
+    ``logits_chunk`` and ``temperature`` as in :func:`old_logprob_pass`."""
     gpt = unwrap(ref_model)
     with _precision(ref_model, no_grad_fp8(ref_model, trained=False)):
         groups = _groups(ref_model, batch, micro_batch_size, batching, max_tokens)
         out = _run_grouped(ref_model, batch, groups, batching,
                            lambda out, tokens: _shifted(_next_token_stats(
-                               gpt, out, tokens, vocab_size, logits_chunk, entropy=False)[0].float()),
+                               gpt, out, tokens, vocab_size, logits_chunk, entropy=False,
+                               temperature=temperature)[0].float()),
                            hidden=logits_chunk > 0)
     if out is None:
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
@@ -222,7 +234,7 @@ def _global_counts(mask: torch.Tensor, group) -> tuple[int, int]:
 def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_size: int,
                 micro_batch_size: int, *, batching: str = "padded",
                 max_tokens: int | None = None, routing: RoutingLog | None = None,
-                logits_chunk: int = DEFAULT_CHUNK_TOKENS) -> StepResult:
+                logits_chunk: int = DEFAULT_CHUNK_TOKENS, temperature: float = 1.0) -> StepResult:
     """One optimizer step on ``batch`` (this DP rank's share of one mini-batch).
 
     Micro-batches as ``models.micro_batches`` groups them (``batching``: ``padded``, rows of
@@ -238,7 +250,9 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
     backward) uses ``batch.routed_experts``.
     ``logits_chunk`` > 0: the loss reads log-probs and entropies computed ``logits_chunk``
     positions at a time from the hidden states, the logits recomputed in the backward
-    (``models.chunked_logits``); 0: from each micro-batch's whole logits. Collective over the world.
+    (``models.chunked_logits``); 0: from each micro-batch's whole logits. ``temperature``: the
+    log-probs and entropies are of ``softmax(logits / temperature)``, as in the old-logprob pass
+    (the ratio compares the same tempered policy). Collective over the world.
     """
     model, optimizer = policy.model, policy.optimizer
     multiple = sequence_multiple(model.config)
@@ -266,7 +280,8 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
         def loss_func(out):
             # the padding to the sequence multiple never enters the loss
             out = inp.restore_hidden(gpt, out) if logits_chunk else inp.restore(out)
-            lp, ent = _next_token_stats(gpt, out, micro.tokens, vocab_size, logits_chunk, want_entropy)
+            lp, ent = _next_token_stats(gpt, out, micro.tokens, vocab_size, logits_chunk, want_entropy,
+                                        temperature)
             lp, ent = _shifted(lp), None if ent is None else _shifted(ent)
             loss, stats = policy_loss(
                 lp, micro.old_logprobs.to(lp.dtype), micro.advantages, micro.loss_mask, loss_cfg,

@@ -25,7 +25,9 @@ differently from the old-logprob pass (mini-batches, token budgets, packing); ea
 router tokens are mapped to (row, column) from the model call's own layout (padded ``[s, b]``
 sequence-first, or THD packed), and under sequence parallelism to this TP rank's contiguous share.
 Tokens without a recorded routing (padding, and vLLM's last sampled token, never fed back to the
-model) get experts ``0..k-1``; no loss, probe or earlier token reads them.
+model) get experts ``0..k-1``; no loss, probe or earlier token reads them. Every other token
+must have one: a row vLLM returned no routing for, or too little, is refused
+(:func:`rollout_routing`).
 
 Metrics (:class:`RoutingLog`): the share of top-k choices a pass would make on its own that equal
 the replayed ones (``routing/agree_*``, per (token, layer) the overlap of the two expert sets
@@ -333,18 +335,28 @@ def _device():
 
 def rollout_routing(per_sample: list, lengths: list[int], width: int, moe_layers: list[int],
                     topk: int) -> torch.Tensor:
-    """vLLM's routed experts of each row (``[tokens, num_hidden_layers, k]`` arrays, or None) as
+    """vLLM's routed experts of each row (``[tokens, num_hidden_layers, k]`` arrays) as
     ``routed [B, width, n, k]`` for the MoE layers ``moe_layers`` (global layer indices; vLLM
     indexes every decoder layer). vLLM returns the prompt's tokens and every sampled token but
-    the last (never fed back to the model): columns past what it returned stay ``-1``."""
+    the last (never fed back to the model): columns past what it returned stay ``-1``.
+
+    Every row needs at least ``lengths[i] - 1`` tokens of routing (``ValueError`` naming the row
+    otherwise): a real token without one would be replayed to experts ``0..k-1``, and the
+    passes would compute the log-probs of a network vLLM never sampled from."""
     out = torch.full((len(per_sample), width, len(moe_layers), topk), -1, dtype=ROUTED_DTYPE)
     for i, ids in enumerate(per_sample):
+        need = lengths[i] - 1
         if ids is None:
-            continue
+            raise ValueError(f"row {i}: vLLM returned no routed experts; its {lengths[i]} tokens need "
+                             f"{need} (model.routing_replay=rollout replays them in every pass)")
         t = torch.as_tensor(ids)
         if t.dim() != 3 or t.shape[2] != topk or t.shape[1] <= max(moe_layers, default=0):
             raise ValueError(f"row {i}: vLLM's routed experts have shape {tuple(t.shape)}; expected "
                              f"[tokens, layers > {max(moe_layers, default=0)}, {topk}]")
+        if t.shape[0] < need:
+            raise ValueError(f"row {i}: vLLM's routed experts cover {t.shape[0]} tokens; its {lengths[i]} "
+                             f"tokens need {need} (every token but the last sampled one; "
+                             "model.routing_replay=rollout)")
         n = min(t.shape[0], lengths[i], width)
         out[i, :n] = t[:n, moe_layers].to(ROUTED_DTYPE)
     return out

@@ -11,6 +11,7 @@ One step (the phases of ``training/phases.py``, one logger phase and console lin
     prompts --rollout (vLLM)--> completions --verify--> rewards;  vLLM sleeps
       --Eq. 2--> A_i
       --old-logprob pass--> log-probs, entropy, probe teacher P0   (one Megatron forward)
+      (every pass's log-probs and entropies at rollout.temperature: softmax(logits / T))
       (MoE, model.routing_replay: it records the routing, or replays vLLM's; the update replays it)
       (vLLM's log-probs must agree with these: rollout.max_logprob_mismatch)
       --attribution (oar_g / oar_p)--> importance I_t              (only rows with A_i != 0)
@@ -213,11 +214,13 @@ class Trainer:
         t0 = time.perf_counter()
 
         sync = self.wake_rollout(n)  # wake_weights, sync, wake_kv_cache
+        r = cfg.rollout  # sampled at these settings; every Megatron pass below at its temperature
         with self.phase("generate", n):  # and rewards (dynamic sampling may generate again)
             data = collect(self.engine, self.scorer, self.sampler, self.tokenizer, step=step,
                            group_size=cfg.train.group_size, template=cfg.data.template,
-                           seed=cfg.rollout.seed, dynamic_sampling=cfg.train.dynamic_sampling,
-                           max_refill_rounds=cfg.train.max_refill_rounds, group=self.control)
+                           seed=r.seed, dynamic_sampling=cfg.train.dynamic_sampling,
+                           max_refill_rounds=cfg.train.max_refill_rounds, group=self.control,
+                           sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k})
         with self.phase("sleep", n):  # every Megatron pass below runs while vLLM sleeps
             self.engine.sleep()
         rewards = torch.tensor([s.reward for s in data.samples])
@@ -241,7 +244,7 @@ class Trainer:
             sites = locate_probes(batch, cfg.attribution.probe, step, self.finder,
                                   eos_ids={self.tokenizer.eos_token_id, *cfg.rollout.stop_token_ids})
         grouping = {"batching": cfg.train.batching, "max_tokens": cfg.micro_batch_tokens,
-                    "logits_chunk": cfg.train.logits_chunk_tokens}
+                    "logits_chunk": cfg.train.logits_chunk_tokens, "temperature": r.temperature}
         logprob_fp8 = no_grad_fp8(self.policy.model, trained=self.updated)  # bf16 before the first update
         with self.phase("logprob", n):
             batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(
@@ -314,7 +317,8 @@ class Trainer:
                 results.append(update_step(self.policy, mini, self.cfg.loss, self.arch.vocab_size,
                                            t.micro_batch_size, batching=t.batching,
                                            max_tokens=self.cfg.micro_batch_tokens, routing=routing,
-                                           logits_chunk=t.logits_chunk_tokens))
+                                           logits_chunk=t.logits_chunk_tokens,
+                                           temperature=self.cfg.rollout.temperature))
         skipped = sum(not r.applied and not r.overflow for r in results)
         self.loss_scale_overflows += sum(r.overflow for r in results)
         self.nonfinite_total += skipped
