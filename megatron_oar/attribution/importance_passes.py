@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites, divergence
 from megatron_oar.attribution.schedule import (
     Micro,
+    RouteFn,
     attribution_mode,
     clean_embeddings,
     filler_tokens,
@@ -74,13 +75,14 @@ def _sequence_micros(batch: SequenceBatch, sites: ProbeSites, rows: list[int], s
 
 def probe_teacher(model, batch: SequenceBatch, sites: ProbeSites, rows: list[int], vocab_size: int,
                   micro_batch_size: int, allow_fp8: bool = False, *, batching: str = "token_budget",
-                  max_tokens: int | None = None) -> ProbeOutput | None:
+                  max_tokens: int | None = None, route: RouteFn | None = None) -> ProbeOutput | None:
     """The clean probe output P0 (and S0) of ``rows``; on the last stage, else None.
 
     The trainer can skip this pass by building the teacher from its old-logprob forward with
     ``ProbeOutput.from_position_logits`` at the same sites positions, when that forward ran in
     the students' precision (``compute_importance`` checks). ``allow_fp8``: as the student's.
-    Micro-batches as OAR-G's (``batching``, ``max_tokens``).
+    Micro-batches as OAR-G's (``batching``, ``max_tokens``); ``route``: how a MoE model routes
+    (``schedule.run_probe_schedule``).
     """
     outputs: dict[int, ProbeOutput] = {}
     micros = _sequence_micros(batch, sites, rows, micro_batch_size, batching, max_tokens,
@@ -93,7 +95,7 @@ def probe_teacher(model, batch: SequenceBatch, sites: ProbeSites, rows: list[int
 
     with attribution_mode(model, allow_fp8), torch.no_grad():
         run_probe_schedule(model, micros, vocab_size, forward_only=True, last_stage=last_stage,
-                           filler=_filler(batch, rows))
+                           filler=_filler(batch, rows), route=route)
     if not parallel_state.is_pipeline_last_stage():
         return None
     width = output_weight(unwrap(model)).shape[0]  # V/TP
@@ -108,13 +110,15 @@ def probe_teacher(model, batch: SequenceBatch, sites: ProbeSites, rows: list[int
 
 def oar_g(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput | None, rows: list[int],
           vocab_size: int, *, sigma: float, seed: int, step: int, micro_batch_size: int,
-          allow_fp8: bool = False, batching: str = "token_budget", max_tokens: int | None = None) -> torch.Tensor:
+          allow_fp8: bool = False, batching: str = "token_budget", max_tokens: int | None = None,
+          route: RouteFn | None = None) -> torch.Tensor:
     """OAR-G importance ``I_t = |<dJ/de_t, e_t>|`` with ``J = KL(P0 || P_noisy)`` (or the score
     drop for answer_joint), noise ``N(0, sigma^2)`` on the scored tokens' embeddings, one backward
     through the schedule with parameter gradients off. Micro-batches of whole sequences:
     ``padded``, ``micro_batch_size`` rows at the longest scored row; ``token_budget``, at most
     ``max_tokens`` padded tokens (default: ``micro_batch_size`` x the longest), each at its own
-    longest row. Returns ``[B, L]`` on every stage."""
+    longest row. ``route``: how a MoE model routes (``schedule.run_probe_schedule``). Returns
+    ``[B, L]`` on every stage."""
     importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
     micros = _sequence_micros(batch, sites, rows, micro_batch_size, batching, max_tokens,
                               sequence_multiple(model.config))
@@ -138,7 +142,7 @@ def oar_g(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput |
 
     with attribution_mode(model, allow_fp8):
         run_probe_schedule(model, micros, vocab_size, forward_only=False, first_stage=first_stage,
-                           last_stage=last_stage, filler=_filler(batch, rows))
+                           last_stage=last_stage, filler=_filler(batch, rows), route=route)
     if parallel_state.is_pipeline_first_stage():
         for micro in micros:
             x, emb = micro.extra
@@ -186,13 +190,15 @@ def _copy_micros(batch: SequenceBatch, sites: ProbeSites, copies: list[tuple[int
 def oar_p(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput | None, rows: list[int],
           vocab_size: int, *, pad_id: int, micro_batch_size: int, length_bucket: int = 64,
           serial: bool = False, joint_importance: str = "drop", positions: torch.Tensor | None = None,
-          batching: str = "token_budget", max_tokens: int | None = None) -> tuple[torch.Tensor, int]:
+          batching: str = "token_budget", max_tokens: int | None = None,
+          route: RouteFn | None = None) -> tuple[torch.Tensor, int]:
     """OAR-P importance ``I_t = KL(P_final || P_final^(t))`` (score drop for answer_joint) with
     token t replaced by ``pad_id``: one forward-only copy per scored token, batched as
     :func:`_copy_micros` groups them (``micro_batch_size`` copies, or ``max_tokens`` tokens, per
     micro-batch); ``serial``: one copy per schedule call, the paper's naive baseline.
     ``positions`` (``[B, L]`` bool) restricts the copies to those scored tokens; the others stay
-    0. Returns ``[B, L]`` on every stage and the number of copies run."""
+    0. ``route``: how a MoE model routes (``schedule.run_probe_schedule``; a copy stands for its
+    row). Returns ``[B, L]`` on every stage and the number of copies run."""
     importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
     mask = sites.score_mask if positions is None else sites.score_mask & positions.to(sites.score_mask.device)
     copies = [(i, int(t)) for i in rows for t in mask[i].nonzero().flatten()]
@@ -215,7 +221,7 @@ def oar_p(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput |
     with attribution_mode(model), torch.no_grad():
         for micros in calls:
             run_probe_schedule(model, micros, vocab_size, forward_only=True, last_stage=last_stage,
-                               filler=_filler(batch, rows))
+                               filler=_filler(batch, rows), route=route)
     return broadcast_from_stage(importance, first=False), len(copies)
 
 

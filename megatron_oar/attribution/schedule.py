@@ -109,6 +109,10 @@ class Micro:
 
 FirstStageFn = Callable[[object, Micro], torch.Tensor]
 LastStageFn = Callable[[Micro, ProbeOutput], torch.Tensor]
+# How a schedule call routes on a MoE model: given the batch rows of each of its micro-batches
+# (in order), the context it runs in; None: the routers route on their own. The trainer's
+# ``training.routing_replay.attribution_route`` replays the routing its teacher's pass replayed.
+RouteFn = Callable[[list[list[int]]], contextlib.AbstractContextManager]
 
 
 def filler_tokens(tokens: torch.Tensor, lengths: list[int], rows: list[int]) -> torch.Tensor:
@@ -123,7 +127,7 @@ def filler_tokens(tokens: torch.Tensor, lengths: list[int], rows: list[int]) -> 
 
 def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_only: bool,
                        last_stage: LastStageFn, first_stage: FirstStageFn | None = None,
-                       filler: torch.Tensor | None = None) -> None:
+                       filler: torch.Tensor | None = None, route: RouteFn | None = None) -> None:
     """Run ``micros`` through megatron's schedule, inside attribution_mode. Micro-batches may
     differ in rows and length (pipeline stages then exchange shapes: ``variable_shapes``).
 
@@ -136,6 +140,9 @@ def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_o
     fewer runs filler calls on ``filler`` (tokens ``[1, s]``, :func:`filler_tokens`; default: its
     smallest micro-batch; a rank without micro-batches must give it): the clean embedding in
     (a leaf that takes the backward's gradient), no callback sees it, its loss is 0.
+
+    ``route`` (MoE): the call runs inside ``route([micro.rows for micro in micros])`` (a
+    :data:`RouteFn`); filler calls route on their own.
     """
     gpt = unwrap(model)
     multiple = sequence_multiple(gpt.config)
@@ -166,5 +173,6 @@ def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_o
             decoder_input = to_decoder_input(gpt, clean_embeddings(gpt, inp.tokens).requires_grad_(True))
         return chunk(inp.tokens, inp.position_ids, attention_mask=None, decoder_input=decoder_input)
 
-    run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=forward_only, num_calls=n,
-                 filler=None if filler is None else MicroInput(filler, multiple), call_filler=call_filler)
+    with route([m.rows for m in micros]) if route is not None else contextlib.nullcontext():
+        run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=forward_only, num_calls=n,
+                     filler=None if filler is None else MicroInput(filler, multiple), call_filler=call_filler)

@@ -17,6 +17,15 @@ are exact for the full vocabulary across TP ranks and never include the padded v
 :class:`ChunkedTokenStats` has an analytic backward (no collective in it): with ``z`` a chunk's
 logits divided by the sampling temperature ``T``, ``p = softmax(z)``, ``d lp/dz = onehot(target) - p``
 and ``d H/dz = -p (log p + H)``, and the raw logits' gradient is that over ``T``.
+The output weight's gradient is accumulated chunk by chunk in place: into the weight's
+``main_grad`` where megatron's DDP gives it one (its float32 gradient buffer; the backward then
+returns no weight gradient, so DDP's hook adds nothing twice, while a tied embedding's own
+gradient still reaches ``main_grad`` through it), else into one float32 buffer returned in the
+weight's dtype. No chunk makes a temporary of the weight's shape (``_add_weight_grad``: with a
+float32 buffer and a bf16 model, the product is formed ``chunk`` vocabulary rows at a time, a
+``[chunk, h]`` piece, smaller than the chunk's ``[chunk, V/TP]`` logits). This relies on
+``overlap_grad_reduce=False`` (``training.policy``): with it on, megatron's hook asserts that a
+gradient arrived.
 """
 
 from __future__ import annotations
@@ -183,11 +192,23 @@ class ChunkedTokenStats(torch.autograd.Function):
         real = weight[:valid]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.zeros_like(hidden) if want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        use_ent = with_entropy and g_ent is not None
+        into_main = want_w and getattr(weight, "main_grad", None) is not None
+        if into_main:  # megatron's DDP gradient buffer: accumulated in place, nothing returned
+            grad_w = weight.main_grad
+        elif want_w:
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        else:
+            grad_w = None
+
         none = (None,) * 5  # targets, vocab_size, chunk, with_entropy, temperature
+
+        def result():
+            w = None if grad_w is None or into_main else grad_w.to(weight.dtype)
+            return grad_h, w, *none
+
+        use_ent = with_entropy and g_ent is not None
         if valid == 0 or (g_lp is None and not use_ent):
-            return grad_h, None if grad_w is None else grad_w.to(weight.dtype), *none
+            return result()
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
             z = _logits(hidden[a:b], real, temperature)
@@ -209,11 +230,22 @@ class ChunkedTokenStats(torch.autograd.Function):
             if want_h:
                 grad_h[a:b] = g @ real
             if want_w:
-                if g.dtype == torch.float32:
-                    grad_w[:valid].addmm_(g.t(), hidden[a:b])
-                else:
-                    grad_w[:valid] += (g.t() @ hidden[a:b]).float()
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), *none
+                _add_weight_grad(grad_w[:valid], g, hidden[a:b], chunk)
+        return result()
+
+
+def _add_weight_grad(dest: torch.Tensor, g: torch.Tensor, hidden: torch.Tensor, block: int) -> None:
+    """``dest += g^T @ hidden`` in place: ``dest [valid, h]`` (float32, or the model dtype), ``g
+    [c, valid]`` and ``hidden [c, h]`` in the model dtype. One dtype throughout: ``addmm_`` into
+    ``dest``, no temporary. A float32 ``dest`` with bf16/fp16 operands (``addmm_`` takes one dtype,
+    and the GEMM with a float32 output, ``out_dtype``, is not in every torch's CUDA build):
+    ``block`` vocabulary rows at a time, the ``[block, h]`` product in the operands' dtype (rounded
+    as megatron's unfused weight gradient is) added into ``dest``."""
+    if dest.dtype == hidden.dtype:
+        dest.addmm_(g.t(), hidden)
+        return
+    for r in range(0, dest.shape[0], block):
+        dest[r:r + block].add_(g[:, r:r + block].t() @ hidden)
 
 
 def token_stats(gpt, hidden: torch.Tensor, targets: torch.Tensor, vocab_size: int, chunk: int,

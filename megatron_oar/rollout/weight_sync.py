@@ -7,8 +7,10 @@ Every rank ends up with every full HF tensor (each rank feeds its own vLLM engin
    number, full shape, dtype); one ``all_gather_object`` over the PP group gives every rank the
    same ordered list (stage 0 first).
 2. Per parameter, the owning stage all-gathers the TP shards over the TP group along the
-   parameter's ``partition_dim`` (``linear_fc1`` holds ``[gate_i; up_i]`` per rank, so gate and
-   up are re-joined separately), then it broadcasts the full tensor over the PP group.
+   dimension its role splits (column parallel: 0, row parallel: 1; not the parameter's
+   ``partition_dim`` mark, which TE sets to 0 on every grouped expert weight: ``_tp_dim``;
+   ``linear_fc1`` holds ``[gate_i; up_i]`` per rank, so gate and up are re-joined separately),
+   then it broadcasts the full tensor over the PP group.
 3. The converter's mapping (:mod:`megatron_oar.models.hf_mapping`) turns the megatron tensor into
    HF tensors: ``linear_qkv`` -> q/k/v, ``linear_fc1`` -> gate/up, padded vocab rows dropped;
    Qwen3's q/k norms (not TP-sharded: every TP rank holds the whole ``[head_dim]`` vector) go
@@ -72,7 +74,7 @@ class SyncEntry:
     key: str  # megatron name; decoder layers carry their *global* number
     shape: tuple[int, ...]  # full shape (TP shards joined)
     dtype: torch.dtype
-    tp_dim: int | None = None  # megatron's partition_dim; None: every TP rank holds it whole
+    tp_dim: int | None = None  # the TP split's dimension, by role; None: every TP rank holds it whole
     # an expert's weight: the EP rank that holds it (sharded over the expert-TP group, not TP)
     ep_rank: int | None = None
 
@@ -204,13 +206,42 @@ def _local_params(chunks, arch: QwenArch) -> dict[str, torch.nn.Parameter]:
     return out
 
 
-def _tp_dim(p: torch.Tensor) -> int | None:
-    return p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+# The TP dimension of each TP-sharded weight, by its role: column-parallel layers (and the
+# vocabulary-parallel embedding / output layer) split their output rows (dim 0), row-parallel
+# ones their input columns (dim 1). Megatron's own checkpointing reads the role too
+# (``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` give ``tp_axis_map`` 0 / 1)
+# rather than the parameter's ``partition_dim`` mark, which is wrong for TE's grouped experts:
+# megatron's ``TEGroupedLinear`` hands TE ``parallel_mode=None`` when EP or expert TP > 1, and
+# TE's ``GroupedLinear`` then marks every ``weight{e}`` ``partition_dim=0``, the row-parallel
+# ``linear_fc2`` too.
+_ROLE_DIM = {hf_mapping.QKV_W: 0, hf_mapping.QKV_B: 0, hf_mapping.FC1_W: 0, hf_mapping.PROJ_W: 1,
+             hf_mapping.FC2_W: 1}
+_GLOBAL_ROLE_DIM = {hf_mapping.MC_EMBED: 0, hf_mapping.MC_HEAD: 0}
+_EXPERT_ROLE_DIM = {"linear_fc1": 0, "linear_fc2": 1}
 
 
-def _full_shape(p: torch.Tensor, tp: int) -> tuple[int, ...]:
+def _tp_dim(key: str, p: torch.Tensor) -> int | None:
+    """The dimension along which the TP (or expert-TP) ranks split parameter ``key`` (megatron
+    name), from its role; None where every rank holds it whole (not ``tensor_model_parallel``)."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return None
+    parsed = _parse_expert(key)
+    if parsed is not None:
+        dim = _EXPERT_ROLE_DIM[parsed[2]]
+    elif key.startswith(hf_mapping.MC_LAYER_PREFIX):
+        dim = _ROLE_DIM.get(key[len(hf_mapping.MC_LAYER_PREFIX):].split(".", 1)[-1])
+    else:
+        dim = _GLOBAL_ROLE_DIM.get(key)
+    if dim is None:
+        raise ValueError(f"{key!r} is TP-sharded (partition_dim={getattr(p, 'partition_dim', None)}) but the "
+                         "weight sync knows no role for it (column or row parallel), so not which "
+                         "dimension to join")
+    return dim
+
+
+def _full_shape(key: str, p: torch.Tensor, tp: int) -> tuple[int, ...]:
     shape = list(p.shape)
-    dim = _tp_dim(p)
+    dim = _tp_dim(key, p)
     if dim is not None:
         shape[dim] *= tp
     return tuple(shape)
@@ -230,14 +261,14 @@ def _stage_entries(local: dict[str, torch.nn.Parameter], arch: QwenArch, stage: 
     for key, p in local.items():
         parsed = _parse_expert(key)
         if parsed is None:
-            out.append(SyncEntry(stage, key, _full_shape(p, tp), p.dtype, _tp_dim(p)))
+            out.append(SyncEntry(stage, key, _full_shape(key, p, tp), p.dtype, _tp_dim(key, p)))
             continue
         spec, e, fc = parsed
         layer = key[len(hf_mapping.MC_LAYER_PREFIX):].split(".", 1)[0]
         slot = e - ep_rank * per_rank
         for k in range(ep):  # EP rank k's expert in this slot
             name = f"{hf_mapping.MC_LAYER_PREFIX}{layer}.{expert_name(spec, k * per_rank + slot, fc)}"
-            out.append(SyncEntry(stage, name, _full_shape(p, etp), p.dtype, _tp_dim(p), ep_rank=k))
+            out.append(SyncEntry(stage, name, _full_shape(key, p, etp), p.dtype, _tp_dim(key, p), ep_rank=k))
     return out
 
 
@@ -260,7 +291,7 @@ def build_manifest(chunks, arch: QwenArch) -> tuple[list[SyncEntry], dict[str, t
 def _join_tp(p: torch.Tensor, key: str, tp_group, tp: int) -> tuple[torch.Tensor, int]:
     """The full tensor and the bytes this rank received for it."""
     shard = p.detach().contiguous()
-    dim = _tp_dim(p)
+    dim = _tp_dim(key, p)
     if dim is None or tp == 1:
         return shard, 0
     parts = [torch.empty_like(shard) for _ in range(tp)]

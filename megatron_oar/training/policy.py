@@ -116,6 +116,9 @@ def build_policy(hf_config: dict, model_cfg: ModelConfig, optim: OptimConfig, *,
     # parameters (tensor_model_parallel, partition_dim) only while initialising them
     gpt = build_gpt_model(hf_config, model_cfg)
     load_model(gpt, checkpoint)
+    # overlap_grad_reduce stays off: the chunked logits' backward accumulates the output weight's
+    # gradient into main_grad itself and hands DDP's hook no gradient (models.chunked_logits),
+    # which that hook asserts against when the reduction overlaps the backward
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
         use_distributed_optimizer=optim.use_distributed_optimizer, check_for_nan_in_grad=False)

@@ -32,9 +32,17 @@ must have one: a row vLLM returned no routing for, or too little, is refused
 Metrics (:class:`RoutingLog`): the share of top-k choices a pass would make on its own that equal
 the replayed ones (``routing/agree_*``, per (token, layer) the overlap of the two expert sets
 divided by ``k``: slot order is not compared), and the per-layer expert load of the old-logprob
-pass (tokens per expert, max over mean). Attribution passes (OAR-G, OAR-P) never replay: a masked
-copy of a response routes on its own (that is the counterfactual), and OAR-G's gradient runs
-through the router of the sequence as the policy sees it.
+pass (tokens per expert, max over mean).
+
+Attribution passes (OAR-G, OAR-P, a teacher pass of their own) route as the pass their teacher
+came from (:func:`attribution_route`): the teacher and the students must route alike, or the
+students diverge from the teacher with nothing perturbed. With ``rollout`` the teacher comes
+from the old-logprob pass, which replays vLLM's routing, so they replay it too (a masked copy
+or a noisy sequence sends each token to the experts vLLM chose for its row's token there, the
+masked position's too): the importance is measured on the sub-network the rollout sampled from
+and the update trains, which is what R3 is for. With ``training`` and ``none`` the teacher
+routed on its own and so do the students: a masked copy may route later tokens elsewhere (that
+counterfactual is then part of OAR-P's measure).
 
 Bound: megatron-core 0.16.x, whose ``RouterReplay`` API this module uses (``router_replay.py``
 appeared in 0.16; its methods are development API that may change).
@@ -327,6 +335,19 @@ class RoutingPass:
                     self.log.load = torch.zeros(total, self.experts, dtype=torch.float64)
                 for i, n in enumerate(numbers):
                     self.log.load[n] += self.counts[i]
+
+
+def attribution_route(model, batch, routing: RoutingLog | None):
+    """How the attribution passes of ``batch`` route (``compute_importance``'s ``route``): with
+    ``model.routing_replay=rollout``, each schedule call replays ``batch.routed_experts`` (vLLM's
+    routing, which the old-logprob pass replayed for the teacher) for its micro-batches' rows;
+    otherwise None, every pass routing on its own as the teacher did (module docstring)."""
+    if routing is None or routing.mode != "rollout":
+        return None
+    if batch.routed_experts is None:
+        raise ValueError("model.routing_replay=rollout: the batch has no routed experts from vLLM")
+    lengths, width, routed = batch.lengths.tolist(), batch.tokens.shape[1], batch.routed_experts
+    return lambda rows: RoutingPass(model, rows, lengths, width, replay=routed)
 
 
 def _device():

@@ -15,6 +15,7 @@ One step (the phases of ``training/phases.py``, one logger phase and console lin
       (MoE, model.routing_replay: it records the routing, or replays vLLM's; the update replays it)
       (vLLM's log-probs must agree with these: rollout.max_logprob_mismatch)
       --attribution (oar_g / oar_p)--> importance I_t              (only rows with A_i != 0)
+      (MoE: routed as the teacher's pass, so with rollout replay vLLM's routing replayed again)
       --credit (Eqs. 14-17 / random / entropy)--> A_t
       --PPO-clip updates (mini-batches x epochs, megatron optimizer)--> theta
     [eval every train.eval_interval: vLLM wakes, syncs, evaluates, sleeps];
@@ -58,7 +59,7 @@ from megatron_oar.training.logger import MetricsLogger
 from megatron_oar.training.policy import build_policy, build_reference, init_checkpoint
 from megatron_oar.training.policy_passes import no_grad_fp8, old_logprob_pass, reference_logprobs, update_step
 from megatron_oar.training.preemption import Preemption, StepDropped
-from megatron_oar.training.routing_replay import RoutingLog, attach_rollout_routing
+from megatron_oar.training.routing_replay import RoutingLog, attach_rollout_routing, attribution_route
 from megatron_oar.training.run_context import start_run
 from megatron_oar.training.step_metrics import step_metrics
 from megatron_oar.training.watchdog import PhaseWatchdog
@@ -263,7 +264,9 @@ class Trainer:
                 attr = compute_importance(self.policy.model, batch, cfg.attribution_config(), vocab_size=vocab,
                                           seq_adv=batch.seq_adv, step=step, tokenizer=self.tokenizer,
                                           sites=sites, teacher=teacher, external_teacher=True,
-                                          teacher_fp8=logprob_fp8)  # the logprob pass's
+                                          teacher_fp8=logprob_fp8,  # the logprob pass's
+                                          # routed as that pass (R3: vLLM's routing replayed)
+                                          route=attribution_route(self.policy.model, batch, routing))
             importance, score_mask, attr_stats, attr_work = attr.importance, attr.score_mask, attr.stats, attr.work
         credit = assign_credit(cfg.shaping, batch.seq_adv, batch.loss_mask, importance=importance,
                                entropy=batch.entropy, score_mask=score_mask,
