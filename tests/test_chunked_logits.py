@@ -7,7 +7,7 @@ tensor of the weight's shape made in the backward (fp32 and bf16; without ``main
 buffer), all fast. Slow, one pooled world of 2 gloo ranks (the scaled tiny Qwen2,
 vocabulary 1000 padded to 1024, so TP rank 1 has 24 padded rows) running every layout in one
 job: TP1 (as DP2) and TP2 with sequence parallelism, each with token budgets and with packed
-micro-batches (the THD attention emulated as in tests/test_packing.py), TP2 without sequence
+micro-batches (through SDPA's THD attention, the local spec's default), TP2 without sequence
 parallelism and PP2 with token budgets; at each, the trainer's old-logprob pass (with the probe
 teacher), reference pass and one ``update_step`` (KL and entropy terms on), chunks of 5
 positions (neither dividing a micro-batch nor the sequence multiple) against chunks of 0
@@ -186,9 +186,7 @@ def _worker(ckpt: str, tied_ckpt: str, out: str) -> None:
 
     from megatron_oar.runtime import ParallelConfig, init_runtime
     from tests.test_micro_batches import _passes
-    from tests.test_packing import _emulate_te_thd_attention
 
-    _emulate_te_thd_attention([])
     results = {}
     for tp, pp, sp, batchings in LAYOUTS:
         init_runtime(ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp))
