@@ -199,16 +199,21 @@ def _policy(ckpt: str, mode: str, tp: int):
 
 
 class _Capture:
-    """Every router call's chosen experts (sorted), per stage layer, in call order."""
+    """Every router call's chosen experts (sorted), per stage layer, in call order; and the most
+    replayed targets megatron's ``RouterReplay`` held for the backward at any call (its
+    ``replay_backward_list``, which ``set_target_indices`` appends to)."""
 
     def __init__(self, model):
         from megatron_oar.training.routing_replay import moe_routers
 
         self.calls = {i: [] for i in range(len(moe_routers(model)))}
+        self.pending = 0
         self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(moe_routers(model))]
 
     def _hook(self, i):
         def hook(router, args, output):
+            if router.router_replay is not None:
+                self.pending = max(self.pending, len(router.router_replay.replay_backward_list))
             self.calls[i].append(output[1].int().topk(router.topk, dim=-1).indices.sort(-1).values.detach())
         return hook
 
@@ -292,6 +297,7 @@ def _replay_worker(ckpt: str, layouts: list, out: str) -> None:
                     want = (batch.routed_experts[row[valid], col[valid], layer].long() + shift) % arch.num_experts
                     match &= torch.equal(got[valid], want.sort(-1).values)
             res[f"match_{mode}"] = match
+            res[f"pending_{mode}"] = (cap.pending, len(groups))
             if mode == "training":
                 res["agree_rolled"] = log2.metrics(torch.device("cpu"))
                 res["loss"] = step.stats["loss"]
@@ -405,6 +411,10 @@ def test_training_replay_world2(tiny_moe):
             old[ids, :res["old"].shape[1]] = res["old"].float()
             assert res["match_training"], f"{name}: the update did not route as recorded"
             assert res["match_none"], f"{name}: without replay the update must route on its own"
+            # without recompute nothing re-runs the router in the backward: the replayed targets
+            # of earlier micro-batches must not pile up in megatron's list (the current one only)
+            pending, micros = res["pending_training"]
+            assert micros >= 2 and pending <= 1, f"{name}: {pending} replayed targets held at once"
             mean, peak = res["ratio"]
             print(f"{name}: unchanged weights ratio mean {mean} max {peak}; agreement "
                   f"{res['agree_unchanged']} rolled {res['agree_rolled']}")

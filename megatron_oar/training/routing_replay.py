@@ -251,6 +251,8 @@ class RoutingPass:
         def hook(router, args, output):
             if self.tokens is None:  # a filler call: neither recorded nor counted
                 return
+            if self.replay is not None:
+                _drop_backward_target(router.router_replay)
             row, col, valid = self.tokens
             with torch.no_grad():
                 if self.record:
@@ -325,6 +327,15 @@ class RoutingPass:
                     self.log.load = torch.zeros(total, self.experts, dtype=torch.float64)
                 for i, n in enumerate(numbers):
                     self.log.load[n] += self.counts[i]
+
+
+def _drop_backward_target(replay) -> None:
+    """Forget the target a router has just replayed. megatron-core 0.16's
+    ``RouterReplay.set_target_indices`` also appends the target to ``replay_backward_list``,
+    which only a recomputed forward (``REPLAY_BACKWARD``) pops: without one, every micro-batch's
+    int64 targets of every layer would stay on the device until the pass ends."""
+    if replay.replay_backward_list:
+        replay.replay_backward_list.pop()
 
 
 def _device():
