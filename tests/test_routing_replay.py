@@ -239,7 +239,55 @@ def _layout(model, batch, groups):
     return out
 
 
+class _IntTraffic:
+    """Bytes this rank receives in integer-dtype collectives over ``group`` (the routing's: the
+    model's own collectives move floats), while active: an all-reduce counts its tensor, an
+    all-gather the other ranks' parts."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.dist, self.group, self.bytes, self.saved = dist, group, 0, {}
+
+    def _count(self, name, received):
+        orig = self.saved[name]
+
+        def wrapped(*args, **kwargs):
+            group = kwargs.get("group", args[2] if len(args) > 2 else None)
+            if group is self.group:
+                self.bytes += received(*args)
+            return orig(*args, **kwargs)
+        return wrapped
+
+    def __enter__(self):
+        def ints(t):
+            return t.nbytes if not t.is_floating_point() else 0
+
+        world = self.dist.get_world_size(self.group)
+        rules = {"all_reduce": lambda t, *_: ints(t),
+                 "all_gather": lambda out, t, *_: (len(out) - 1) * ints(t),
+                 "all_gather_into_tensor": lambda out, t, *_: (world - 1) * ints(t)}
+        for name, received in rules.items():
+            self.saved[name] = getattr(self.dist, name)
+            setattr(self.dist, name, self._count(name, received))
+        return self
+
+    def __exit__(self, *exc):
+        for name, orig in self.saved.items():
+            setattr(self.dist, name, orig)
+
+
 def _replay_worker(ckpt: str, layouts: list, out: str) -> None:
+    import megatron_oar.training.routing_replay as rr
+
+    chunk, rr.WIRE_CHUNK_BYTES = rr.WIRE_CHUNK_BYTES, 16  # the TP exchange 4 tokens at a time
+    try:
+        _replay_layouts(ckpt, layouts, out)
+    finally:  # the pool's processes run later jobs
+        rr.WIRE_CHUNK_BYTES = chunk
+
+
+def _replay_layouts(ckpt: str, layouts: list, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -261,8 +309,14 @@ def _replay_worker(ckpt: str, layouts: list, out: str) -> None:
 
         # old-logprob pass: records the routing (token budget 40: other groups than the update's)
         log = RoutingLog("training")
-        old, _, _ = old_logprob_pass(model, batch, arch.vocab_size, 2, batching="token_budget",
-                                     max_tokens=40, routing=log)
+        with _IntTraffic(ps.get_tensor_model_parallel_group()) as traffic:
+            old, _, _ = old_logprob_pass(model, batch, arch.vocab_size, 2, batching="token_budget",
+                                         max_tokens=40, routing=log)
+        # what the TP ranks exchange: each the others' shares of the router tokens, one byte per
+        # (token, MoE layer, slot) (4 experts fit uint8)
+        groups = micro_batches(batch.lengths.tolist(), batching="token_budget", rows_per_micro=2, max_tokens=40)
+        share = sum(row.numel() for row, _, _ in _layout(policy.gpt, batch, groups))
+        res["routing_bytes"] = (traffic.bytes, (tp - 1) * share * len(res["layers"]) * arch.moe_topk)
         batch.old_logprobs = old
         res["routed"] = batch.routed_experts.clone()
         res["old"] = old
@@ -413,6 +467,8 @@ def test_training_replay_world2(tiny_moe):
             assert res["match_none"], f"{name}: without replay the update must route on its own"
             # without recompute nothing re-runs the router in the backward: the replayed targets
             # of earlier micro-batches must not pile up in megatron's list (the current one only)
+            got, want = res["routing_bytes"]
+            assert got == want, f"{name}: the TP ranks exchanged {got} bytes of routing, expected {want}"
             pending, micros = res["pending_training"]
             assert micros >= 2 and pending <= 1, f"{name}: {pending} replayed targets held at once"
             mean, peak = res["ratio"]

@@ -23,7 +23,9 @@ Routing is stored per batch row and token column, ``routed [B, L, n, k]`` (``n``
 stage's MoE layers, in order; ``-1``: not recorded), so the update may group its micro-batches
 differently from the old-logprob pass (mini-batches, token budgets, packing); each micro-batch's
 router tokens are mapped to (row, column) from the model call's own layout (padded ``[s, b]``
-sequence-first, or THD packed), and under sequence parallelism to this TP rank's contiguous share.
+sequence-first, or THD packed), and under sequence parallelism to this TP rank's contiguous share
+(a recording stays on the device, one byte per value where the ids fit, until the pass ends; then
+the TP ranks all-gather their shares in bounded chunks).
 Tokens without a recorded routing (padding, and vLLM's last sampled token, never fed back to the
 model) get experts ``0..k-1``; no loss, probe or earlier token reads them.
 
@@ -53,6 +55,14 @@ from megatron_oar.models.parallel import unwrap
 # routed [B, L, n, k] on the CPU: 2 bytes per (token, MoE layer, slot), -1 where none (experts
 # must number fewer than 2**15: RoutingPass checks)
 ROUTED_DTYPE = torch.int16
+# what a pass keeps on the device and the TP ranks exchange: one byte per (token, layer, slot)
+# where the experts' ids fit, and at most this many bytes per rank in one all-gather
+WIRE_CHUNK_BYTES = 64 << 20
+
+
+def wire_dtype(experts: int) -> torch.dtype:
+    """The smallest dtype that holds expert ids ``0 .. experts - 1``."""
+    return torch.uint8 if experts <= 256 else ROUTED_DTYPE
 # RouterReplay's API as read in 0.16.1 (router_replay.py: per-instance set_target_indices,
 # get_recorded_indices, set_router_replay_action; TopKRouter.router_replay): development API
 MEGATRON_CORE_RANGE = ((0, 16), (0, 17))
@@ -109,11 +119,7 @@ def router_tokens(args: tuple, kwargs: dict, rows: list[int], lengths: list[int]
         j = torch.arange(s * m, device=dev)
         b, col = j % m, j // m
         row, valid = rows_t[b], col < lens[b]
-    if sequence_parallel and tp_size > 1:  # this rank's contiguous share of the sequence axis
-        n = row.numel() // tp_size
-        sl = slice(tp_rank * n, (tp_rank + 1) * n)
-        row, col, valid = row[sl], col[sl], valid[sl]
-    return row, col, valid
+    return _tp_share((row, col, valid), tp_rank, tp_size, sequence_parallel)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor, experts: int) -> torch.Tensor:
@@ -203,9 +209,11 @@ class RoutingPass:
         self.sp = bool(config.sequence_parallel)
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.record, self.replay, self.log, self.agree_name, self.load = record, replay, log, agree, load
-        self.routed = None
-        if record:
-            self.routed = torch.full((len(lengths), width, len(self.routers), self.k), -1, dtype=ROUTED_DTYPE)
+        self.routed = None  # after a recording pass: routed [B, width, n, k] on the CPU
+        # recording: per micro-batch, this rank's router tokens' routing on the device
+        # ([tokens, n, k], wire_dtype) and every TP rank's (row, col, valid) on the CPU
+        self._recorded: list[torch.Tensor] = []
+        self._layouts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         if replay is not None and replay.shape[2] != len(self.routers):
             raise ValueError(f"replayed routing has {replay.shape[2]} MoE layers, this stage has {len(self.routers)}")
         self.counts = torch.zeros(len(self.routers), self.experts or 1, dtype=torch.float64)
@@ -229,7 +237,12 @@ class RoutingPass:
             for r in self.routers:
                 r.router_replay.set_router_replay_action(self.action)
         rows = self.rows[self.micro]
-        self.tokens = router_tokens(args, kwargs, rows, self.lengths, self.tp_rank, self.tp_size, self.sp)
+        full = router_tokens(args, kwargs, rows, self.lengths, 0, 1, False)
+        self.tokens = _tp_share(full, self.tp_rank, self.tp_size, self.sp)
+        if self.record:
+            self._layouts.append(tuple(t.cpu() for t in full))
+            self._recorded.append(torch.zeros(self.tokens[0].numel(), len(self.routers), self.k,
+                                              dtype=wire_dtype(self.experts), device=self.tokens[0].device))
         if self.replay is not None:
             self.targets, self.known = self._targets(*self.tokens)
             for i, r in enumerate(self.routers):
@@ -255,10 +268,9 @@ class RoutingPass:
                 _drop_backward_target(router.router_replay)
             row, col, valid = self.tokens
             with torch.no_grad():
-                if self.record:
+                if self.record:  # kept on the device: copied once, when the pass ends
                     idx = router.router_replay.get_recorded_indices().detach()
-                    v = valid.cpu()
-                    self.routed[row.cpu()[v], col.cpu()[v], layer] = idx[v.to(idx.device)].to(ROUTED_DTYPE).cpu()
+                    self._recorded[-1][:, layer] = idx.to(self._recorded[-1].device, self._recorded[-1].dtype)
                 if self.log is None:
                     return
                 own = self._own_topk(router, args, output)
@@ -316,10 +328,8 @@ class RoutingPass:
                 r.router_replay.clear_indices()
         if exc[0] is not None:
             return
-        if self.routed is not None and self.tp_size > 1 and self.sp:  # each TP rank saw its share
-            full = self.routed.to(_device(), torch.int32)  # gloo reduces no int16
-            dist.all_reduce(full, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-            self.routed = full.to(ROUTED_DTYPE).cpu()
+        if self.record:
+            self.routed = self._assemble_recorded()
         if self.log is not None and self.load and self.routers:
             if self.sp or self.tp_rank == 0:
                 _, numbers, total = stage_moe_layers(self.model)
@@ -329,6 +339,50 @@ class RoutingPass:
                     self.log.load[n] += self.counts[i]
 
 
+    def _assemble_recorded(self) -> torch.Tensor:
+        """``routed [B, width, n, k]`` on the CPU from the micro-batches' recordings. Under
+        sequence parallelism each TP rank recorded its own share of every micro-batch's tokens:
+        the TP ranks all-gather their recordings (one byte per value where the ids fit, in chunks
+        of at most :data:`WIRE_CHUNK_BYTES` per rank) and place each rank's at its tokens."""
+        routed = torch.full((len(self.lengths), self.width, len(self.routers), self.k), -1, dtype=ROUTED_DTYPE)
+        if not self._recorded:
+            return routed
+        mine = torch.cat(self._recorded)
+        shared = self.sp and self.tp_size > 1
+        parts = ([mine.cpu()] if not shared else
+                 _all_gather_chunked(mine, ps.get_tensor_model_parallel_group(), self.tp_size))
+        for rank, values in enumerate(parts):
+            row, col, valid = (torch.cat(t) for t in zip(*(_tp_share(layout, rank, self.tp_size, shared)
+                                                            for layout in self._layouts)))
+            routed[row[valid], col[valid]] = values[valid].to(ROUTED_DTYPE)
+        self._recorded, self._layouts = [], []
+        return routed
+
+
+def _tp_share(tokens: tuple, tp_rank: int, tp_size: int, sequence_parallel: bool) -> tuple:
+    """The share of a model call's router tokens ``(row, col, valid)`` that TP rank ``tp_rank``
+    routes: under sequence parallelism its contiguous slice of the sequence axis, else all."""
+    if not sequence_parallel or tp_size == 1:
+        return tokens
+    n = tokens[0].numel() // tp_size
+    return tuple(t[tp_rank * n:(tp_rank + 1) * n] for t in tokens)
+
+
+def _all_gather_chunked(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """Every rank's ``t`` (the same shape on each) on the CPU, in rank order, all-gathered along
+    dim 0 in chunks of at most :data:`WIRE_CHUNK_BYTES` per rank."""
+    per_row = max(t[0].nbytes if t.shape[0] else 1, 1)
+    step = max(WIRE_CHUNK_BYTES // per_row, 1)
+    out = [torch.empty(t.shape, dtype=t.dtype) for _ in range(size)]
+    for a in range(0, t.shape[0], step):
+        chunk = t[a:a + step].contiguous()
+        parts = [torch.empty_like(chunk) for _ in range(size)]
+        dist.all_gather(parts, chunk, group=group)
+        for o, p in zip(out, parts):
+            o[a:a + step] = p.cpu()
+    return out
+
+
 def _drop_backward_target(replay) -> None:
     """Forget the target a router has just replayed. megatron-core 0.16's
     ``RouterReplay.set_target_indices`` also appends the target to ``replay_backward_list``,
@@ -336,10 +390,6 @@ def _drop_backward_target(replay) -> None:
     int64 targets of every layer would stay on the device until the pass ends."""
     if replay.replay_backward_list:
         replay.replay_backward_list.pop()
-
-
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def rollout_routing(per_sample: list, lengths: list[int], width: int, moe_layers: list[int],
