@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from megatron_oar.training.routing_replay import RoutingLog, _overlap, rollout_routing, router_tokens
-from tests.distributed import launch, save_gathered
+from tests.distributed import launch, launch_and_load, save_gathered
 from tests.tiny import make_tiny_qwen3_moe
 
 # DP rank r takes rows r, r + 2, ...: equal lengths pairwise, since megatron's allgather dispatcher
@@ -378,6 +378,144 @@ def _replay_layouts(ckpt: str, layouts: list, out: str) -> None:
         results[f"tp{tp}pp{pp}ep{ep}"] = res
     save_gathered(results, out)
     del dist
+
+
+R3_LAYERS, R3_TOPK, R3_EXPERTS = 16, 4, 64  # vLLM's routing: every decoder layer, int32
+
+
+def _r3_routing(prompt: int, j: int, tokens: int) -> np.ndarray:
+    return np.random.default_rng(100 * prompt + j).integers(0, R3_EXPERTS, size=(tokens, R3_LAYERS, R3_TOPK),
+                                                           dtype=np.int32)
+
+
+class _Received:
+    """Bytes this rank receives in the world's all-gathers (``all_gather_object``'s too) and
+    all-to-alls while active: the other ranks' parts."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        self.spots = [(c10d, "all_gather"), (dist, "all_gather"), (c10d, "all_to_all_single"),
+                      (dist, "all_to_all_single")]
+        self.bytes = self.a2a = 0
+        self.saved = [getattr(m, n) for m, n in self.spots]
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        me = dist.get_rank()
+        gather, a2a = self.saved[0], self.saved[2]
+        inside = [False]  # the CPU backend's torch-function mode calls a collective again
+
+        def counted(f, count):
+            def wrapped(*args, **kwargs):
+                if inside[0]:
+                    return f(*args, **kwargs)
+                inside[0] = True
+                try:
+                    count(*args, **kwargs)
+                    return f(*args, **kwargs)
+                finally:
+                    inside[0] = False
+            return wrapped
+
+        def gathered(out, t, *_, **__):
+            self.bytes += sum(o.nbytes for i, o in enumerate(out) if i != me)
+
+        def exchanged(output, input, output_split_sizes=None, *_, **__):
+            n = output.shape[0]
+            mine = output_split_sizes[me] if output_split_sizes else n // dist.get_world_size()
+            got = (n - mine) * output.element_size()
+            self.bytes += got
+            self.a2a += got
+
+        all_gather, all_to_all_single = counted(gather, gathered), counted(a2a, exchanged)
+
+        for (m, n), f in zip(self.spots, [all_gather, all_gather, all_to_all_single, all_to_all_single]):
+            setattr(m, n, f)
+        return self
+
+    def __exit__(self, *exc):
+        for (m, n), f in zip(self.spots, self.saved):
+            setattr(m, n, f)
+
+
+def _r3_worker(out: str) -> None:
+    """Two rollout groups (rollout TP1) generate two prompts each (n=2); each rank then trains on
+    six of the eight samples and holds its own half of the MoE layers (as two pipeline stages)."""
+    import torch.distributed as dist
+
+    import megatron_oar.training.routing_replay as rr
+    from megatron_oar.data.readers import Example
+    from megatron_oar.rollout.batch import RolloutBatch
+    from megatron_oar.rollout.engine import gather_rollouts
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+    from megatron_oar.training.collect import generate_samples
+
+    init_runtime(ParallelConfig())
+    rank = dist.get_rank()
+
+    def generate(ids, seeds, with_routing):
+        prompts = [[5, 6, 7]] * len(ids)
+        first = 2 * rank  # this group's prompts (collect.group_share)
+        responses = [[[1] * (60 + 10 * (first + i) + 5 * j) for j in range(2)] for i in range(len(ids))]
+        routed = [[_r3_routing(first + i, j, len(p) + len(r) - 1) for j, r in enumerate(rs)]
+                  for i, (p, rs) in enumerate(zip(prompts, responses))] if with_routing else None
+        return RolloutBatch(prompt_ids=prompts, response_ids=responses,
+                            logprobs=[[[-1.0] * len(r) for r in rs] for rs in responses],
+                            finish_reasons=[["stop"] * 2] * len(ids), stop_reasons=[[None] * 2] * len(ids),
+                            texts=[[""] * 2] * len(ids), seeds=list(seeds), n=2, temperature=1.0, top_p=1.0,
+                            top_k=0, logprobs_mode="raw_logprobs", routed_experts=routed)
+
+    tok = type("Tok", (), {"chat_template": None, "__call__": lambda self, text, **_: {"input_ids": [1, 2]}})()
+    examples = [Example(f"p{i}", "a", "s", i) for i in range(4)]
+    layers = list(range(rank * R3_LAYERS // 2, (rank + 1) * R3_LAYERS // 2))
+    rows = list(range(2 * rank, 2 * rank + 6))
+    saved = rr.stage_moe_layers
+    rr.stage_moe_layers = lambda model: (layers, None, None)  # this rank's "stage"
+    model = SimpleNamespace(config=SimpleNamespace(moe_router_topk=R3_TOPK, num_moe_experts=R3_EXPERTS,
+                                                   num_layers=R3_LAYERS))
+    res = {}
+    try:
+        for with_routing in (False, True):
+            engine = SimpleNamespace(dp_size=2, dp_rank=rank, world_size=2, is_group_leader=True,
+                                     group_ranks=[rank], tp=1, _world_gloo=dist.group.WORLD)
+            engine.generate = lambda ids, seeds, **_: generate(ids, seeds, with_routing)
+            engine.gather = lambda b: gather_rollouts(b, engine)
+            with _Received() as received:
+                samples = generate_samples(engine, tok, examples, "answer_tag", list(range(4)))
+                lengths = [len(x.prompt_ids) + len(x.response_ids) for x in samples]
+                batch = SimpleNamespace(sample_ids=torch.tensor(rows), lengths=torch.tensor([lengths[i] for i in rows]),
+                                        tokens=torch.zeros(len(rows), max(lengths[i] for i in rows)))
+                if with_routing:
+                    rr.attach_rollout_routing(model, batch, samples)
+            res[with_routing] = (received.bytes, received.a2a)
+        want = rr.rollout_routing([_r3_routing(i // 2, i % 2, lengths[i] - 1) for i in rows],
+                                  batch.lengths.tolist(), batch.tokens.shape[1], layers, R3_TOPK)
+        res["equal"] = torch.equal(batch.routed_experts, want)
+        # what this rank needs from the other group: its rows' tokens x its layers x k, one byte each
+        res["need"] = sum((lengths[i] - 1) * len(layers) * R3_TOPK for i in rows if i // 4 != rank)
+    finally:
+        rr.stage_moe_layers = saved
+    save_gathered(res, out)
+
+
+@pytest.mark.slow
+def test_rollout_routing_reaches_only_its_ranks(tmp_path):
+    """``model.routing_replay=rollout``: vLLM's routing of every completion stays on its rollout
+    group's ranks when the rollouts are gathered; each rank then receives only its own rows and
+    its own stage's MoE layers, one byte per value, and gets the same ``routed`` as from the
+    whole arrays. 2 gloo ranks, no model: about 2 s in a warm pool."""
+    ranks = launch_and_load(_r3_worker, 2, tmp_path / "r3.pt")
+    for rank, res in enumerate(ranks):
+        plain, _ = res[False]
+        total, a2a = res[True]
+        print(f"rank {rank}: received {total - plain} bytes for the routing ({a2a} of them routing values; "
+              f"{res['need']} needed)")
+        assert res["equal"], rank
+        assert a2a == res["need"], rank
+        assert total - plain <= res["need"] + 4096, f"rank {rank}: {total - plain} bytes for {res['need']}"
 
 
 @pytest.fixture(scope="module")

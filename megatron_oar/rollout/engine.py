@@ -21,14 +21,14 @@ import random
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_oar.models import parse_arch, read_hf_config
-from megatron_oar.rollout.batch import RolloutBatch
+from megatron_oar.rollout.batch import RolloutBatch, RoutedExperts
 from megatron_oar.rollout.config import VLLM_DTYPES, RolloutConfig, check_sampling
 from megatron_oar.rollout.weight_sync import ShardTarget, iter_hf_buckets
 from megatron_oar.runtime import gloo_group
@@ -609,10 +609,17 @@ def _sync_failure_message(failed: list[dict], step: int | None, world_size: int,
 
 
 def gather_rollouts(batch: RolloutBatch, engine: RolloutEngine) -> RolloutBatch:
-    """Collective over the world: the rollout groups' batches joined in group order."""
+    """Collective over the world: the rollout groups' batches joined in group order.
+
+    vLLM's routed experts (``rollout.return_routed_experts``) do not travel: each completion's
+    becomes a :class:`~megatron_oar.rollout.batch.RoutedExperts` naming the rollout group that
+    holds the array (it stays there; ``training.routing_replay.attach_rollout_routing`` sends
+    each training rank only its rows and layers)."""
     parts: list = [None] * engine.world_size
-    dist.all_gather_object(parts, batch if engine.is_group_leader else None,
-                           group=engine._world_gloo)
+    mine = replace(batch, routed_experts=RoutedExperts.held(batch.routed_experts, tuple(engine.group_ranks)))
+    # RoutedExperts pickle without their arrays: this rank's own group's keep theirs
+    dist.all_gather_object(parts, mine if engine.is_group_leader else None, group=engine._world_gloo)
+    parts[engine.group_ranks[0]] = mine
     return RolloutBatch.concat([p for p in parts if p is not None])
 
 

@@ -51,6 +51,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_oar.models.builder import ROUTING_REPLAY_MODES, moe_layer_pattern
 from megatron_oar.models.parallel import unwrap
+from megatron_oar.rollout.batch import RoutedExperts
 
 # routed [B, L, n, k] on the CPU: 2 bytes per (token, MoE layer, slot), -1 where none (experts
 # must number fewer than 2**15: RoutingPass checks)
@@ -411,13 +412,87 @@ def rollout_routing(per_sample: list, lengths: list[int], width: int, moe_layers
     return out
 
 
-def attach_rollout_routing(model, batch, samples: list) -> None:
+def attach_rollout_routing(model, batch, samples: list, group=None) -> None:
     """``batch.routed_experts`` from the rollout's samples (``batch.sample_ids`` index them):
-    vLLM's routing of this stage's MoE layers (``model.routing_replay=rollout``)."""
-    per_sample = [samples[int(i)].routed_experts for i in batch.sample_ids]
-    if all(r is None for r in per_sample):
+    vLLM's routing of this stage's MoE layers (``model.routing_replay=rollout``).
+
+    Once the rollouts were gathered over rollout groups, each sample's array stays on the ranks
+    of the group that generated it (:class:`~megatron_oar.rollout.batch.RoutedExperts`); then
+    this is collective over ``group`` (default the world; a gloo group, e.g. the trainer's
+    control group, keeps the exchange off the GPU): the ranks state their rows and MoE layers
+    (one ``all_gather_object`` of indices) and one all-to-all sends each rank, from one of each
+    sample's holders, exactly those rows' tokens at those layers, one byte per value where the
+    expert ids fit. Samples holding plain arrays (no gather) are read where they are."""
+    config = unwrap(model).config
+    layers, _, _ = stage_moe_layers(model)
+    rows = [int(i) for i in batch.sample_ids]
+    if any(isinstance(s.routed_experts, RoutedExperts) for s in samples):
+        _check_routed_shapes(samples, config.num_layers, config.moe_router_topk)
+        per_row = _fetch_routing(samples, rows, layers, wire_dtype(config.num_moe_experts), group)
+        picked = list(range(len(layers)))  # the fetched arrays hold this stage's layers only
+    else:
+        per_row, picked = [samples[i].routed_experts for i in rows], layers
+    if all(r is None for r in per_row):
         raise ValueError("model.routing_replay=rollout: vLLM returned no routed experts "
                          "(rollout.return_routed_experts; vLLM's V2 GPU model runner)")
-    layers, _, _ = stage_moe_layers(model)
-    batch.routed_experts = rollout_routing(per_sample, batch.lengths.tolist(), batch.tokens.shape[1],
-                                           layers, unwrap(model).config.moe_router_topk)
+    batch.routed_experts = rollout_routing(per_row, batch.lengths.tolist(), batch.tokens.shape[1],
+                                           picked, config.moe_router_topk)
+
+
+def _check_routed_shapes(samples: list, num_layers: int, topk: int) -> None:
+    """vLLM's routing shapes, checked alike on every rank (before any collective)."""
+    for i, s in enumerate(samples):
+        shape = None if s.routed_experts is None else tuple(s.routed_experts.shape)
+        if shape is not None and (len(shape) != 3 or shape[1] != num_layers or shape[2] != topk):
+            raise ValueError(f"sample {i}: vLLM's routed experts have shape {shape}; expected "
+                             f"[tokens, {num_layers} layers, {topk}]")
+
+
+def _fetch_routing(samples: list, rows: list[int], layers: list[int], wire: torch.dtype,
+                   group) -> list[torch.Tensor | None]:
+    """Per row of ``rows``, its sample's routing ``[tokens, len(layers), k]`` at ``layers``
+    (``wire`` dtype), or None where vLLM returned none. Collective over ``group``."""
+    group = group or dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    me = ranks.index(dist.get_rank())
+    needs: list = [None] * len(ranks)
+    dist.all_gather_object(needs, (rows, layers), group=group)
+
+    def tokens(i: int) -> int:  # what vLLM returned, up to the sample's length
+        s = samples[i]
+        return min(s.routed_experts.shape[0], len(s.prompt_ids) + len(s.response_ids))
+
+    def source(r: RoutedExperts, q: int) -> int | None:  # None: rank q holds it
+        return None if ranks[q] in r.ranks else ranks.index(r.ranks[q % len(r.ranks)])
+
+    send: list[list[torch.Tensor]] = [[] for _ in ranks]
+    recv = [0] * len(ranks)
+    for q, (q_rows, q_layers) in enumerate(needs):
+        for i in q_rows:
+            r = samples[i].routed_experts
+            src = None if r is None else source(r, q)
+            if src == me:
+                send[q].append(torch.as_tensor(r.array[:tokens(i), q_layers]).to(wire).flatten())
+            if src is not None and q == me:
+                recv[src] += tokens(i) * len(q_layers) * r.shape[2]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    out = torch.empty(sum(recv), dtype=wire, device=device)
+    inp = torch.cat([t for ts in send for t in ts]) if any(send) else torch.empty(0, dtype=wire)
+    sizes = [sum(t.numel() for t in ts) for ts in send]
+    dist.all_to_all_single(out, inp if device is None else inp.to(device), recv, sizes, group=group)
+    got = list(out.cpu().split(recv))
+    offsets = [0] * len(ranks)
+    per_row = []
+    for i in rows:
+        r = samples[i].routed_experts
+        if r is None:
+            per_row.append(None)
+            continue
+        src = source(r, me)
+        if src is None:
+            per_row.append(torch.as_tensor(r.array[:tokens(i), layers]).to(wire))
+            continue
+        n = tokens(i) * len(layers) * r.shape[2]
+        per_row.append(got[src][offsets[src]:offsets[src] + n].view(tokens(i), len(layers), r.shape[2]))
+        offsets[src] += n
+    return per_row
