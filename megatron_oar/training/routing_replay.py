@@ -8,7 +8,9 @@ vLLM did while sampling), the PPO ratio compares two different sub-networks. The
 * ``training``: the old-logprob pass records the top-k experts of every (token, MoE layer), and
   the update's forward replays them (the ratio compares the same experts). Without activation
   recompute megatron's backward never re-runs the router, so the backward uses the routing the
-  forward used.
+  forward used; with it (``model.recompute=full``) each recomputed router replays, first in first
+  out, what its call's forward used (megatron's ``REPLAY_BACKWARD``, which we switch to when a
+  model call returns: megatron 0.16 never sets it).
 * ``rollout``: vLLM's routed experts (``enable_return_routed_experts``) of every sampled token are
   replayed in the old-logprob pass and in the update (R3-style: the three passes share one routing).
 
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_oar.models.builder import ROUTING_REPLAY_MODES, moe_layer_pattern
 from megatron_oar.models.parallel import unwrap
@@ -222,16 +225,26 @@ class RoutingPass:
         self.action = None  # megatron's RouterReplayAction of the pass's own calls
         self.tokens = None  # (row, col, valid) of the current micro-batch
         self.targets = self.known = None  # its replayed top-k [n, layers, k], and where recorded
+        # the model recomputes its routers in the backward (model.recompute=full): a grad-enabled
+        # call's routing is then kept in megatron's replay_backward_list, and the routers switch
+        # to REPLAY_BACKWARD when the call returns (see _keep_for_backward)
+        self.recomputed = _routers_recomputed(config)
+        self.keep = False  # the current call's routing is kept for its recompute
         self._handles = []
 
     # ------------------------------------------------------------------ hooks
 
     def _pre(self, module, args, kwargs):
         self.micro += 1
+        self.keep = self.recomputed and module.training and torch.is_grad_enabled() and self.action is not None
         if self.micro >= len(self.rows):  # a filler call (models.equal_calls): routes on its own
             self.tokens = None
             for r in self.routers:
-                if r.router_replay is not None:
+                if r.router_replay is None:
+                    continue
+                if self.keep:  # recorded, so that its recompute routes as it did
+                    r.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+                else:
                     r.router_replay.clear_router_replay_action()
             return
         if self.action is not None:  # the pass's own calls (before any filler)
@@ -261,12 +274,26 @@ class RoutingPass:
         out[inside] = torch.where(known[inside, :, None], got, out[inside])
         return out.to(row.device), known.to(row.device)
 
+    def _post(self, module, args, output):
+        """A model call returned: with recompute its routers' next calls are the recomputed
+        forwards of earlier calls (megatron's 1F1B runs backwards in the calls' order), which
+        pop what each call used from the front of the list."""
+        if self.keep:
+            for r in self.routers:
+                r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
     def _router_post(self, layer: int):
         def hook(router, args, output):
+            replay = router.router_replay
+            action = getattr(replay, "router_replay_action", None)
+            if action is RouterReplayAction.REPLAY_BACKWARD:  # recomputed: counted when it ran
+                return
+            if self.keep and action is RouterReplayAction.RECORD:  # what the recompute replays
+                replay.replay_backward_list.append(replay.get_recorded_indices().detach())
+            elif replay is not None and action is RouterReplayAction.REPLAY_FORWARD and not self.keep:
+                _drop_backward_target(replay)
             if self.tokens is None:  # a filler call: neither recorded nor counted
                 return
-            if self.replay is not None:
-                _drop_backward_target(router.router_replay)
             row, col, valid = self.tokens
             with torch.no_grad():
                 if self.record:  # kept on the device: copied once, when the pass ends
@@ -307,14 +334,13 @@ class RoutingPass:
     def __enter__(self) -> RoutingPass:
         if not self.routers:
             return self
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
         if self.record or self.replay is not None:
             self.action = RouterReplayAction.RECORD if self.record else RouterReplayAction.REPLAY_FORWARD
             for r in self.routers:
                 r.router_replay.clear_indices()
                 r.router_replay.set_router_replay_action(self.action)
         self._handles.append(unwrap(self.model).register_forward_pre_hook(self._pre, with_kwargs=True))
+        self._handles.append(unwrap(self.model).register_forward_hook(self._post))
         for i, r in enumerate(self.routers):
             self._handles.append(r.register_forward_hook(self._router_post(i)))
         return self
@@ -382,6 +408,15 @@ def _all_gather_chunked(t: torch.Tensor, group, size: int) -> list[torch.Tensor]
         for o, p in zip(out, parts):
             o[a:a + step] = p.cpu()
     return out
+
+
+def _routers_recomputed(config) -> bool:
+    """Whether megatron re-runs a MoE layer's router in the backward (in training mode with
+    grad): full recompute (``TransformerBlock._checkpointed_forward``) or selective recompute of
+    the MoE layer (``recompute_modules`` with ``moe``; the builder asks for ``core_attn`` only)."""
+    granularity = getattr(config, "recompute_granularity", None)
+    return granularity == "full" or (granularity == "selective"
+                                     and "moe" in (getattr(config, "recompute_modules", None) or ()))
 
 
 def _drop_backward_target(replay) -> None:
