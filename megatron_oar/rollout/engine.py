@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron_oar.models import parse_arch, read_hf_config
 from megatron_oar.rollout.batch import RolloutBatch, RoutedExperts
 from megatron_oar.rollout.config import VLLM_DTYPES, RolloutConfig, check_sampling
-from megatron_oar.rollout.weight_sync import ShardTarget, iter_hf_buckets
+from megatron_oar.rollout.weight_sync import ExpertTarget, ShardTarget, expert_target, iter_hf_buckets
 from megatron_oar.runtime import gloo_group
 from megatron_oar.seeds import ENGINE, derive_seed
 from megatron_oar.testing import faults
@@ -57,6 +57,7 @@ class SyncStats:
     received_pp_bytes: int = 0
     max_received_bytes: int = 0
     shards: bool = False  # the shard path (Megatron TP == vLLM TP, rollout.sync_shards)
+    experts_cut: bool = False  # the experts went as this rank's vLLM TP slice (rollout.sync_shards)
     received_ep_bytes: int = 0
 
     @property
@@ -378,6 +379,7 @@ class RolloutEngine:
             self.wake_up(["weights"])
         t0 = time.perf_counter()
         shards = self._shard_target(model)
+        experts = self._expert_target()
         counts = {"bytes": 0, "tensors": 0, "buckets": 0, "max": 0, "done": False, "tp": 0, "pp": 0,
                   "ep": 0}
         # what this rank was doing, for the error: gathering or loading bucket `index` (from 0),
@@ -386,7 +388,8 @@ class RolloutEngine:
         gathered = {"all": False}
 
         def megatron_buckets():  # the collective part: every rank must exhaust it
-            for bucket in iter_hf_buckets(model, self.arch, self.config.bucket_bytes, shards=shards):
+            for bucket in iter_hf_buckets(model, self.arch, self.config.bucket_bytes, shards=shards,
+                                          experts=experts):
                 counts["buckets"] += 1
                 counts["tp"] += bucket.received_tp
                 counts["pp"] += bucket.received_pp
@@ -452,7 +455,7 @@ class RolloutEngine:
                          num_tensors=counts["tensors"], num_buckets=counts["buckets"],
                          max_bucket_bytes=counts["max"], received_tp_bytes=counts["tp"],
                          received_pp_bytes=counts["pp"], received_ep_bytes=counts["ep"],
-                         shards=shards is not None,
+                         shards=shards is not None, experts_cut=experts is not None,
                          max_received_bytes=max(r["received"] for r in reports))
 
     def _shard_target(self, model) -> ShardTarget | None:
@@ -474,6 +477,18 @@ class RolloutEngine:
         # vLLM's vocabulary rows per rank (VocabParallelEmbedding: its padding, then 1/TP)
         rows = pad_vocab_size(self.arch.vocab_size, DEFAULT_VOCAB_PADDING_SIZE) // self.tp
         return ShardTarget(tp=self.tp, rank=rank, vocab_rows=rows)
+
+    def _expert_target(self) -> ExpertTarget | None:
+        """This rank's vLLM TP slice of the experts (``weight_sync.expert_target``: MoE models,
+        ``rollout.sync_shards``, vLLM TP > 1, pipeline peers on one vLLM TP rank), the same
+        decision on every rank; None: they travel whole."""
+        if not self.arch.is_moe:
+            return None
+        from megatron.core import parallel_state as ps
+
+        return expert_target(world_size=self.world_size, pp=ps.get_pipeline_model_parallel_world_size(),
+                             rank=self.rank, vllm_tp=self.tp, moe_intermediate_size=self.arch.moe_intermediate_size,
+                             enabled=self.config.sync_shards)
 
     # -- generation -----------------------------------------------------------------------
 
