@@ -84,6 +84,32 @@ def test_router_token_layout():
     assert valid.tolist() == [True, True, True, False, True, True, True, True, True, False]
 
 
+def test_tokens_without_routing_spread_over_experts():
+    """Replay: tokens without a recorded routing (padding; rows or columns vLLM returned none
+    for) get experts round-robin among themselves, per layer: balanced over all experts (every
+    EP rank takes its share), each token k distinct ones; recorded tokens keep theirs."""
+    from megatron_oar.training.routing_replay import RoutingPass
+
+    k, experts, layers = 2, 8, 2
+    lengths = [3, 16, 11]
+    table = torch.full((3, 16, layers, k), -1, dtype=torch.int16)
+    table[0, :3] = torch.tensor([5, 6], dtype=torch.int16)
+    table[2, :11, 1] = torch.tensor([1, 4], dtype=torch.int16)  # row 2: layer 0 never recorded
+    ids = torch.zeros(3, 16, dtype=torch.long)  # the micro-batch, padded to 16
+    row, col, valid = router_tokens((ids,), {}, [0, 1, 2], lengths, 0, 1, False)
+    fake = SimpleNamespace(replay=table, k=k, experts=experts)
+    targets, known = RoutingPass._targets(fake, row, col, valid)
+    assert targets.shape == (48, layers, k) and known.shape == (48, layers)
+    recorded = (row == 0) & (col < 3)
+    assert (targets[recorded] == torch.tensor([5, 6])).all() and known[recorded].all()
+    assert (targets[(row == 2) & (col < 11), 1] == torch.tensor([1, 4])).all()
+    for layer in range(layers):
+        fallback = targets[~known[:, layer], layer]  # [m, k]
+        assert len(fallback) > 0 and (fallback[:, 0] != fallback[:, 1]).all()
+        counts = torch.bincount(fallback.flatten(), minlength=experts)
+        assert counts.max() - counts.min() <= 1, (layer, counts.tolist())
+
+
 def test_rollout_routing_from_vllm_arrays():
     """vLLM's ``[prompt + response - 1, num_hidden_layers, k]`` per sequence -> this stage's MoE
     layers, ``-1`` past what vLLM returned; a wrong shape names the row."""
@@ -290,17 +316,70 @@ class _IntTraffic:
             setattr(self.dist, name, orig)
 
 
+# what makes the host wait for a CUDA device: reading a device value, or a result whose shape
+# depends on device values (boolean-mask indexing, nonzero, bincount's length)
+HOST_WAITS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero",
+              "bincount", "unique", "masked_select"}
+
+
+def _bool_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+class _HostWaits:
+    """Counts, while the routing's router hooks run (once per MoE layer and model call), the calls
+    that would make the host wait for the GPU (on CPU the same calls run, and are counted)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        from torch.overrides import TorchFunctionMode
+
+        from megatron_oar.training.routing_replay import RoutingPass
+
+        outer, orig = self, RoutingPass._router_post
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = getattr(func, "__name__", "")
+                if (name in HOST_WAITS or (name in ("__getitem__", "__setitem__") and _bool_index(args[1]))
+                        or (name == "to" and any(str(a) == "cpu" for a in (*args[1:], *kwargs.values())))):
+                    outer.count += 1
+                return func(*args, **kwargs)
+
+        def counted(pass_, layer):
+            hook = orig(pass_, layer)
+
+            def wrapped(*args):
+                with Mode():
+                    return hook(*args)
+            return wrapped
+
+        self.saved = orig
+        RoutingPass._router_post = counted
+        return self
+
+    def __exit__(self, *exc):
+        from megatron_oar.training.routing_replay import RoutingPass
+
+        RoutingPass._router_post = self.saved
+
+
 def _replay_worker(ckpt: str, layouts: list, out: str) -> None:
     import megatron_oar.training.routing_replay as rr
 
     chunk, rr.WIRE_CHUNK_BYTES = rr.WIRE_CHUNK_BYTES, 16  # the TP exchange 4 tokens at a time
     try:
-        _replay_layouts(ckpt, layouts, out)
+        with _HostWaits() as waits:
+            _replay_layouts(ckpt, layouts, out, waits)
     finally:  # the pool's processes run later jobs
         rr.WIRE_CHUNK_BYTES = chunk
 
 
-def _replay_layouts(ckpt: str, layouts: list, out: str) -> None:
+def _replay_layouts(ckpt: str, layouts: list, out: str, waits: _HostWaits) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -319,6 +398,11 @@ def _replay_layouts(ckpt: str, layouts: list, out: str) -> None:
         dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         batch = make_batch(arch.vocab_size, list(range(r, len(LENGTHS), dp)))
         res = {"sample_ids": batch.sample_ids, "layers": stage_moe_layers(model)[0]}
+        waits.count = 0
+        # without replay: the old-logprob pass still counts the expert load, on the device
+        none = RoutingLog("none")
+        old_logprob_pass(model, batch, arch.vocab_size, 2, batching="token_budget", max_tokens=40, routing=none)
+        res["load_none"] = none.metrics(torch.device("cpu"))
 
         # old-logprob pass: records the routing (token budget 40: other groups than the update's)
         log = RoutingLog("training")
@@ -331,6 +415,7 @@ def _replay_layouts(ckpt: str, layouts: list, out: str) -> None:
         share = sum(row.numel() for row, _, _ in _layout(policy.gpt, batch, groups))
         res["routing_bytes"] = (traffic.bytes, (tp - 1) * share * len(res["layers"]) * arch.moe_topk)
         batch.old_logprobs = old
+        res["load_training"] = log.metrics(torch.device("cpu"))
         res["routed"] = batch.routed_experts.clone()
         res["old"] = old
 
@@ -388,6 +473,7 @@ def _replay_layouts(ckpt: str, layouts: list, out: str) -> None:
                                      max_tokens=40, routing=log3)
         res["rollout_old"] = lp3
         res["rollout_metrics"] = log3.metrics(torch.device("cpu"))
+        res["host_waits"] = waits.count  # in the router hooks of every pass above
         results[_name(tp, pp, ep, recompute)] = res
     save_gathered(results, out)
     del dist
@@ -626,6 +712,10 @@ def test_training_replay_world2(tiny_moe):
             # of earlier micro-batches must not pile up in megatron's list (the current one only)
             got, want = res["routing_bytes"]
             assert got == want, f"{name}: the TP ranks exchanged {got} bytes of routing, expected {want}"
+            assert res["host_waits"] == 0, f"{name}: the router hooks made the host wait {res['host_waits']} times"
+            # the same weights route alike with and without recording: the same expert load
+            load = {k: v for k, v in res["load_training"].items() if k.startswith("routing/load")}
+            assert load and res["load_none"] == load, (name, res["load_none"], load)
             pending, micros = res["pending_training"]
             # with full recompute the backward replays them: at most the micro-batches in flight
             most = 2 if name.endswith("full") else 1

@@ -29,12 +29,14 @@ sequence-first, or THD packed), and under sequence parallelism to this TP rank's
 (a recording stays on the device, one byte per value where the ids fit, until the pass ends; then
 the TP ranks all-gather their shares in bounded chunks).
 Tokens without a recorded routing (padding, and vLLM's last sampled token, never fed back to the
-model) get experts ``0..k-1``; no loss, probe or earlier token reads them.
+model) take experts round-robin among themselves (every expert, hence every EP rank, alike); no
+loss, probe or earlier token reads them.
 
 Metrics (:class:`RoutingLog`): the share of top-k choices a pass would make on its own that equal
 the replayed ones (``routing/agree_*``, per (token, layer) the overlap of the two expert sets
 divided by ``k``: slot order is not compared), and the per-layer expert load of the old-logprob
-pass (tokens per expert, max over mean). Attribution passes (OAR-G, OAR-P) never replay: a masked
+pass (tokens per expert, max over mean), accumulated on the device and read once per pass.
+Attribution passes (OAR-G, OAR-P) never replay: a masked
 copy of a response routes on its own (that is the counterfactual), and OAR-G's gradient runs
 through the router of the sequence as the policy sees it.
 
@@ -109,7 +111,7 @@ def router_tokens(args: tuple, kwargs: dict, rows: list[int], lengths: list[int]
     """
     ids = args[0] if args else kwargs["input_ids"]
     packed = kwargs.get("packed_seq_params")
-    dev = ids.device
+    dev = torch.device("cpu")  # from shapes and lists: no device value is read (but THD offsets)
     m, s = ids.shape
     rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
     lens = torch.tensor(lengths, dtype=torch.long, device=dev)[rows_t]
@@ -220,14 +222,19 @@ class RoutingPass:
         self._layouts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         if replay is not None and replay.shape[2] != len(self.routers):
             raise ValueError(f"replayed routing has {replay.shape[2]} MoE layers, this stage has {len(self.routers)}")
-        self.counts = torch.zeros(len(self.routers), self.experts or 1, dtype=torch.float64)
+        # the metrics accumulate on the device, read once when the pass ends (no host wait per
+        # layer and call): tokens per expert, and (equal choices, choices) of the agreement
+        self.device = next(unwrap(model).parameters()).device
+        self.counts = torch.zeros(len(self.routers), self.experts or 1, dtype=torch.float64, device=self.device)
+        self.agreement = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self.slots = None  # the current call's real tokens (1.0) per top-k slot, on the device
         self.micro = -1  # calls past len(rows) are filler calls (models.equal_calls)
         self.action = None  # megatron's RouterReplayAction of the pass's own calls
         self.tokens = None  # (row, col, valid) of the current micro-batch
         self.targets = self.known = None  # its replayed top-k [n, layers, k], and where recorded
         # the model recomputes its routers in the backward (model.recompute=full): a grad-enabled
         # call's routing is then kept in megatron's replay_backward_list, and the routers switch
-        # to REPLAY_BACKWARD when the call returns (see _keep_for_backward)
+        # to REPLAY_BACKWARD when the call returns (see _post)
         self.recomputed = _routers_recomputed(config)
         self.keep = False  # the current call's routing is kept for its recompute
         self._handles = []
@@ -251,28 +258,36 @@ class RoutingPass:
             for r in self.routers:
                 r.router_replay.set_router_replay_action(self.action)
         rows = self.rows[self.micro]
-        full = router_tokens(args, kwargs, rows, self.lengths, 0, 1, False)
+        full = router_tokens(args, kwargs, rows, self.lengths, 0, 1, False)  # on the CPU
         self.tokens = _tp_share(full, self.tp_rank, self.tp_size, self.sp)
+        valid = self.tokens[2]
+        self.slots = valid.repeat_interleave(self.k).double().to(self.device, non_blocking=True)
         if self.record:
-            self._layouts.append(tuple(t.cpu() for t in full))
-            self._recorded.append(torch.zeros(self.tokens[0].numel(), len(self.routers), self.k,
-                                              dtype=wire_dtype(self.experts), device=self.tokens[0].device))
-        if self.replay is not None:
-            self.targets, self.known = self._targets(*self.tokens)
+            self._layouts.append(full)
+            self._recorded.append(torch.zeros(valid.numel(), len(self.routers), self.k,
+                                              dtype=wire_dtype(self.experts), device=self.device))
+        if self.replay is not None:  # one copy to the device per call, every layer's
+            targets, known = self._targets(*self.tokens)
+            self.targets = targets.to(self.device, non_blocking=True)
+            self.known = known.to(self.device, non_blocking=True)
             for i, r in enumerate(self.routers):
                 r.router_replay.set_target_indices(self.targets[:, i])
 
     def _targets(self, row, col, valid) -> tuple[torch.Tensor, torch.Tensor]:
-        """The replayed top-k ``[n, layers, k]`` of this micro-batch's router tokens (``0..k-1``
-        where none was recorded) and where one was ``[n, layers]``, gathered once for all layers."""
+        """The replayed top-k ``[n, layers, k]`` of this micro-batch's router tokens and where
+        one was recorded ``[n, layers]`` (on the CPU), gathered once for all layers. Tokens
+        without one (padding; what vLLM did not return) take experts round-robin among
+        themselves, per layer: ``m``-th such token ``(m k + j) mod E`` for slot ``j``, so they
+        load every expert (every EP rank) alike, where experts ``0..k-1`` took them all."""
         n, layers = row.numel(), self.replay.shape[2]
-        inside = (valid & (col < self.replay.shape[1])).cpu()
-        got = self.replay[row.cpu()[inside], col.cpu()[inside]].long()  # [m, layers, k]
+        inside = valid & (col < self.replay.shape[1])
+        got = self.replay[row[inside], col[inside]].long()  # [m, layers, k]
         known = torch.zeros(n, layers, dtype=torch.bool)
         known[inside] = (got >= 0).all(-1)
-        out = torch.arange(self.k).expand(n, layers, self.k).clone()
+        rank = (~known).long().cumsum(0) - 1  # [n, layers]: each unrouted token's place among them
+        out = (rank[:, :, None] * self.k + torch.arange(self.k)) % self.experts
         out[inside] = torch.where(known[inside, :, None], got, out[inside])
-        return out.to(row.device), known.to(row.device)
+        return out, known
 
     def _post(self, module, args, output):
         """A model call returned: with recompute its routers' next calls are the recomputed
@@ -294,29 +309,21 @@ class RoutingPass:
                 _drop_backward_target(replay)
             if self.tokens is None:  # a filler call: neither recorded nor counted
                 return
-            row, col, valid = self.tokens
+            # everything below stays on the device: nothing here waits for it
             with torch.no_grad():
-                if self.record:  # kept on the device: copied once, when the pass ends
+                if self.record:  # copied to the CPU once, when the pass ends
                     idx = router.router_replay.get_recorded_indices().detach()
-                    self._recorded[-1][:, layer] = idx.to(self._recorded[-1].device, self._recorded[-1].dtype)
+                    self._recorded[-1][:, layer] = idx  # same device; cast to the wire dtype
                 if self.log is None:
                     return
                 own = self._own_topk(router, args, output)
-                if self.load:
-                    self.counts[layer] += torch.bincount(own[valid].flatten().cpu(),
-                                                         minlength=self.experts).double()
+                if self.load:  # real tokens' slots per expert
+                    self.counts[layer].index_add_(0, own.flatten(), self.slots)
                 if self.replay is not None and self.agree_name:
                     known = self.known[:, layer]
-                    n = int(known.sum())
-                    if n:
-                        target = self.targets[known, layer].to(own.device)
-                        equal = _overlap(own[known.to(own.device)], target, self.experts).sum()
-                        self._add(float(equal), float(n * self.k))
+                    equal = (_overlap(own, self.targets[:, layer], self.experts) * known).sum()
+                    self.agreement += torch.stack([equal, known.sum() * self.k]).double()
         return hook
-
-    def _add(self, equal: float, total: float) -> None:
-        if self.sp or self.tp_rank == 0:  # without SP every TP rank sees the same tokens
-            self.log.count_agreement(self.agree_name, equal, total)
 
     def _own_topk(self, router, args, output) -> torch.Tensor:
         """The experts the router would choose itself: its routing map, or, when it replayed,
@@ -357,13 +364,20 @@ class RoutingPass:
             return
         if self.record:
             self.routed = self._assemble_recorded()
-        if self.log is not None and self.load and self.routers:
-            if self.sp or self.tp_rank == 0:
-                _, numbers, total = stage_moe_layers(self.model)
-                if self.log.load is None:
-                    self.log.load = torch.zeros(total, self.experts, dtype=torch.float64)
-                for i, n in enumerate(numbers):
-                    self.log.load[n] += self.counts[i]
+        # the metrics: read from the device once per pass; without SP every TP rank saw the same
+        # tokens, so TP rank 0 counts them
+        counted = self.sp or self.tp_rank == 0
+        if self.log is not None and self.replay is not None and self.agree_name and self.routers and counted:
+            equal, total = self.agreement.tolist()
+            if total:
+                self.log.count_agreement(self.agree_name, equal, total)
+        if self.log is not None and self.load and self.routers and counted:
+            _, numbers, total = stage_moe_layers(self.model)
+            if self.log.load is None:
+                self.log.load = torch.zeros(total, self.experts, dtype=torch.float64)
+            counts = self.counts.cpu()
+            for i, n in enumerate(numbers):
+                self.log.load[n] += counts[i]
 
 
     def _assemble_recorded(self) -> torch.Tensor:
