@@ -9,8 +9,8 @@ vLLM returns them) into ``routed [B, L, n, k]`` and through ``RolloutBatch`` -> 
 the batch, and the config key's refusals.
 
 Slow (one pooled world of 2 gloo ranks, one job running EP2 (as DP2 for the dense part), PP2,
-TP2 with sequence parallelism and PP2 with full recompute; measured 50-70 s on the shared 2 cores
-at load 6-12, the world's start included; the conversion 1 s):
+TP2 with sequence parallelism and PP2 with full recompute; the whole file 28 s at low load, up to
+70 s at load 6-12 on the shared 2 cores, the world's start included; the conversion 1 s):
 the old-logprob pass records the routing transformers computes (at TP2 the ranks exchange one
 byte per value of their own tokens); the update on unchanged weights
 reproduces the old log-probs exactly (ratio 1, agreement 1); after the
