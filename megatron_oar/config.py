@@ -482,10 +482,6 @@ def _check_model_and_layout(cfg: Config, world_size: int | None) -> int:
     _one_of("model.recompute", m.recompute, (None, "selective", "full"))
     _one_of("model.moe_dispatcher", m.moe_dispatcher, MOE_DISPATCHERS)
     _one_of("model.routing_replay", m.routing_replay, ROUTING_REPLAY_MODES)
-    _need(m.routing_replay == "none" or m.recompute != "full",
-          f"model.routing_replay={m.routing_replay!r} with model.recompute='full': the recomputed "
-          "forward in the backward would route again (megatron-core 0.16 sets no replay action for "
-          "it); use model.recompute=selective or null")
     _at_least(cfg, "model.vocab_multiple parallel.tp parallel.pp parallel.ep")
     _need(p.etp is None or p.etp >= 1, f"parallel.etp={p.etp}: must be >= 1 (or null: parallel.tp)")
     _need(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel needs parallel.tp > 1")

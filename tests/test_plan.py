@@ -431,21 +431,29 @@ def test_moe_dispatcher_and_weight_sync_bytes_by_hand():
     assert plan_moe.dispatcher_bytes_per_token(a, 4, 2, 2) == {
         "all_to_all": 2 * row * 3 / 4, "etp_gather": 2 * row, "total": 2 * row * 3 / 4 + 2 * row}
     # full tensors (vLLM TP8 != TP4), one stage: TP4 all-gathers 3/4 of the attention linears and
-    # of the embedding and output layer; the experts are gathered over EP8 (7/8 of them)
+    # of the embedding and output layer; the experts travel as vLLM TP8 slices, each rank
+    # receiving over EP8 its slice (1/8) of the other 7/8 of them
     attention = (40 * 128 * 2048) * 3 // 4 + (2048 * 4096) * 3 // 4
     tp_gather = 48 * attention + 2 * (151936 * 2048 * 3 // 4)
-    ep_gather = 48 * (128 * 3 * 2048 * 768 * 7 // 8)
-    assert not pl.sync["shards"] and pl.sync["pp_broadcast"] == 0
+    ep_gather = 48 * (128 * 3 * 2048 * 768 * 7 // 8) // 8
+    assert not pl.sync["shards"] and pl.sync["pp_broadcast"] == 0 and pl.sync["expert_tp"] == 8
     assert pl.sync["tp_gather"] == pytest.approx(2 * tp_gather / P.GIB)
     assert pl.sync["ep_gather"] == pytest.approx(2 * ep_gather / P.GIB)
-    assert "EP gather 47.25)" in P.render(pl, "x")
-    # 235B at PP2 (vLLM TP16: full tensors), the worst rank on stage 0: it receives stage 1's 47
-    # layers whole (attention, its 2 norms and the q/k norms, the router, all 128 experts), the
+    assert "EP gather 5.91), experts as 1/8 slices; full tensors would be 49.39 GiB" in P.render(pl, "x")
+    # vLLM's reload holds one MoE layer's experts: 128 x (gate, up, down) compact frames of
+    # (2048 + 8 - 1) x 768 / 8 elements, 1/8 of the whole 1.125 GiB
+    assert pl.sync["moe_layer_reload_gib"] == pytest.approx(2 * 128 * 3 * (2048 + 7) * 96 / P.GIB)
+    whole = _plan("qwen3-30b-a3b_oar_g", "rollout.sync_shards=false")
+    assert whole.sync["expert_tp"] == 1 and whole.sync["ep_gather"] == pytest.approx(47.25, abs=0.01)
+    assert whole.sync["moe_layer_reload_gib"] == pytest.approx(2 * 128 * 3 * 2048 * 768 / P.GIB)
+    # 235B at PP2 (vLLM TP16: full tensors but the experts' 1/16 slices; the 64 ranks of a stage
+    # hold every vLLM TP rank alike), the worst rank on stage 0: it receives stage 1's 47 layers
+    # (attention, its 2 norms and the q/k norms, the router whole, the 128 experts' slices), the
     # final norm and the output layer
     experts = 128 * 3 * 4096 * 1536
-    layer = (72 * 128) * 4096 + 4096 * (64 * 128) + 2 * 4096 + 2 * 128 + 128 * 4096 + experts
+    layer = (72 * 128) * 4096 + 4096 * (64 * 128) + 2 * 4096 + 2 * 128 + 128 * 4096 + experts // 16
     big = _plan("qwen3-235b-a22b_oar_g")
-    assert big.sync["ep_gather"] == pytest.approx(2 * 47 * (experts * 63 // 64) / P.GIB)
+    assert big.sync["ep_gather"] == pytest.approx(2 * 47 * (experts * 63 // 64) // 16 / P.GIB)
     assert big.sync["pp_broadcast"] == pytest.approx(2 * (47 * layer + 4096 + 151936 * 4096) / P.GIB)
 
 

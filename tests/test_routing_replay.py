@@ -8,16 +8,20 @@ and packed micro-batches under sequence parallelism, vLLM's routed experts (reco
 vLLM returns them) into ``routed [B, L, n, k]`` and through ``RolloutBatch`` -> ``Sample`` ->
 the batch, and the config key's refusals.
 
-Slow (one pooled world of 2 gloo ranks, one job running EP2 (as DP2 for the dense part), PP2
-and TP2 with sequence parallelism; measured 31-36 s on the shared 2 cores at load 4-9, the
-world's start included; the conversion 1 s):
-the old-logprob pass records the routing transformers computes; the update on unchanged weights
+Slow (one pooled world of 2 gloo ranks, one job running EP2 (as DP2 for the dense part), PP2,
+TP2 with sequence parallelism and PP2 with full recompute; the whole file 28 s at low load, up to
+70 s at load 6-12 on the shared 2 cores, the world's start included; the conversion 1 s):
+the old-logprob pass records the routing transformers computes (at TP2 the ranks exchange one
+byte per value of their own tokens); the update on unchanged weights
 reproduces the old log-probs exactly (ratio 1, agreement 1); after the
 routers' weights change (expert rows rolled: every token's own routing moves), the update
 replays the recorded routing exactly and its loss and router gradients equal transformers with
 the routing forced by hand; without replay the update routes on its own (the rolled routing);
 ``rollout`` mode replays vLLM-style ids in the old-logprob pass (transformers' log-probs with
-that routing forced).
+that routing forced). Under full recompute the recomputed routers replay what their forward
+used; megatron's list of replayed targets never holds more than the calls in flight.
+The rollout-routing exchange (2 ranks, no model, a few seconds): each rank receives only its rows
+and its stage's layers of vLLM's routing.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import pytest
 import torch
 
 from megatron_oar.training.routing_replay import RoutingLog, _overlap, rollout_routing, router_tokens
-from tests.distributed import launch, save_gathered
+from tests.distributed import launch, launch_and_load, save_gathered
 from tests.tiny import make_tiny_qwen3_moe
 
 # DP rank r takes rows r, r + 2, ...: equal lengths pairwise, since megatron's allgather dispatcher
@@ -78,6 +82,32 @@ def test_router_token_layout():
     assert row.tolist() == [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]
     assert col.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
     assert valid.tolist() == [True, True, True, False, True, True, True, True, True, False]
+
+
+def test_tokens_without_routing_spread_over_experts():
+    """Replay: tokens without a recorded routing (padding; rows or columns vLLM returned none
+    for) get experts round-robin among themselves, per layer: balanced over all experts (every
+    EP rank takes its share), each token k distinct ones; recorded tokens keep theirs."""
+    from megatron_oar.training.routing_replay import RoutingPass
+
+    k, experts, layers = 2, 8, 2
+    lengths = [3, 16, 11]
+    table = torch.full((3, 16, layers, k), -1, dtype=torch.int16)
+    table[0, :3] = torch.tensor([5, 6], dtype=torch.int16)
+    table[2, :11, 1] = torch.tensor([1, 4], dtype=torch.int16)  # row 2: layer 0 never recorded
+    ids = torch.zeros(3, 16, dtype=torch.long)  # the micro-batch, padded to 16
+    row, col, valid = router_tokens((ids,), {}, [0, 1, 2], lengths, 0, 1, False)
+    fake = SimpleNamespace(replay=table, k=k, experts=experts)
+    targets, known = RoutingPass._targets(fake, row, col, valid)
+    assert targets.shape == (48, layers, k) and known.shape == (48, layers)
+    recorded = (row == 0) & (col < 3)
+    assert (targets[recorded] == torch.tensor([5, 6])).all() and known[recorded].all()
+    assert (targets[(row == 2) & (col < 11), 1] == torch.tensor([1, 4])).all()
+    for layer in range(layers):
+        fallback = targets[~known[:, layer], layer]  # [m, k]
+        assert len(fallback) > 0 and (fallback[:, 0] != fallback[:, 1]).all()
+        counts = torch.bincount(fallback.flatten(), minlength=experts)
+        assert counts.max() - counts.min() <= 1, (layer, counts.tolist())
 
 
 def test_rollout_routing_from_vllm_arrays():
@@ -158,7 +188,7 @@ def test_rollout_batch_carries_routed_experts():
 
 def test_config_key_validated():
     from megatron_oar.config import ConfigError, validate
-    from tests.test_config import example
+    from tests.test_config import CASES, HF, example
     from tests.test_qwen3_moe import QWEN3_30B_A3B
 
     def cfg(*overrides):
@@ -169,8 +199,14 @@ def test_config_key_validated():
     assert c.rollout.return_routed_experts  # derived: vLLM asked for its routing
     with pytest.raises(ConfigError, match=r"model\.routing_replay='always'"):
         validate(cfg("model.routing_replay=always"), world_size=1)
-    with pytest.raises(ConfigError, match=r"model\.routing_replay='training' with model\.recompute='full'"):
-        validate(cfg("model.routing_replay=training", "model.recompute=full"), world_size=1)
+    # replay under full recompute: the recomputed routers replay what the forward used
+    validate(cfg("model.routing_replay=training", "model.recompute=full"), world_size=1, hf_config=QWEN3_30B_A3B)
+    for name in ("qwen3-30b-a3b_oar_g.yaml", "qwen3-235b-a22b_oar_g.yaml"):  # the MoE examples
+        arch, world = CASES[name]
+        for mode in ("training", "rollout"):
+            c = example(name, f"model.routing_replay={mode}")
+            assert c.model.recompute == "full"
+            validate(c, world_size=world, hf_config=HF[arch])
     with pytest.raises(ConfigError, match=r"model\.routing_replay='training' needs a mixture-of-experts"):
         validate(cfg("model.routing_replay=training"), world_size=1,
                  hf_config={**QWEN3_30B_A3B, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"})
@@ -198,7 +234,7 @@ def make_batch(vocab: int, rows: list[int]):
     return full.select(rows) if rows is not None else full
 
 
-def _policy(ckpt: str, mode: str, tp: int):
+def _policy(ckpt: str, mode: str, tp: int, recompute: str | None = None):
     from megatron_oar.config import ModelConfig, OptimConfig
     from megatron_oar.models import parse_arch
     from megatron_oar.training.policy import build_policy
@@ -207,23 +243,31 @@ def _policy(ckpt: str, mode: str, tp: int):
     hf = read_config(Path(ckpt) / "hf")
     # lr 1e-30: Adam's step is below fp32 resolution, so the weights change only where the test
     # changes them; no clipping, so the gradient buffers hold the loss's gradients
-    policy = build_policy(hf, ModelConfig(path=ckpt, spec="local", routing_replay=mode, sequence_parallel=tp > 1),
+    policy = build_policy(hf, ModelConfig(path=ckpt, spec="local", routing_replay=mode, sequence_parallel=tp > 1,
+                                          recompute=recompute),
                           OptimConfig(lr=1e-30, clip_grad=0.0, use_distributed_optimizer=False),
                           checkpoint=ckpt, total_optimizer_steps=10)
     return policy, parse_arch(hf)
 
 
 class _Capture:
-    """Every router call's chosen experts (sorted), per stage layer, in call order."""
+    """Every router call's chosen experts (sorted), per stage layer, in call order; and the most
+    replayed targets megatron's ``RouterReplay`` held for the backward at any call (its
+    ``replay_backward_list``, which ``set_target_indices`` appends to)."""
 
     def __init__(self, model):
         from megatron_oar.training.routing_replay import moe_routers
 
         self.calls = {i: [] for i in range(len(moe_routers(model)))}
+        self.pending = 0
         self.handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(moe_routers(model))]
 
     def _hook(self, i):
         def hook(router, args, output):
+            if torch._C._current_graph_task_id() != -1:  # recomputed in the backward: not a call
+                return
+            if router.router_replay is not None:
+                self.pending = max(self.pending, len(router.router_replay.replay_backward_list))
             self.calls[i].append(output[1].int().topk(router.topk, dim=-1).indices.sort(-1).values.detach())
         return hook
 
@@ -249,7 +293,108 @@ def _layout(model, batch, groups):
     return out
 
 
+class _IntTraffic:
+    """Bytes this rank receives in integer-dtype collectives over ``group`` (the routing's: the
+    model's own collectives move floats), while active: an all-reduce counts its tensor, an
+    all-gather the other ranks' parts."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.dist, self.group, self.bytes, self.saved = dist, group, 0, {}
+
+    def _count(self, name, received):
+        orig = self.saved[name]
+
+        def wrapped(*args, **kwargs):
+            group = kwargs.get("group", args[2] if len(args) > 2 else None)
+            if group is self.group:
+                self.bytes += received(*args)
+            return orig(*args, **kwargs)
+        return wrapped
+
+    def __enter__(self):
+        def ints(t):
+            return t.nbytes if not t.is_floating_point() else 0
+
+        world = self.dist.get_world_size(self.group)
+        rules = {"all_reduce": lambda t, *_: ints(t),
+                 "all_gather": lambda out, t, *_: (len(out) - 1) * ints(t),
+                 "all_gather_into_tensor": lambda out, t, *_: (world - 1) * ints(t)}
+        for name, received in rules.items():
+            self.saved[name] = getattr(self.dist, name)
+            setattr(self.dist, name, self._count(name, received))
+        return self
+
+    def __exit__(self, *exc):
+        for name, orig in self.saved.items():
+            setattr(self.dist, name, orig)
+
+
+# what makes the host wait for a CUDA device: reading a device value, or a result whose shape
+# depends on device values (boolean-mask indexing, nonzero, bincount's length)
+HOST_WAITS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero",
+              "bincount", "unique", "masked_select"}
+
+
+def _bool_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+class _HostWaits:
+    """Counts, while the routing's router hooks run (once per MoE layer and model call), the calls
+    that would make the host wait for the GPU (on CPU the same calls run, and are counted)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        from torch.overrides import TorchFunctionMode
+
+        from megatron_oar.training.routing_replay import RoutingPass
+
+        outer, orig = self, RoutingPass._router_post
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = getattr(func, "__name__", "")
+                if (name in HOST_WAITS or (name in ("__getitem__", "__setitem__") and _bool_index(args[1]))
+                        or (name == "to" and any(str(a) == "cpu" for a in (*args[1:], *kwargs.values())))):
+                    outer.count += 1
+                return func(*args, **kwargs)
+
+        def counted(pass_, layer):
+            hook = orig(pass_, layer)
+
+            def wrapped(*args):
+                with Mode():
+                    return hook(*args)
+            return wrapped
+
+        self.saved = orig
+        RoutingPass._router_post = counted
+        return self
+
+    def __exit__(self, *exc):
+        from megatron_oar.training.routing_replay import RoutingPass
+
+        RoutingPass._router_post = self.saved
+
+
 def _replay_worker(ckpt: str, layouts: list, out: str) -> None:
+    import megatron_oar.training.routing_replay as rr
+
+    chunk, rr.WIRE_CHUNK_BYTES = rr.WIRE_CHUNK_BYTES, 16  # the TP exchange 4 tokens at a time
+    try:
+        with _HostWaits() as waits:
+            _replay_layouts(ckpt, layouts, out, waits)
+    finally:  # the pool's processes run later jobs
+        rr.WIRE_CHUNK_BYTES = chunk
+
+
+def _replay_layouts(ckpt: str, layouts: list, out: str, waits: _HostWaits) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -261,19 +406,31 @@ def _replay_worker(ckpt: str, layouts: list, out: str) -> None:
 
     results = {}
     loss_cfg = PolicyLossConfig()
-    for tp, pp, ep in layouts:
+    for tp, pp, ep, recompute in layouts:
         init_runtime(ParallelConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1))
-        policy, arch = _policy(ckpt, "training", tp)
+        policy, arch = _policy(ckpt, "training", tp, recompute)
         model = policy.model
         dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         batch = make_batch(arch.vocab_size, list(range(r, len(LENGTHS), dp)))
         res = {"sample_ids": batch.sample_ids, "layers": stage_moe_layers(model)[0]}
+        waits.count = 0
+        # without replay: the old-logprob pass still counts the expert load, on the device
+        none = RoutingLog("none")
+        old_logprob_pass(model, batch, arch.vocab_size, 2, batching="token_budget", max_tokens=40, routing=none)
+        res["load_none"] = none.metrics(torch.device("cpu"))
 
         # old-logprob pass: records the routing (token budget 40: other groups than the update's)
         log = RoutingLog("training")
-        old, _, _ = old_logprob_pass(model, batch, arch.vocab_size, 2, batching="token_budget",
-                                     max_tokens=40, routing=log)
+        with _IntTraffic(ps.get_tensor_model_parallel_group()) as traffic:
+            old, _, _ = old_logprob_pass(model, batch, arch.vocab_size, 2, batching="token_budget",
+                                         max_tokens=40, routing=log)
+        # what the TP ranks exchange: each the others' shares of the router tokens, one byte per
+        # (token, MoE layer, slot) (4 experts fit uint8)
+        groups = micro_batches(batch.lengths.tolist(), batching="token_budget", rows_per_micro=2, max_tokens=40)
+        share = sum(row.numel() for row, _, _ in _layout(policy.gpt, batch, groups))
+        res["routing_bytes"] = (traffic.bytes, (tp - 1) * share * len(res["layers"]) * arch.moe_topk)
         batch.old_logprobs = old
+        res["load_training"] = log.metrics(torch.device("cpu"))
         res["routed"] = batch.routed_experts.clone()
         res["old"] = old
 
@@ -307,6 +464,7 @@ def _replay_worker(ckpt: str, layouts: list, out: str) -> None:
                     want = (batch.routed_experts[row[valid], col[valid], layer].long() + shift) % arch.num_experts
                     match &= torch.equal(got[valid], want.sort(-1).values)
             res[f"match_{mode}"] = match
+            res[f"pending_{mode}"] = (cap.pending, len(groups))
             if mode == "training":
                 res["agree_rolled"] = log2.metrics(torch.device("cpu"))
                 res["loss"] = step.stats["loss"]
@@ -330,9 +488,148 @@ def _replay_worker(ckpt: str, layouts: list, out: str) -> None:
                                      max_tokens=40, routing=log3)
         res["rollout_old"] = lp3
         res["rollout_metrics"] = log3.metrics(torch.device("cpu"))
-        results[f"tp{tp}pp{pp}ep{ep}"] = res
+        res["host_waits"] = waits.count  # in the router hooks of every pass above
+        results[_name(tp, pp, ep, recompute)] = res
     save_gathered(results, out)
     del dist
+
+
+R3_LAYERS, R3_TOPK, R3_EXPERTS = 16, 4, 64  # vLLM's routing: every decoder layer, int32
+
+
+def _r3_routing(prompt: int, j: int, tokens: int) -> np.ndarray:
+    return np.random.default_rng(100 * prompt + j).integers(0, R3_EXPERTS, size=(tokens, R3_LAYERS, R3_TOPK),
+                                                           dtype=np.int32)
+
+
+class _Received:
+    """Bytes this rank receives in the world's all-gathers (``all_gather_object``'s too) and
+    all-to-alls while active: the other ranks' parts."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        self.spots = [(c10d, "all_gather"), (dist, "all_gather"), (c10d, "all_to_all_single"),
+                      (dist, "all_to_all_single")]
+        self.bytes = self.a2a = 0
+        self.saved = [getattr(m, n) for m, n in self.spots]
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        me = dist.get_rank()
+        gather, a2a = self.saved[0], self.saved[2]
+        inside = [False]  # the CPU backend's torch-function mode calls a collective again
+
+        def counted(f, count):
+            def wrapped(*args, **kwargs):
+                if inside[0]:
+                    return f(*args, **kwargs)
+                inside[0] = True
+                try:
+                    count(*args, **kwargs)
+                    return f(*args, **kwargs)
+                finally:
+                    inside[0] = False
+            return wrapped
+
+        def gathered(out, t, *_, **__):
+            self.bytes += sum(o.nbytes for i, o in enumerate(out) if i != me)
+
+        def exchanged(output, input, output_split_sizes=None, *_, **__):
+            n = output.shape[0]
+            mine = output_split_sizes[me] if output_split_sizes else n // dist.get_world_size()
+            got = (n - mine) * output.element_size()
+            self.bytes += got
+            self.a2a += got
+
+        all_gather, all_to_all_single = counted(gather, gathered), counted(a2a, exchanged)
+
+        for (m, n), f in zip(self.spots, [all_gather, all_gather, all_to_all_single, all_to_all_single]):
+            setattr(m, n, f)
+        return self
+
+    def __exit__(self, *exc):
+        for (m, n), f in zip(self.spots, self.saved):
+            setattr(m, n, f)
+
+
+def _r3_worker(out: str) -> None:
+    """Two rollout groups (rollout TP1) generate two prompts each (n=2); each rank then trains on
+    six of the eight samples and holds its own half of the MoE layers (as two pipeline stages)."""
+    import torch.distributed as dist
+
+    import megatron_oar.training.routing_replay as rr
+    from megatron_oar.data.readers import Example
+    from megatron_oar.rollout.batch import RolloutBatch
+    from megatron_oar.rollout.engine import gather_rollouts
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+    from megatron_oar.training.collect import generate_samples
+
+    init_runtime(ParallelConfig())
+    rank = dist.get_rank()
+
+    def generate(ids, seeds, with_routing):
+        prompts = [[5, 6, 7]] * len(ids)
+        first = 2 * rank  # this group's prompts (collect.group_share)
+        responses = [[[1] * (60 + 10 * (first + i) + 5 * j) for j in range(2)] for i in range(len(ids))]
+        routed = [[_r3_routing(first + i, j, len(p) + len(r) - 1) for j, r in enumerate(rs)]
+                  for i, (p, rs) in enumerate(zip(prompts, responses))] if with_routing else None
+        return RolloutBatch(prompt_ids=prompts, response_ids=responses,
+                            logprobs=[[[-1.0] * len(r) for r in rs] for rs in responses],
+                            finish_reasons=[["stop"] * 2] * len(ids), stop_reasons=[[None] * 2] * len(ids),
+                            texts=[[""] * 2] * len(ids), seeds=list(seeds), n=2, temperature=1.0, top_p=1.0,
+                            top_k=0, logprobs_mode="raw_logprobs", routed_experts=routed)
+
+    tok = type("Tok", (), {"chat_template": None, "__call__": lambda self, text, **_: {"input_ids": [1, 2]}})()
+    examples = [Example(f"p{i}", "a", "s", i) for i in range(4)]
+    layers = list(range(rank * R3_LAYERS // 2, (rank + 1) * R3_LAYERS // 2))
+    rows = list(range(2 * rank, 2 * rank + 6))
+    saved = rr.stage_moe_layers
+    rr.stage_moe_layers = lambda model: (layers, None, None)  # this rank's "stage"
+    model = SimpleNamespace(config=SimpleNamespace(moe_router_topk=R3_TOPK, num_moe_experts=R3_EXPERTS,
+                                                   num_layers=R3_LAYERS))
+    res = {}
+    try:
+        for with_routing in (False, True):
+            engine = SimpleNamespace(dp_size=2, dp_rank=rank, world_size=2, is_group_leader=True,
+                                     group_ranks=[rank], tp=1, _world_gloo=dist.group.WORLD)
+            engine.generate = lambda ids, seeds, **_: generate(ids, seeds, with_routing)
+            engine.gather = lambda b: gather_rollouts(b, engine)
+            with _Received() as received:
+                samples = generate_samples(engine, tok, examples, "answer_tag", list(range(4)))
+                lengths = [len(x.prompt_ids) + len(x.response_ids) for x in samples]
+                batch = SimpleNamespace(sample_ids=torch.tensor(rows), lengths=torch.tensor([lengths[i] for i in rows]),
+                                        tokens=torch.zeros(len(rows), max(lengths[i] for i in rows)))
+                if with_routing:
+                    rr.attach_rollout_routing(model, batch, samples)
+            res[with_routing] = (received.bytes, received.a2a)
+        want = rr.rollout_routing([_r3_routing(i // 2, i % 2, lengths[i] - 1) for i in rows],
+                                  batch.lengths.tolist(), batch.tokens.shape[1], layers, R3_TOPK)
+        res["equal"] = torch.equal(batch.routed_experts, want)
+        # what this rank needs from the other group: its rows' tokens x its layers x k, one byte each
+        res["need"] = sum((lengths[i] - 1) * len(layers) * R3_TOPK for i in rows if i // 4 != rank)
+    finally:
+        rr.stage_moe_layers = saved
+    save_gathered(res, out)
+
+
+@pytest.mark.slow
+def test_rollout_routing_reaches_only_its_ranks(tmp_path):
+    """``model.routing_replay=rollout``: vLLM's routing of every completion stays on its rollout
+    group's ranks when the rollouts are gathered; each rank then receives only its own rows and
+    its own stage's MoE layers, one byte per value, and gets the same ``routed`` as from the
+    whole arrays. 2 gloo ranks, no model: about 2 s in a warm pool."""
+    ranks = launch_and_load(_r3_worker, 2, tmp_path / "r3.pt")
+    for rank, res in enumerate(ranks):
+        plain, _ = res[False]
+        total, a2a = res[True]
+        print(f"rank {rank}: received {total - plain} bytes for the routing ({a2a} of them routing values; "
+              f"{res['need']} needed)")
+        assert res["equal"], rank
+        assert a2a == res["need"], rank
+        assert total - plain <= res["need"] + 4096, f"rank {rank}: {total - plain} bytes for {res['need']}"
 
 
 @pytest.fixture(scope="module")
@@ -392,6 +689,10 @@ def _hf_forced(hf_dir, batch, routed: dict | None, roll: bool):
     return lps, model, own
 
 
+def _name(tp: int, pp: int, ep: int, recompute: str | None) -> str:
+    return f"tp{tp}pp{pp}ep{ep}" + (f"-recompute_{recompute}" if recompute else "")
+
+
 @pytest.mark.slow
 def test_training_replay_world2(tiny_moe):
     from megatron_oar.algorithms import PolicyLossConfig, policy_loss
@@ -399,7 +700,9 @@ def test_training_replay_world2(tiny_moe):
     from tests.tiny import read_config
 
     root, hf = tiny_moe
-    layouts = [(1, 1, 2), (1, 2, 1), (2, 1, 1)]  # (tp, pp, ep): EP2 (its dense part DP2), PP2, TP2 + SP
+    # (tp, pp, ep, model.recompute): EP2 (its dense part DP2), PP2, TP2 + SP; PP2 with full
+    # recompute (megatron's 1F1B holds two micro-batches' replayed targets on the first stage)
+    layouts = [(1, 1, 2, None), (1, 2, 1, None), (2, 1, 1, None), (1, 2, 1, "full")]
     out = str(root / "replay.pt")
     launch(_replay_worker, 2, str(root / "ckpt"), layouts, out)
     ranks = torch.load(out, weights_only=False)
@@ -408,7 +711,7 @@ def test_training_replay_world2(tiny_moe):
     # transformers' own routing of the original weights: what the old-logprob pass must record
     _, _, own = _hf_forced(hf, full, None, roll=False)
     ref = None
-    for name in (f"tp{tp}pp{pp}ep{ep}" for tp, pp, ep in layouts):
+    for name in (_name(*layout) for layout in layouts):
         routed = torch.full((full.size, full.tokens.shape[1], arch.num_layers, arch.moe_topk), -1, dtype=torch.int16)
         old = torch.zeros(full.tokens.shape)
         for rank in ranks:
@@ -420,6 +723,18 @@ def test_training_replay_world2(tiny_moe):
             old[ids, :res["old"].shape[1]] = res["old"].float()
             assert res["match_training"], f"{name}: the update did not route as recorded"
             assert res["match_none"], f"{name}: without replay the update must route on its own"
+            # without recompute nothing re-runs the router in the backward: the replayed targets
+            # of earlier micro-batches must not pile up in megatron's list (the current one only)
+            got, want = res["routing_bytes"]
+            assert got == want, f"{name}: the TP ranks exchanged {got} bytes of routing, expected {want}"
+            assert res["host_waits"] == 0, f"{name}: the router hooks made the host wait {res['host_waits']} times"
+            # the same weights route alike with and without recording: the same expert load
+            load = {k: v for k, v in res["load_training"].items() if k.startswith("routing/load")}
+            assert load and res["load_none"] == load, (name, res["load_none"], load)
+            pending, micros = res["pending_training"]
+            # with full recompute the backward replays them: at most the micro-batches in flight
+            most = 2 if name.endswith("full") else 1
+            assert micros >= 2 and pending <= most, f"{name}: {pending} replayed targets held at once"
             mean, peak = res["ratio"]
             print(f"{name}: unchanged weights ratio mean {mean} max {peak}; agreement "
                   f"{res['agree_unchanged']} rolled {res['agree_rolled']}")

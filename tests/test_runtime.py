@@ -100,6 +100,29 @@ def test_masked_softmax_fusion_follows_its_kernel(monkeypatch):
         assert cfg.masked_softmax_fusion is present
 
 
+def test_moe_permute_fusion_follows_transformer_engine(monkeypatch):
+    """megatron's MoE token (un)permutation runs fused where Transformer Engine's kernels import
+    with CUDA (megatron's ``moe_utils`` takes them from TE), and stays off elsewhere (this CPU
+    machine): checked on the TransformerConfig a MoE model is built from."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_oar.models import ModelOptions, parse_arch
+    from megatron_oar.models.builder import transformer_config
+    from tests.test_qwen3_moe import QWEN3_30B_A3B
+
+    arch = parse_arch(QWEN3_30B_A3B)
+    assert not kernels.kernel_report().moe_permute  # here: no CUDA, no TE
+    assert not transformer_config(arch, ModelOptions(spec="local"), 1, 1).moe_permute_fusion
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for present in (False, True):  # TE importable: megatron's moe_utils then has its kernels
+        monkeypatch.setattr(kernels, "_has", lambda module, p=present: p and module == "transformer_engine")
+        for name in kernels.FUSED_PERMUTE:
+            monkeypatch.setattr(moe_utils, name, (lambda *a: None) if present else None, raising=False)
+        assert kernels.kernel_report().moe_permute is present
+        cfg = transformer_config(arch, ModelOptions(spec="local", dtype="bf16"), 1, 1)
+        assert cfg.moe_permute_fusion is present
+
+
 def test_kernel_report_with_apex(monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_has", lambda module: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

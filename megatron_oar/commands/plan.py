@@ -106,7 +106,7 @@ from megatron_oar.models.flops import (
     mlp_weights,
     router_weights,
 )
-from megatron_oar.rollout.weight_sync import sync_traffic
+from megatron_oar.rollout.weight_sync import expert_target, moe_layer_reload_bytes, sync_traffic
 from megatron_oar.training.phases import CHECKPOINT, EVAL, NOTHING, STEP, WEIGHTS, WEIGHTS_KV_CACHE, Phase
 
 GIB = 1024 ** 3
@@ -320,7 +320,9 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     # phase's Megatron working set, and what vLLM holds on the GPU then
     vllm_mem = {NOTHING: v["asleep"], WEIGHTS: min(v["share"], v["asleep"] + v["weights"]),
                 WEIGHTS_KV_CACHE: v["share"]}
-    work = {None: 0.0, "sync": 2.0 * r.bucket_bytes,  # a gathered bucket + its TP shards in flight
+    sync = _sync_traffic(cfg, a, world)
+    # a gathered bucket + its TP shards in flight, and the MoE layer vLLM's reload holds
+    work = {None: 0.0, "sync": 2.0 * r.bucket_bytes + sync["moe_layer_reload_gib"] * GIB,
             "forward": act["old-logprob"], "attribution": act["attribution"], "update": act["update"]}
     phases = {p.name: resident + work[p.megatron] + vllm_mem[p.vllm_holds] + hw.reserve_gib * GIB
               for p in trainer_phases(cfg)}
@@ -342,7 +344,7 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
                                             if r.sleep_level == 1 else 0.0)},
         budgets={"tokens": budgets.tokens, "chosen": budgets.chosen, "phase_gib": budgets.phase_gib},
         warnings=list(budgets.warnings),
-        sync=_sync_traffic(cfg, a),
+        sync=sync,
         moe=_moe_summary(cfg, a, experts) if a.is_moe else {},
         hardware=asdict(hw))
     _verdict(plan, cfg, hw, v)
@@ -593,22 +595,29 @@ def _vllm_memory(cfg, a: QwenArch, hw: Hardware, *, world: int, samples: int) ->
             "asleep": VLLM_ASLEEP_GIB * GIB if r.sleep_level >= 1 else share}
 
 
-def _sync_traffic(cfg, a: QwenArch) -> dict:
+def _sync_traffic(cfg, a: QwenArch, world: int) -> dict:
     """GiB one rank receives per weight sync (the worst pipeline stage), on the path the config
-    takes and on the full-tensor path."""
+    takes and on the full-tensor path; ``expert_tp``: the vLLM TP slices the experts travel in
+    (1: whole); ``moe_layer_reload_gib``: one MoE layer's experts as vLLM's reload holds them."""
     par, r = cfg.parallel, cfg.rollout
     wbytes = 4 if cfg.model.dtype == "fp32" else 2
 
-    def worst(shards: bool) -> dict:
+    def worst(shards: bool, expert_tp: int) -> dict:
         stages = sync_traffic(a, tp=par.tp, pp=par.pp, dtype_bytes=wbytes, shards=shards,
-                              vocab_multiple=cfg.model.vocab_multiple, ep=par.ep, etp=par.etp)
+                              vocab_multiple=cfg.model.vocab_multiple, ep=par.ep, etp=par.etp,
+                              expert_tp=expert_tp)
         out = {k: v / GIB for k, v in max(stages, key=lambda x: x["total"]).items()}
         if not a.is_moe:
             del out["ep_gather"]
         return out
 
     shards = r.sync_shards and par.tp == r.tp > 1
-    return {"shards": shards, **worst(shards), "full_tensors_gib": worst(False)["total"]}
+    cut = a.is_moe and expert_target(world_size=world, pp=par.pp, rank=0, vllm_tp=r.tp,
+                                     moe_intermediate_size=a.moe_intermediate_size, enabled=r.sync_shards)
+    expert_tp = cut.tp if cut else 1
+    return {"shards": shards, "expert_tp": expert_tp, **worst(shards, expert_tp),
+            "full_tensors_gib": worst(False, 1)["total"],
+            "moe_layer_reload_gib": moe_layer_reload_bytes(a, wbytes, expert_tp) / GIB}
 
 
 def _verdict(plan: Plan, cfg, hw: Hardware, v: dict[str, float]) -> None:
@@ -780,8 +789,12 @@ def sync_line(sync: dict) -> str:
             f"{sync['tp_gather']:.2f}, PP broadcast {sync['pp_broadcast']:.2f})")
     if "ep_gather" in sync:
         line = line[:-1] + f", EP gather {sync['ep_gather']:.2f})"
-    if sync["shards"]:
-        line += f", as shards; full tensors would be {sync['full_tensors_gib']:.2f} GiB"
+    how = [w for w, on in (("as shards", sync["shards"]),
+                           (f"experts as 1/{sync.get('expert_tp', 1)} slices", sync.get("expert_tp", 1) > 1)) if on]
+    if how:
+        line += f", {' and '.join(how)}; full tensors would be {sync['full_tensors_gib']:.2f} GiB"
+    if sync.get("moe_layer_reload_gib"):
+        line += f"; vLLM's reload holds {sync['moe_layer_reload_gib']:.2f} GiB of one MoE layer"
     return line
 
 

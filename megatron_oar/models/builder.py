@@ -223,7 +223,9 @@ def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
                       moe_token_dispatcher_type=resolve_moe_dispatcher(opts),
                       # TE spec: TEGroupedMLP (grouped GEMM); local spec: SequentialMLP
                       moe_grouped_gemm=spec == "te",
-                      moe_permute_fusion=False, moe_router_fusion=False,
+                      # TE's fused token (un)permutation where it imports with CUDA; the
+                      # fused router stays off (its top-k would bypass routing replay)
+                      moe_permute_fusion=kernel_report().moe_permute, moe_router_fusion=False,
                       moe_enable_routing_replay=opts.routing_replay != "none")
     elif opts.moe_dispatcher not in MOE_DISPATCHERS:
         resolve_moe_dispatcher(opts)  # the same error for a dense model

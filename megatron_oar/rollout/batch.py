@@ -11,6 +11,29 @@ from megatron_oar.models.sequence_batch import SequenceBatch
 
 
 @dataclass(frozen=True)
+class RoutedExperts:
+    """vLLM's routed experts of one completion once the rollout groups' batches are joined
+    (:func:`~megatron_oar.rollout.engine.gather_rollouts`): the array stays on the ranks of the
+    rollout group that generated it (``ranks``; ``array`` there, None elsewhere), every rank
+    knows its ``shape`` ``[prompt + response - 1, num_hidden_layers, k]``."""
+
+    ranks: tuple[int, ...]
+    shape: tuple[int, ...]
+    array: object = None  # the numpy array, on ``ranks`` only
+
+    def __reduce__(self):  # pickled (gathered) without the array
+        return RoutedExperts, (self.ranks, self.shape)
+
+    @classmethod
+    def held(cls, routed: list[list] | None, ranks: tuple[int, ...]) -> list[list] | None:
+        """A batch's ``routed_experts`` (per prompt and completion, arrays or None) as held here
+        by the rollout group ``ranks``."""
+        if routed is None:
+            return None
+        return [[None if a is None else cls(ranks, tuple(a.shape), a) for a in group] for group in routed]
+
+
+@dataclass(frozen=True)
 class Completion:
     """Completion ``j`` of prompt ``i`` (a flat view into a :class:`RolloutBatch`)."""
 
@@ -22,7 +45,9 @@ class Completion:
     finish_reason: str
     stop_reason: int | str | None
     text: str
-    routed_experts: object = None  # vLLM's [tokens, layers, k] array (rollout.return_routed_experts)
+    # vLLM's [tokens, layers, k] array (rollout.return_routed_experts), or where it is held
+    # (RoutedExperts) once gathered over the rollout groups
+    routed_experts: object = None
 
 
 @dataclass
@@ -52,7 +77,7 @@ class RolloutBatch:
     gen_seconds: float = 0.0
     meta: dict = field(default_factory=dict)
     # per prompt and completion, vLLM's routed experts [prompt + response - 1, layers, k]
-    # (numpy; rollout.return_routed_experts, MoE models), else None
+    # (numpy; rollout.return_routed_experts, MoE models; RoutedExperts once gathered), else None
     routed_experts: list[list] | None = None
 
     def __post_init__(self) -> None:

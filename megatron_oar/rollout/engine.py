@@ -21,16 +21,16 @@ import random
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_oar.models import parse_arch, read_hf_config
-from megatron_oar.rollout.batch import RolloutBatch
+from megatron_oar.rollout.batch import RolloutBatch, RoutedExperts
 from megatron_oar.rollout.config import VLLM_DTYPES, RolloutConfig, check_sampling
-from megatron_oar.rollout.weight_sync import ShardTarget, iter_hf_buckets
+from megatron_oar.rollout.weight_sync import ExpertTarget, ShardTarget, expert_target, iter_hf_buckets
 from megatron_oar.runtime import gloo_group
 from megatron_oar.seeds import ENGINE, derive_seed
 from megatron_oar.testing import faults
@@ -57,6 +57,7 @@ class SyncStats:
     received_pp_bytes: int = 0
     max_received_bytes: int = 0
     shards: bool = False  # the shard path (Megatron TP == vLLM TP, rollout.sync_shards)
+    experts_cut: bool = False  # the experts went as this rank's vLLM TP slice (rollout.sync_shards)
     received_ep_bytes: int = 0
 
     @property
@@ -378,6 +379,7 @@ class RolloutEngine:
             self.wake_up(["weights"])
         t0 = time.perf_counter()
         shards = self._shard_target(model)
+        experts = self._expert_target()
         counts = {"bytes": 0, "tensors": 0, "buckets": 0, "max": 0, "done": False, "tp": 0, "pp": 0,
                   "ep": 0}
         # what this rank was doing, for the error: gathering or loading bucket `index` (from 0),
@@ -386,7 +388,8 @@ class RolloutEngine:
         gathered = {"all": False}
 
         def megatron_buckets():  # the collective part: every rank must exhaust it
-            for bucket in iter_hf_buckets(model, self.arch, self.config.bucket_bytes, shards=shards):
+            for bucket in iter_hf_buckets(model, self.arch, self.config.bucket_bytes, shards=shards,
+                                          experts=experts):
                 counts["buckets"] += 1
                 counts["tp"] += bucket.received_tp
                 counts["pp"] += bucket.received_pp
@@ -452,7 +455,7 @@ class RolloutEngine:
                          num_tensors=counts["tensors"], num_buckets=counts["buckets"],
                          max_bucket_bytes=counts["max"], received_tp_bytes=counts["tp"],
                          received_pp_bytes=counts["pp"], received_ep_bytes=counts["ep"],
-                         shards=shards is not None,
+                         shards=shards is not None, experts_cut=experts is not None,
                          max_received_bytes=max(r["received"] for r in reports))
 
     def _shard_target(self, model) -> ShardTarget | None:
@@ -474,6 +477,18 @@ class RolloutEngine:
         # vLLM's vocabulary rows per rank (VocabParallelEmbedding: its padding, then 1/TP)
         rows = pad_vocab_size(self.arch.vocab_size, DEFAULT_VOCAB_PADDING_SIZE) // self.tp
         return ShardTarget(tp=self.tp, rank=rank, vocab_rows=rows)
+
+    def _expert_target(self) -> ExpertTarget | None:
+        """This rank's vLLM TP slice of the experts (``weight_sync.expert_target``: MoE models,
+        ``rollout.sync_shards``, vLLM TP > 1, pipeline peers on one vLLM TP rank), the same
+        decision on every rank; None: they travel whole."""
+        if not self.arch.is_moe:
+            return None
+        from megatron.core import parallel_state as ps
+
+        return expert_target(world_size=self.world_size, pp=ps.get_pipeline_model_parallel_world_size(),
+                             rank=self.rank, vllm_tp=self.tp, moe_intermediate_size=self.arch.moe_intermediate_size,
+                             enabled=self.config.sync_shards)
 
     # -- generation -----------------------------------------------------------------------
 
@@ -609,10 +624,17 @@ def _sync_failure_message(failed: list[dict], step: int | None, world_size: int,
 
 
 def gather_rollouts(batch: RolloutBatch, engine: RolloutEngine) -> RolloutBatch:
-    """Collective over the world: the rollout groups' batches joined in group order."""
+    """Collective over the world: the rollout groups' batches joined in group order.
+
+    vLLM's routed experts (``rollout.return_routed_experts``) do not travel: each completion's
+    becomes a :class:`~megatron_oar.rollout.batch.RoutedExperts` naming the rollout group that
+    holds the array (it stays there; ``training.routing_replay.attach_rollout_routing`` sends
+    each training rank only its rows and layers)."""
     parts: list = [None] * engine.world_size
-    dist.all_gather_object(parts, batch if engine.is_group_leader else None,
-                           group=engine._world_gloo)
+    mine = replace(batch, routed_experts=RoutedExperts.held(batch.routed_experts, tuple(engine.group_ranks)))
+    # RoutedExperts pickle without their arrays: this rank's own group's keep theirs
+    dist.all_gather_object(parts, mine if engine.is_group_leader else None, group=engine._world_gloo)
+    parts[engine.group_ranks[0]] = mine
     return RolloutBatch.concat([p for p in parts if p is not None])
 
 

@@ -44,10 +44,17 @@ expert-parallel group (``get_expert_model_parallel_group``), which gives experts
 ...`` in EP-rank order; other stages receive them by PP broadcast. Each becomes HF's
 ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``; the router goes as ``mlp.gate.weight``
 and the MoE layer's own ``pre_mlp_layernorm`` as ``post_attention_layernorm.weight``. Every rank
-yields the same names in the same order (vLLM's TP ranks load the same stream). On the shard path
-the experts still travel whole: vLLM (without its own expert parallelism) narrows each expert to
-its TP slice, and Megatron's expert shards match that slice only when ETP equals vLLM's TP, which
-the usual layouts (ETP 1) are not.
+yields the same names in the same order (vLLM's TP ranks load the same stream). The dense shard
+path (``shards``) leaves the experts alone: Megatron's expert shards are vLLM's slices only when
+ETP equals vLLM's TP, which the usual layouts (ETP 1) are not.
+
+**Experts cut** (``experts=ExpertTarget(...)``, :func:`expert_target`; independent of Megatron's
+TP): vLLM (TP, no expert parallelism) narrows each expert to its TP rank's slice of
+``moe_intermediate_size``, so after the ETP join an all-to-all over EP (instead of the all-gather)
+gives each rank its own slice of every expert of the slot, the PP broadcast carries slices, and
+each goes to vLLM as a *compact frame* (:func:`compact_frame`: full-shaped, the slice where the
+loader narrows, about 1/TP of the memory), since vLLM's in-place reload holds a whole FusedMoE
+layer of what it was handed until the layer's last expert arrives (:func:`moe_layer_reload_bytes`).
 
 :func:`sync_traffic` computes, from the architecture and the layouts, the bytes each rank
 receives; the buckets count what really arrived (``received_tp``, ``received_pp``,
@@ -99,6 +106,27 @@ class ShardTarget:
     tp: int
     rank: int
     vocab_rows: int  # vLLM's vocabulary rows per TP rank (its padding, not Megatron's)
+
+
+@dataclass(frozen=True)
+class ExpertTarget:
+    """This rank's vLLM TP slice of every expert: vLLM (TP, no expert parallelism) gives TP rank
+    ``rank`` of ``tp`` each expert narrowed to 1/``tp`` of ``moe_intermediate_size`` (FusedMoE's
+    ``_load_w13`` / ``_load_w2``). Independent of Megatron's TP: the experts follow EP and ETP."""
+
+    tp: int
+    rank: int
+
+
+def expert_target(*, world_size: int, pp: int, rank: int, vllm_tp: int, moe_intermediate_size: int,
+                  enabled: bool = True) -> ExpertTarget | None:
+    """The experts' slice for rank ``rank`` (vLLM's TP groups: consecutive ranks), or None where
+    they must travel whole: ``enabled`` off (``rollout.sync_shards``), vLLM TP 1, a width vLLM's TP
+    does not divide, or pipeline peers (``world_size / pp`` apart in megatron's rank order) that
+    are different vLLM TP ranks (the PP broadcast carries one slice to all of them)."""
+    if not enabled or vllm_tp <= 1 or moe_intermediate_size % vllm_tp or (world_size // pp) % vllm_tp:
+        return None
+    return ExpertTarget(tp=vllm_tp, rank=rank % vllm_tp)
 
 
 @dataclass
@@ -340,6 +368,80 @@ def shard_to_hf_frames(e: SyncEntry, shard: torch.Tensor, arch: QwenArch,
     return out
 
 
+def _expert_slice(t: torch.Tensor, fc: str, target: ExpertTarget, rank: int) -> torch.Tensor:
+    """Expert weight ``t`` (whole: ``linear_fc1`` ``[gate; up]``, ``linear_fc2`` ``[h, f]``) cut
+    to vLLM TP rank ``rank``'s slice: ``[gate_r; up_r]`` or the columns ``[r f/T, (r+1) f/T)``
+    (the dimension from the weight's role)."""
+    if fc == "linear_fc1":
+        return torch.cat([x.chunk(target.tp, 0)[rank] for x in t.chunk(2, 0)]).contiguous()
+    return t.chunk(target.tp, 1)[rank].contiguous()
+
+
+def _slice_shape(shape: tuple[int, ...], fc: str, tp: int) -> tuple[int, ...]:
+    return (shape[0] // tp, shape[1]) if fc == "linear_fc1" else (shape[0], shape[1] // tp)
+
+
+def expert_frames(e: SyncEntry, piece: torch.Tensor, arch: QwenArch,
+                  target: ExpertTarget) -> list[tuple[str, torch.Tensor]]:
+    """An expert's slice (:func:`_expert_slice`) -> its HF tensors, each a full-shaped *compact
+    frame* (:func:`compact_frame`) in which vLLM's FusedMoE loader for TP rank ``target.rank``
+    finds the slice where it reads (gate/up: rows, down: columns)."""
+    local = replace(arch, moe_intermediate_size=arch.moe_intermediate_size // target.tp)
+    return [(name, compact_frame(t, 1 if name.endswith("down_proj.weight") else 0, target))
+            for name, t in mcore_tensor_to_hf(e.key, piece, local)]
+
+
+def compact_frame(piece: torch.Tensor, dim: int, target: ExpertTarget) -> torch.Tensor:
+    """A 2-D tensor of ``piece``'s shape with ``dim`` ``target.tp`` times longer whose
+    ``narrow(dim, rank * n, n)`` is ``piece`` (``n = piece.shape[dim]``), in ``(m + tp - 1) * n``
+    elements rather than ``m * tp * n`` (``m``: the other dimension): a strided view with stride
+    1 along ``dim`` and ``n`` along the other, so its rows (or columns) overlap in memory and
+    positions outside the slice alias other elements of it (or NaN padding).
+
+    vLLM's in-place reload keeps every tensor it is handed until the whole layer has arrived,
+    and a FusedMoE layer is all of its experts: full-shaped frames would hold a whole MoE layer
+    per rank during a sync (4.8 GB at Qwen3-235B-A22B in bf16), these 1/TP of it. Only loaders
+    that read exactly their slice (FusedMoE's ``_load_w13`` / ``_load_w2``) may be handed one."""
+    if piece.dim() != 2 or dim not in (0, 1):
+        raise ValueError(f"compact_frame: a 2-D piece and dim 0 or 1, got {tuple(piece.shape)} and {dim}")
+    n, m = piece.shape[dim], piece.shape[1 - dim]
+    buf = piece.new_full(((m + target.tp - 1) * n,), float("nan"))
+    at = target.rank * n
+    # element (c along dim, o along the other) of the slice at buf[at + c + o * n]
+    buf[at:at + m * n].view(m, n).copy_(piece if dim == 1 else piece.t())
+    shape = [m, m]
+    shape[dim] = n * target.tp
+    strides = [n, n]
+    strides[dim] = 1
+    return buf.as_strided(shape, strides)
+
+
+def _frame_elements(h: int, f: int, tp: int) -> int:
+    """Elements of one expert projection (``[f, h]`` or ``[h, f]``) as vLLM is handed it: whole
+    (``tp`` 1) or as TP rank's compact frame (:func:`compact_frame`)."""
+    return h * f if tp == 1 else (h + tp - 1) * (f // tp)
+
+
+def _frame_nbytes(e: SyncEntry, target: ExpertTarget) -> int:
+    """What :func:`expert_frames` allocates for expert entry ``e``: gate and up (``linear_fc1``)
+    or down (``linear_fc2``)."""
+    fc1 = _parse_expert(e.key)[2] == "linear_fc1"
+    f, h = (e.shape[0] // 2, e.shape[1]) if fc1 else (e.shape[1], e.shape[0])
+    return (2 if fc1 else 1) * _frame_elements(h, f, target.tp) * torch.empty((), dtype=e.dtype).element_size()
+
+
+def moe_layer_reload_bytes(arch: QwenArch, dtype_bytes: int, expert_tp: int = 1) -> int:
+    """What vLLM's in-place reload holds of one MoE layer while it arrives: its layerwise
+    reload (``model_loader/reload/layerwise.py``) keeps every tensor it is handed until the
+    module's last weight has come, and a FusedMoE module is every expert of the layer, so all
+    of them as sent (whole, or compact frames for ``expert_tp`` > 1) are alive at once, next to
+    the sync's bucket. 0 for a dense model."""
+    if not arch.is_moe:
+        return 0
+    h, f = arch.hidden_size, arch.moe_intermediate_size
+    return arch.num_experts * 3 * _frame_elements(h, f, expert_tp) * dtype_bytes
+
+
 def _units(manifest: list[SyncEntry]) -> list[list[SyncEntry]]:
     """The manifest in gather units: one entry each, except an expert slot's ``EP`` entries
     (consecutive, EP ranks 0, 1, ...), which one all-gather moves together."""
@@ -353,7 +455,8 @@ def _units(manifest: list[SyncEntry]) -> list[list[SyncEntry]]:
 
 
 def iter_hf_buckets(model, arch: QwenArch, bucket_bytes: int, *,
-                    shards: ShardTarget | None = None) -> Iterator[WeightBucket]:
+                    shards: ShardTarget | None = None,
+                    experts: ExpertTarget | None = None) -> Iterator[WeightBucket]:
     """Collective generator (every rank must drain it): full HF tensors in bounded buckets.
 
     A bucket holds the HF tensors of whole gather units (a megatron tensor, or one expert slot on
@@ -361,7 +464,11 @@ def iter_hf_buckets(model, arch: QwenArch, bucket_bytes: int, *,
     that forms a bucket of its own. With ``shards`` (Megatron TP == vLLM TP, same rank order;
     the same on every rank) the TP-sharded tensors other than experts travel as this rank's
     shard in full-shaped frames (module docstring). Every rank yields the same HF names in the
-    same order.
+    same order. With ``experts`` (the same ``tp`` on every rank, see :func:`expert_target`)
+    every expert travels as this rank's vLLM TP slice in a frame (:func:`expert_frames`): the
+    owning stage joins the ETP shards, an all-to-all over expert parallelism gives each EP rank
+    its own slice of every expert of the slot (where the whole-expert path all-gathers them), and
+    the PP broadcast carries the slices.
     """
     from megatron.core import parallel_state as ps
 
@@ -383,15 +490,43 @@ def iter_hf_buckets(model, arch: QwenArch, bucket_bytes: int, *,
         ep, ep_rank, etp = _expert_layout()
         ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
         etp_group = ps.get_expert_tensor_parallel_group() if etp > 1 else None
+        if experts is not None:  # each EP rank's vLLM TP rank (vLLM's groups: consecutive ranks)
+            ep_vranks = [r % experts.tp for r in dist.get_process_group_ranks(ep_group)] if ep > 1 else [None]
+            if pp > 1 and len({r % experts.tp for r in pp_ranks}) > 1:
+                raise ValueError(f"experts cut for vLLM TP {experts.tp}: the pipeline peers {pp_ranks} "
+                                 "are different vLLM TP ranks (see expert_target)")
+    elif experts is not None:
+        raise ValueError("experts: the model has no experts")
 
     tensors: list[tuple[str, torch.Tensor]] = []
     size = sources = got_tp = got_pp = got_ep = 0
     for unit in _units(manifest):
-        nbytes = sum(e.nbytes for e in unit)
+        cut = experts is not None and unit[0].ep_rank is not None
+        nbytes = sum(_frame_nbytes(e, experts) if cut else e.nbytes for e in unit)
         if tensors and size + nbytes > bucket_bytes:
             yield WeightBucket(tensors, size, sources, got_tp, got_pp, got_ep)
             tensors, size, sources, got_tp, got_pp, got_ep = [], 0, 0, 0, 0, 0
         e = unit[0]
+        if e.ep_rank is not None and experts is not None:  # ETP join, EP all-to-all of slices, PP
+            fc = _parse_expert(e.key)[2]
+            shape = _slice_shape(e.shape, fc, experts.tp)
+            parts = [torch.empty(shape, dtype=e.dtype, device=device) for _ in unit]
+            if e.stage == stage:
+                t, got = _join_tp(local[unit[ep_rank].key], unit[ep_rank].key, etp_group, etp)
+                got_tp += got
+                if ep > 1:  # EP rank q gets its vLLM TP rank's slice of this rank's expert
+                    dist.all_to_all(parts, [_expert_slice(t, fc, experts, v) for v in ep_vranks], group=ep_group)
+                    got_ep += (ep - 1) * parts[0].nbytes
+                else:
+                    parts = [_expert_slice(t, fc, experts, experts.rank)]
+            for x, t in zip(unit, parts):
+                if pp > 1:
+                    dist.broadcast(t, src=pp_ranks[e.stage], group=pp_group)
+                    got_pp += t.nbytes if e.stage != stage else 0
+                tensors.extend(expert_frames(x, t, arch, experts))
+            size += nbytes
+            sources += len(unit)
+            continue
         if e.ep_rank is not None:  # an expert slot: ETP join, EP all-gather, PP broadcast
             parts = [torch.empty(x.shape, dtype=x.dtype, device=device) for x in unit]
             if e.stage == stage:
@@ -446,7 +581,7 @@ def vllm_vocab_rows(vocab_size: int, tp: int, padding: int = VLLM_VOCAB_PADDING)
 
 def sync_traffic(arch: QwenArch, *, tp: int, pp: int, dtype_bytes: int, shards: bool,
                  vocab_multiple: int = 128, vocab_rows: int | None = None, ep: int = 1,
-                 etp: int | None = None) -> list[dict[str, int]]:
+                 etp: int | None = None, expert_tp: int = 1) -> list[dict[str, int]]:
     """Bytes one rank of each pipeline stage receives in one sync (index: the stage), as
     :func:`iter_hf_buckets` moves them: ``tp_gather`` ((TP-1)/TP of each TP-sharded tensor of
     its own stage that travels whole, and (ETP-1)/ETP of its own experts), ``ep_gather``
@@ -454,8 +589,9 @@ def sync_traffic(arch: QwenArch, *, tp: int, pp: int, dtype_bytes: int, shards: 
     of it when it travels as a shard) and ``total``. ``shards``: the shard path (Megatron TP ==
     vLLM TP); ``vocab_rows``: vLLM's vocabulary rows per rank (default: vLLM's padding at
     ``tp``); ``ep`` / ``etp``: expert parallel and expert TP sizes (MoE; ``etp`` None: ``tp``,
-    megatron's default). Megatron's parameters in ``dtype_bytes``, layers split evenly over the
-    stages."""
+    megatron's default); ``expert_tp``: the vLLM TP the experts are cut to before they travel
+    (:class:`ExpertTarget`; 1: whole), which divides their EP gather and PP broadcast.
+    Megatron's parameters in ``dtype_bytes``, layers split evenly over the stages."""
     etp = tp if etp is None else etp
     h, d = arch.hidden_size, arch.head_dim
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * d
@@ -493,8 +629,8 @@ def sync_traffic(arch: QwenArch, *, tp: int, pp: int, dtype_bytes: int, shards: 
                 continue
             mine = copies // ep if copies else 1  # this rank's experts (or the one tensor)
             gather += mine * (ways - 1) * (n // ways)
-            ep_gather += (copies - mine) * n if copies else 0
-        bcast = sum(n // tp if as_shard else n * max(copies, 1)
+            ep_gather += (copies - mine) * n // expert_tp if copies else 0
+        bcast = sum(n // tp if as_shard else n * copies // expert_tp if copies else n
                     for other, items in enumerate(stages) if other != s for n, _, copies, as_shard in items)
         out.append({"tp_gather": gather * dtype_bytes, "ep_gather": ep_gather * dtype_bytes,
                     "pp_broadcast": bcast * dtype_bytes,

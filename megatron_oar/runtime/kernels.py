@@ -44,6 +44,7 @@ class KernelReport:
     transformer_engine: bool
     grad_accum_fusion: bool  # apex's fused_weight_gradient_mlp_cuda imports (the fusion stays off)
     masked_softmax: bool = False  # megatron's scaled_masked_softmax_cuda (local-spec attention)
+    moe_permute: bool = False  # TE's fused MoE token permutation, as megatron's moe_utils imports it
 
     def line(self) -> str:
         return (
@@ -51,6 +52,7 @@ class KernelReport:
             f"transformer_engine={_yes(self.transformer_engine)} "
             f"fused_weight_gradient={_yes(self.grad_accum_fusion)} "
             f"scaled_masked_softmax={_yes(self.masked_softmax)} "
+            f"moe_fused_permute={_yes(self.moe_permute)} "
             f"device={'cuda' if torch.cuda.is_available() else 'cpu'}"
         )
 
@@ -64,7 +66,22 @@ def kernel_report() -> KernelReport:
     # where it imports (measured on an H100 without it: bf16 attention crashed, 2026-11-23)
     softmax = torch.cuda.is_available() and _has("scaled_masked_softmax_cuda")
     return KernelReport(apex=apex, transformer_engine=te, grad_accum_fusion=grad_fusion,
-                        masked_softmax=softmax)
+                        masked_softmax=softmax, moe_permute=te and _fused_moe_permute())
+
+
+# what megatron's ``moe_permute_fusion`` calls (``moe_utils``, imported from Transformer Engine;
+# TransformerConfig refuses the fusion when one is missing)
+FUSED_PERMUTE = ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                 "fused_sort_chunks_by_index_with_probs", "fused_unpermute")
+
+
+def _fused_moe_permute() -> bool:
+    """Whether megatron's ``moe_utils`` holds TE's fused permutation kernels (TE >= 2.1)."""
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:  # pragma: no cover - megatron-core is a dependency
+        return False
+    return all(getattr(moe_utils, name, None) is not None for name in FUSED_PERMUTE)
 
 
 def log_kernel_report() -> KernelReport:
@@ -95,7 +112,8 @@ def model_kernels_line(config, spec: str, attention: str | None = None) -> str:
             f"bias_dropout_fusion={_on(config.bias_dropout_fusion)} "
             f"apply_rope_fusion={_on(config.apply_rope_fusion)} "
             f"persist_layer_norm={_on(config.persist_layer_norm)} "
-            f"sequence_parallel={_on(config.sequence_parallel)} fp8={fp8}")
+            f"sequence_parallel={_on(config.sequence_parallel)} fp8={fp8}"
+            + (f" moe_permute_fusion={_on(config.moe_permute_fusion)}" if config.num_moe_experts else ""))
 
 
 _logged_model_lines: set[str] = set()

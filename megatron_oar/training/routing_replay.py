@@ -8,7 +8,9 @@ vLLM did while sampling), the PPO ratio compares two different sub-networks. The
 * ``training``: the old-logprob pass records the top-k experts of every (token, MoE layer), and
   the update's forward replays them (the ratio compares the same experts). Without activation
   recompute megatron's backward never re-runs the router, so the backward uses the routing the
-  forward used.
+  forward used; with it (``model.recompute=full``) each recomputed router replays, first in first
+  out, what its call's forward used (megatron's ``REPLAY_BACKWARD``, which we switch to when a
+  model call returns: megatron 0.16 never sets it).
 * ``rollout``: vLLM's routed experts (``enable_return_routed_experts``) of every sampled token are
   replayed in the old-logprob pass and in the update (R3-style: the three passes share one routing).
 
@@ -23,16 +25,18 @@ Routing is stored per batch row and token column, ``routed [B, L, n, k]`` (``n``
 stage's MoE layers, in order; ``-1``: not recorded), so the update may group its micro-batches
 differently from the old-logprob pass (mini-batches, token budgets, packing); each micro-batch's
 router tokens are mapped to (row, column) from the model call's own layout (padded ``[s, b]``
-sequence-first, or THD packed), and under sequence parallelism to this TP rank's contiguous share.
+sequence-first, or THD packed), and under sequence parallelism to this TP rank's contiguous share
+(a recording stays on the device, one byte per value where the ids fit, until the pass ends; then
+the TP ranks all-gather their shares in bounded chunks).
 Tokens without a recorded routing (padding, and vLLM's last sampled token, never fed back to the
-model) get experts ``0..k-1``; no loss, probe or earlier token reads them. Every other token
-must have one: a row vLLM returned no routing for, or too little, is refused
-(:func:`rollout_routing`).
+model) take experts round-robin among themselves (every expert, hence every EP rank, alike); no
+loss, probe or earlier token reads them. Every other token must have one: a row vLLM returned no
+routing for, or too little, is refused (:func:`rollout_routing`).
 
 Metrics (:class:`RoutingLog`): the share of top-k choices a pass would make on its own that equal
 the replayed ones (``routing/agree_*``, per (token, layer) the overlap of the two expert sets
 divided by ``k``: slot order is not compared), and the per-layer expert load of the old-logprob
-pass (tokens per expert, max over mean).
+pass (tokens per expert, max over mean), accumulated on the device and read once per pass.
 
 Attribution passes (OAR-G, OAR-P, a teacher pass of their own) route as the pass their teacher
 came from (:func:`attribution_route`): the teacher and the students must route alike, or the
@@ -56,13 +60,23 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_oar.models.builder import ROUTING_REPLAY_MODES, moe_layer_pattern
 from megatron_oar.models.parallel import unwrap
+from megatron_oar.rollout.batch import RoutedExperts
 
 # routed [B, L, n, k] on the CPU: 2 bytes per (token, MoE layer, slot), -1 where none (experts
 # must number fewer than 2**15: RoutingPass checks)
 ROUTED_DTYPE = torch.int16
+# what a pass keeps on the device and the TP ranks exchange: one byte per (token, layer, slot)
+# where the experts' ids fit, and at most this many bytes per rank in one all-gather
+WIRE_CHUNK_BYTES = 64 << 20
+
+
+def wire_dtype(experts: int) -> torch.dtype:
+    """The smallest dtype that holds expert ids ``0 .. experts - 1``."""
+    return torch.uint8 if experts <= 256 else ROUTED_DTYPE
 # RouterReplay's API as read in 0.16.1 (router_replay.py: per-instance set_target_indices,
 # get_recorded_indices, set_router_replay_action; TopKRouter.router_replay): development API
 MEGATRON_CORE_RANGE = ((0, 16), (0, 17))
@@ -105,7 +119,7 @@ def router_tokens(args: tuple, kwargs: dict, rows: list[int], lengths: list[int]
     """
     ids = args[0] if args else kwargs["input_ids"]
     packed = kwargs.get("packed_seq_params")
-    dev = ids.device
+    dev = torch.device("cpu")  # from shapes and lists: no device value is read (but THD offsets)
     m, s = ids.shape
     rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
     lens = torch.tensor(lengths, dtype=torch.long, device=dev)[rows_t]
@@ -119,11 +133,7 @@ def router_tokens(args: tuple, kwargs: dict, rows: list[int], lengths: list[int]
         j = torch.arange(s * m, device=dev)
         b, col = j % m, j // m
         row, valid = rows_t[b], col < lens[b]
-    if sequence_parallel and tp_size > 1:  # this rank's contiguous share of the sequence axis
-        n = row.numel() // tp_size
-        sl = slice(tp_rank * n, (tp_rank + 1) * n)
-        row, col, valid = row[sl], col[sl], valid[sl]
-    return row, col, valid
+    return _tp_share((row, col, valid), tp_rank, tp_size, sequence_parallel)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor, experts: int) -> torch.Tensor:
@@ -213,78 +223,115 @@ class RoutingPass:
         self.sp = bool(config.sequence_parallel)
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         self.record, self.replay, self.log, self.agree_name, self.load = record, replay, log, agree, load
-        self.routed = None
-        if record:
-            self.routed = torch.full((len(lengths), width, len(self.routers), self.k), -1, dtype=ROUTED_DTYPE)
+        self.routed = None  # after a recording pass: routed [B, width, n, k] on the CPU
+        # recording: per micro-batch, this rank's router tokens' routing on the device
+        # ([tokens, n, k], wire_dtype) and every TP rank's (row, col, valid) on the CPU
+        self._recorded: list[torch.Tensor] = []
+        self._layouts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         if replay is not None and replay.shape[2] != len(self.routers):
             raise ValueError(f"replayed routing has {replay.shape[2]} MoE layers, this stage has {len(self.routers)}")
-        self.counts = torch.zeros(len(self.routers), self.experts or 1, dtype=torch.float64)
+        # the metrics accumulate on the device, read once when the pass ends (no host wait per
+        # layer and call): tokens per expert, and (equal choices, choices) of the agreement
+        self.device = next(unwrap(model).parameters()).device
+        self.counts = torch.zeros(len(self.routers), self.experts or 1, dtype=torch.float64, device=self.device)
+        self.agreement = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self.slots = None  # the current call's real tokens (1.0) per top-k slot, on the device
         self.micro = -1  # calls past len(rows) are filler calls (models.equal_calls)
         self.action = None  # megatron's RouterReplayAction of the pass's own calls
         self.tokens = None  # (row, col, valid) of the current micro-batch
         self.targets = self.known = None  # its replayed top-k [n, layers, k], and where recorded
+        # the model recomputes its routers in the backward (model.recompute=full): a grad-enabled
+        # call's routing is then kept in megatron's replay_backward_list, and the routers switch
+        # to REPLAY_BACKWARD when the call returns (see _post)
+        self.recomputed = _routers_recomputed(config)
+        self.keep = False  # the current call's routing is kept for its recompute
         self._handles = []
 
     # ------------------------------------------------------------------ hooks
 
     def _pre(self, module, args, kwargs):
         self.micro += 1
+        self.keep = self.recomputed and module.training and torch.is_grad_enabled() and self.action is not None
         if self.micro >= len(self.rows):  # a filler call (models.equal_calls): routes on its own
             self.tokens = None
             for r in self.routers:
-                if r.router_replay is not None:
+                if r.router_replay is None:
+                    continue
+                if self.keep:  # recorded, so that its recompute routes as it did
+                    r.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+                else:
                     r.router_replay.clear_router_replay_action()
             return
         if self.action is not None:  # the pass's own calls (before any filler)
             for r in self.routers:
                 r.router_replay.set_router_replay_action(self.action)
         rows = self.rows[self.micro]
-        self.tokens = router_tokens(args, kwargs, rows, self.lengths, self.tp_rank, self.tp_size, self.sp)
-        if self.replay is not None:
-            self.targets, self.known = self._targets(*self.tokens)
+        full = router_tokens(args, kwargs, rows, self.lengths, 0, 1, False)  # on the CPU
+        self.tokens = _tp_share(full, self.tp_rank, self.tp_size, self.sp)
+        valid = self.tokens[2]
+        self.slots = valid.repeat_interleave(self.k).double().to(self.device, non_blocking=True)
+        if self.record:
+            self._layouts.append(full)
+            self._recorded.append(torch.zeros(valid.numel(), len(self.routers), self.k,
+                                              dtype=wire_dtype(self.experts), device=self.device))
+        if self.replay is not None:  # one copy to the device per call, every layer's
+            targets, known = self._targets(*self.tokens)
+            self.targets = targets.to(self.device, non_blocking=True)
+            self.known = known.to(self.device, non_blocking=True)
             for i, r in enumerate(self.routers):
                 r.router_replay.set_target_indices(self.targets[:, i])
 
     def _targets(self, row, col, valid) -> tuple[torch.Tensor, torch.Tensor]:
-        """The replayed top-k ``[n, layers, k]`` of this micro-batch's router tokens (``0..k-1``
-        where none was recorded) and where one was ``[n, layers]``, gathered once for all layers."""
+        """The replayed top-k ``[n, layers, k]`` of this micro-batch's router tokens and where
+        one was recorded ``[n, layers]`` (on the CPU), gathered once for all layers. Tokens
+        without one (padding; what vLLM did not return) take experts round-robin among
+        themselves, per layer: ``m``-th such token ``(m k + j) mod E`` for slot ``j``, so they
+        load every expert (every EP rank) alike, where experts ``0..k-1`` took them all."""
         n, layers = row.numel(), self.replay.shape[2]
-        inside = (valid & (col < self.replay.shape[1])).cpu()
-        got = self.replay[row.cpu()[inside], col.cpu()[inside]].long()  # [m, layers, k]
+        inside = valid & (col < self.replay.shape[1])
+        got = self.replay[row[inside], col[inside]].long()  # [m, layers, k]
         known = torch.zeros(n, layers, dtype=torch.bool)
         known[inside] = (got >= 0).all(-1)
-        out = torch.arange(self.k).expand(n, layers, self.k).clone()
+        rank = (~known).long().cumsum(0) - 1  # [n, layers]: each unrouted token's place among them
+        out = (rank[:, :, None] * self.k + torch.arange(self.k)) % self.experts
         out[inside] = torch.where(known[inside, :, None], got, out[inside])
-        return out.to(row.device), known.to(row.device)
+        return out, known
+
+    def _post(self, module, args, output):
+        """A model call returned: with recompute its routers' next calls are the recomputed
+        forwards of earlier calls (megatron's 1F1B runs backwards in the calls' order), which
+        pop what each call used from the front of the list."""
+        if self.keep:
+            for r in self.routers:
+                r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
 
     def _router_post(self, layer: int):
         def hook(router, args, output):
+            replay = router.router_replay
+            action = getattr(replay, "router_replay_action", None)
+            if action is RouterReplayAction.REPLAY_BACKWARD:  # recomputed: counted when it ran
+                return
+            if self.keep and action is RouterReplayAction.RECORD:  # what the recompute replays
+                replay.replay_backward_list.append(replay.get_recorded_indices().detach())
+            elif replay is not None and action is RouterReplayAction.REPLAY_FORWARD and not self.keep:
+                _drop_backward_target(replay)
             if self.tokens is None:  # a filler call: neither recorded nor counted
                 return
-            row, col, valid = self.tokens
+            # everything below stays on the device: nothing here waits for it
             with torch.no_grad():
-                if self.record:
+                if self.record:  # copied to the CPU once, when the pass ends
                     idx = router.router_replay.get_recorded_indices().detach()
-                    v = valid.cpu()
-                    self.routed[row.cpu()[v], col.cpu()[v], layer] = idx[v.to(idx.device)].to(ROUTED_DTYPE).cpu()
+                    self._recorded[-1][:, layer] = idx  # same device; cast to the wire dtype
                 if self.log is None:
                     return
                 own = self._own_topk(router, args, output)
-                if self.load:
-                    self.counts[layer] += torch.bincount(own[valid].flatten().cpu(),
-                                                         minlength=self.experts).double()
+                if self.load:  # real tokens' slots per expert
+                    self.counts[layer].index_add_(0, own.flatten(), self.slots)
                 if self.replay is not None and self.agree_name:
                     known = self.known[:, layer]
-                    n = int(known.sum())
-                    if n:
-                        target = self.targets[known, layer].to(own.device)
-                        equal = _overlap(own[known.to(own.device)], target, self.experts).sum()
-                        self._add(float(equal), float(n * self.k))
+                    equal = (_overlap(own, self.targets[:, layer], self.experts) * known).sum()
+                    self.agreement += torch.stack([equal, known.sum() * self.k]).double()
         return hook
-
-    def _add(self, equal: float, total: float) -> None:
-        if self.sp or self.tp_rank == 0:  # without SP every TP rank sees the same tokens
-            self.log.count_agreement(self.agree_name, equal, total)
 
     def _own_topk(self, router, args, output) -> torch.Tensor:
         """The experts the router would choose itself: its routing map, or, when it replayed,
@@ -302,14 +349,13 @@ class RoutingPass:
     def __enter__(self) -> RoutingPass:
         if not self.routers:
             return self
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
         if self.record or self.replay is not None:
             self.action = RouterReplayAction.RECORD if self.record else RouterReplayAction.REPLAY_FORWARD
             for r in self.routers:
                 r.router_replay.clear_indices()
                 r.router_replay.set_router_replay_action(self.action)
         self._handles.append(unwrap(self.model).register_forward_pre_hook(self._pre, with_kwargs=True))
+        self._handles.append(unwrap(self.model).register_forward_hook(self._post))
         for i, r in enumerate(self.routers):
             self._handles.append(r.register_forward_hook(self._router_post(i)))
         return self
@@ -324,17 +370,84 @@ class RoutingPass:
                 r.router_replay.clear_indices()
         if exc[0] is not None:
             return
-        if self.routed is not None and self.tp_size > 1 and self.sp:  # each TP rank saw its share
-            full = self.routed.to(_device(), torch.int32)  # gloo reduces no int16
-            dist.all_reduce(full, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-            self.routed = full.to(ROUTED_DTYPE).cpu()
-        if self.log is not None and self.load and self.routers:
-            if self.sp or self.tp_rank == 0:
-                _, numbers, total = stage_moe_layers(self.model)
-                if self.log.load is None:
-                    self.log.load = torch.zeros(total, self.experts, dtype=torch.float64)
-                for i, n in enumerate(numbers):
-                    self.log.load[n] += self.counts[i]
+        if self.record:
+            self.routed = self._assemble_recorded()
+        # the metrics: read from the device once per pass; without SP every TP rank saw the same
+        # tokens, so TP rank 0 counts them
+        counted = self.sp or self.tp_rank == 0
+        if self.log is not None and self.replay is not None and self.agree_name and self.routers and counted:
+            equal, total = self.agreement.tolist()
+            if total:
+                self.log.count_agreement(self.agree_name, equal, total)
+        if self.log is not None and self.load and self.routers and counted:
+            _, numbers, total = stage_moe_layers(self.model)
+            if self.log.load is None:
+                self.log.load = torch.zeros(total, self.experts, dtype=torch.float64)
+            counts = self.counts.cpu()
+            for i, n in enumerate(numbers):
+                self.log.load[n] += counts[i]
+
+
+    def _assemble_recorded(self) -> torch.Tensor:
+        """``routed [B, width, n, k]`` on the CPU from the micro-batches' recordings. Under
+        sequence parallelism each TP rank recorded its own share of every micro-batch's tokens:
+        the TP ranks all-gather their recordings (one byte per value where the ids fit, in chunks
+        of at most :data:`WIRE_CHUNK_BYTES` per rank) and place each rank's at its tokens."""
+        routed = torch.full((len(self.lengths), self.width, len(self.routers), self.k), -1, dtype=ROUTED_DTYPE)
+        if not self._recorded:
+            return routed
+        mine = torch.cat(self._recorded)
+        shared = self.sp and self.tp_size > 1
+        parts = ([mine.cpu()] if not shared else
+                 _all_gather_chunked(mine, ps.get_tensor_model_parallel_group(), self.tp_size))
+        for rank, values in enumerate(parts):
+            row, col, valid = (torch.cat(t) for t in zip(*(_tp_share(layout, rank, self.tp_size, shared)
+                                                            for layout in self._layouts)))
+            routed[row[valid], col[valid]] = values[valid].to(ROUTED_DTYPE)
+        self._recorded, self._layouts = [], []
+        return routed
+
+
+def _tp_share(tokens: tuple, tp_rank: int, tp_size: int, sequence_parallel: bool) -> tuple:
+    """The share of a model call's router tokens ``(row, col, valid)`` that TP rank ``tp_rank``
+    routes: under sequence parallelism its contiguous slice of the sequence axis, else all."""
+    if not sequence_parallel or tp_size == 1:
+        return tokens
+    n = tokens[0].numel() // tp_size
+    return tuple(t[tp_rank * n:(tp_rank + 1) * n] for t in tokens)
+
+
+def _all_gather_chunked(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """Every rank's ``t`` (the same shape on each) on the CPU, in rank order, all-gathered along
+    dim 0 in chunks of at most :data:`WIRE_CHUNK_BYTES` per rank."""
+    per_row = max(t[0].nbytes if t.shape[0] else 1, 1)
+    step = max(WIRE_CHUNK_BYTES // per_row, 1)
+    out = [torch.empty(t.shape, dtype=t.dtype) for _ in range(size)]
+    for a in range(0, t.shape[0], step):
+        chunk = t[a:a + step].contiguous()
+        parts = [torch.empty_like(chunk) for _ in range(size)]
+        dist.all_gather(parts, chunk, group=group)
+        for o, p in zip(out, parts):
+            o[a:a + step] = p.cpu()
+    return out
+
+
+def _routers_recomputed(config) -> bool:
+    """Whether megatron re-runs a MoE layer's router in the backward (in training mode with
+    grad): full recompute (``TransformerBlock._checkpointed_forward``) or selective recompute of
+    the MoE layer (``recompute_modules`` with ``moe``; the builder asks for ``core_attn`` only)."""
+    granularity = getattr(config, "recompute_granularity", None)
+    return granularity == "full" or (granularity == "selective"
+                                     and "moe" in (getattr(config, "recompute_modules", None) or ()))
+
+
+def _drop_backward_target(replay) -> None:
+    """Forget the target a router has just replayed. megatron-core 0.16's
+    ``RouterReplay.set_target_indices`` also appends the target to ``replay_backward_list``,
+    which only a recomputed forward (``REPLAY_BACKWARD``) pops: without one, every micro-batch's
+    int64 targets of every layer would stay on the device until the pass ends."""
+    if replay.replay_backward_list:
+        replay.replay_backward_list.pop()
 
 
 def attribution_route(model, batch, routing: RoutingLog | None):
@@ -348,10 +461,6 @@ def attribution_route(model, batch, routing: RoutingLog | None):
         raise ValueError("model.routing_replay=rollout: the batch has no routed experts from vLLM")
     lengths, width, routed = batch.lengths.tolist(), batch.tokens.shape[1], batch.routed_experts
     return lambda rows: RoutingPass(model, rows, lengths, width, replay=routed)
-
-
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def rollout_routing(per_sample: list, lengths: list[int], width: int, moe_layers: list[int],
@@ -383,13 +492,87 @@ def rollout_routing(per_sample: list, lengths: list[int], width: int, moe_layers
     return out
 
 
-def attach_rollout_routing(model, batch, samples: list) -> None:
+def attach_rollout_routing(model, batch, samples: list, group=None) -> None:
     """``batch.routed_experts`` from the rollout's samples (``batch.sample_ids`` index them):
-    vLLM's routing of this stage's MoE layers (``model.routing_replay=rollout``)."""
-    per_sample = [samples[int(i)].routed_experts for i in batch.sample_ids]
-    if all(r is None for r in per_sample):
+    vLLM's routing of this stage's MoE layers (``model.routing_replay=rollout``).
+
+    Once the rollouts were gathered over rollout groups, each sample's array stays on the ranks
+    of the group that generated it (:class:`~megatron_oar.rollout.batch.RoutedExperts`); then
+    this is collective over ``group`` (default the world; a gloo group, e.g. the trainer's
+    control group, keeps the exchange off the GPU): the ranks state their rows and MoE layers
+    (one ``all_gather_object`` of indices) and one all-to-all sends each rank, from one of each
+    sample's holders, exactly those rows' tokens at those layers, one byte per value where the
+    expert ids fit. Samples holding plain arrays (no gather) are read where they are."""
+    config = unwrap(model).config
+    layers, _, _ = stage_moe_layers(model)
+    rows = [int(i) for i in batch.sample_ids]
+    if any(isinstance(s.routed_experts, RoutedExperts) for s in samples):
+        _check_routed_shapes(samples, config.num_layers, config.moe_router_topk)
+        per_row = _fetch_routing(samples, rows, layers, wire_dtype(config.num_moe_experts), group)
+        picked = list(range(len(layers)))  # the fetched arrays hold this stage's layers only
+    else:
+        per_row, picked = [samples[i].routed_experts for i in rows], layers
+    if all(r is None for r in per_row):
         raise ValueError("model.routing_replay=rollout: vLLM returned no routed experts "
                          "(rollout.return_routed_experts; vLLM's V2 GPU model runner)")
-    layers, _, _ = stage_moe_layers(model)
-    batch.routed_experts = rollout_routing(per_sample, batch.lengths.tolist(), batch.tokens.shape[1],
-                                           layers, unwrap(model).config.moe_router_topk)
+    batch.routed_experts = rollout_routing(per_row, batch.lengths.tolist(), batch.tokens.shape[1],
+                                           picked, config.moe_router_topk)
+
+
+def _check_routed_shapes(samples: list, num_layers: int, topk: int) -> None:
+    """vLLM's routing shapes, checked alike on every rank (before any collective)."""
+    for i, s in enumerate(samples):
+        shape = None if s.routed_experts is None else tuple(s.routed_experts.shape)
+        if shape is not None and (len(shape) != 3 or shape[1] != num_layers or shape[2] != topk):
+            raise ValueError(f"sample {i}: vLLM's routed experts have shape {shape}; expected "
+                             f"[tokens, {num_layers} layers, {topk}]")
+
+
+def _fetch_routing(samples: list, rows: list[int], layers: list[int], wire: torch.dtype,
+                   group) -> list[torch.Tensor | None]:
+    """Per row of ``rows``, its sample's routing ``[tokens, len(layers), k]`` at ``layers``
+    (``wire`` dtype), or None where vLLM returned none. Collective over ``group``."""
+    group = group or dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    me = ranks.index(dist.get_rank())
+    needs: list = [None] * len(ranks)
+    dist.all_gather_object(needs, (rows, layers), group=group)
+
+    def tokens(i: int) -> int:  # what vLLM returned, up to the sample's length
+        s = samples[i]
+        return min(s.routed_experts.shape[0], len(s.prompt_ids) + len(s.response_ids))
+
+    def source(r: RoutedExperts, q: int) -> int | None:  # None: rank q holds it
+        return None if ranks[q] in r.ranks else ranks.index(r.ranks[q % len(r.ranks)])
+
+    send: list[list[torch.Tensor]] = [[] for _ in ranks]
+    recv = [0] * len(ranks)
+    for q, (q_rows, q_layers) in enumerate(needs):
+        for i in q_rows:
+            r = samples[i].routed_experts
+            src = None if r is None else source(r, q)
+            if src == me:
+                send[q].append(torch.as_tensor(r.array[:tokens(i), q_layers]).to(wire).flatten())
+            if src is not None and q == me:
+                recv[src] += tokens(i) * len(q_layers) * r.shape[2]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    out = torch.empty(sum(recv), dtype=wire, device=device)
+    inp = torch.cat([t for ts in send for t in ts]) if any(send) else torch.empty(0, dtype=wire)
+    sizes = [sum(t.numel() for t in ts) for ts in send]
+    dist.all_to_all_single(out, inp if device is None else inp.to(device), recv, sizes, group=group)
+    got = list(out.cpu().split(recv))
+    offsets = [0] * len(ranks)
+    per_row = []
+    for i in rows:
+        r = samples[i].routed_experts
+        if r is None:
+            per_row.append(None)
+            continue
+        src = source(r, me)
+        if src is None:
+            per_row.append(torch.as_tensor(r.array[:tokens(i), layers]).to(wire))
+            continue
+        n = tokens(i) * len(layers) * r.shape[2]
+        per_row.append(got[src][offsets[src]:offsets[src] + n].view(tokens(i), len(layers), r.shape[2]))
+        offsets[src] += n
+    return per_row

@@ -238,7 +238,7 @@ class Trainer:
         # MoE: what the passes do with the routing (model.routing_replay), and its metrics
         routing = RoutingLog(cfg.model.routing_replay) if self.arch.is_moe else None
         if routing is not None and routing.mode == "rollout":  # vLLM's routing, replayed
-            attach_rollout_routing(self.policy.model, batch, data.samples)
+            attach_rollout_routing(self.policy.model, batch, data.samples, group=self.control)
 
         sites = None
         if cfg.uses_attribution:
