@@ -10,7 +10,7 @@ Three ways, chosen by ``train.batching``:
   longest row of the pass (what every Megatron-based trainer does without dynamic batching).
 * ``packed``: grouped as ``token_budget`` (the same budget: the logits are unpacked to rows x
   longest row), but each micro-batch runs as ONE sequence of its rows back to back, each padded
-  only to the ``multiple`` (``models.packing``, THD; Transformer Engine only): under
+  only to the ``multiple`` (``models.packing``, THD; TE's or SDPA's attention): under
   ``multiple`` padding tokens per row are left.
 
 The grouping is a pure function of the lengths, so every tensor- and pipeline-parallel rank that

@@ -3,8 +3,9 @@
 The rows go back to back into ``tokens [1, T]``, each right-padded only to the sequence multiple
 (``models.padding``), never to the micro-batch's longest row. Megatron-core takes the layout as
 ``PackedSeqParams(qkv_format="thd")``: rotary embeddings restart at every row's offset in
-``cu_seqlens_padded``, and Transformer Engine's THD attention keeps the rows apart (megatron's
-local ``DotProductAttention`` refuses it, so this needs ``model.spec=te``).
+``cu_seqlens_padded``, and the core attention keeps the rows apart: Transformer Engine's THD
+attention, or SDPA's under the local spec (``models/sdpa_attention.py``); megatron's unfused
+``DotProductAttention`` refuses packed sequences (``model.attention=unfused`` is refused with it).
 
 Each row, not only the total, is padded to the multiple: ``T`` is then a multiple too, which
 sequence parallelism needs (it scatters the ``T`` axis over the TP ranks) and TE's FP8 GEMMs want
