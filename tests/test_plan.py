@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from megatron_oar.commands import plan as P
+from megatron_oar.commands.plan import activations
 from megatron_oar.config import ConfigError, load_config, validate
 from megatron_oar.models import ModelConfigError, parse_arch
 from megatron_oar.models.presets import PRESETS, preset_name, resolve_hf_config
@@ -202,10 +203,10 @@ def test_layer_activation_formula_by_hand():
     s, b = 10, 3
     sharded = (2 + 2 * 2) * 64 + 2 * 64 + 3 * f
     flash = 2 * (4 * h + sharded) * s * b
-    assert P._layer_act_bytes(a, s, b, 1, False, True) == flash
-    assert P._layer_act_bytes(a, s, b, 1, False, False) == flash + 6 * 2 * s * s * b
-    assert P._layer_act_bytes(a, s, b, 2, False, True) == 2 * (4 * h + sharded / 2) * s * b
-    assert P._layer_act_bytes(a, s, b, 2, True, True) == 2 * (4 * h + sharded) / 2 * s * b
+    assert activations._layer_act_bytes(a, s, b, 1, False, True) == flash
+    assert activations._layer_act_bytes(a, s, b, 1, False, False) == flash + 6 * 2 * s * s * b
+    assert activations._layer_act_bytes(a, s, b, 2, False, True) == 2 * (4 * h + sharded / 2) * s * b
+    assert activations._layer_act_bytes(a, s, b, 2, True, True) == 2 * (4 * h + sharded) / 2 * s * b
 
 
 def test_activation_levers_reduce_memory():
@@ -231,7 +232,7 @@ def test_only_unfused_attention_keeps_the_attention_matrix():
     for spec, attention, flash in (("te", "auto", True), ("local", "auto", True), ("local", "sdpa", True),
                                    ("local", "unfused", False), ("te", "unfused", False)):
         cfg = load_config(path, [f"model.spec={spec}", f"model.attention={attention}"])
-        assert P._act_setup(cfg)[3] is flash, (spec, attention)
+        assert activations._act_setup(cfg)[3] is flash, (spec, attention)
 
 
 def test_vllm_kv_cache_by_hand():
@@ -421,7 +422,7 @@ def test_moe_resident_state_shards_experts_over_expert_dp():
 
 
 def test_moe_dispatcher_and_weight_sync_bytes_by_hand():
-    from megatron_oar.commands import plan_moe
+    from megatron_oar.commands.plan import moe as plan_moe
 
     a = parse_arch(PRESETS["qwen3-30b-a3b"])
     row = 8 * 2048 * 2  # top-8 copies of a bf16 token
@@ -490,7 +491,7 @@ def _cfg_hf(example: str, *overrides: str):
 def test_longest_response_is_monotone_and_matches_the_fits_line(capsys):
     """The longest response that fits (searched in LENGTH_STEP steps) fits, one step more does
     not, shorter ones fit and longer ones do not; `oar plan --response-tokens` says the same."""
-    from megatron_oar.commands.plan_budgets import LENGTH_STEP
+    from megatron_oar.commands.plan.budget_search import LENGTH_STEP
 
     cfg, hf, kw = _cfg_hf("qwen2.5-7b_oar_g")
     longest = P.longest_response(cfg, hf, **kw)
@@ -513,7 +514,7 @@ def test_chosen_budgets_are_the_largest_that_fit():
     BUDGET_FILL of the GPU: the plan at that budget is under it, one step more is over it; a set
     budget past the whole GPU is warned about, naming the one that would be chosen; set budgets
     are kept. Covers the training budget, OAR-G's and OAR-P's copies (screened)."""
-    from megatron_oar.commands.plan_budgets import BUDGET_FILL, BUDGET_STEP, largest_fitting, with_budgets
+    from megatron_oar.commands.plan.budget_search import BUDGET_FILL, BUDGET_STEP, largest_fitting, with_budgets
 
     cfg, hf, kw = _cfg_hf("qwen2.5-7b_oar_g", "credit=oar_p_screened", "train.max_tokens_per_micro_batch=null",
                           "rollout.max_new_tokens=7168", "rollout.max_model_len=8192")
@@ -522,7 +523,7 @@ def test_chosen_budgets_are_the_largest_that_fit():
     chosen = pl.budgets["tokens"]
     assert set(pl.budgets["chosen"]) == set(chosen) == {P.TRAIN_BUDGET, P.ATTRIBUTION_BUDGET, P.COPY_BUDGET}
     assert pl.fits and not pl.warnings and max(pl.budgets["phase_gib"].values()) <= BUDGET_FILL * cap
-    specs = {sp.key: sp for sp in P.budget_specs(cfg, P.parse_arch(hf), world=8, hw=kw["hw"])[0]}
+    specs = {sp.key: sp for sp in P.budget_specs(cfg, parse_arch(hf), world=8, hw=kw["hw"])[0]}
     for key, tokens in chosen.items():
         assert tokens % BUDGET_STEP == 0 and tokens > 8192 and tokens < specs[key].hi
         phase = "update" if key == P.TRAIN_BUDGET else "attribution"

@@ -40,15 +40,16 @@ def config_from_args(args: argparse.Namespace):
 
 def choose_run_budgets(cfg, *, world: int, rank: int = 0):
     """The token budgets of a run of ``cfg`` on ``world`` processes, chosen as ``oar plan``
-    chooses them (:func:`megatron_oar.commands.plan.choose_token_budgets`, for GPUs of
+    chooses them (:func:`megatron_oar.commands.plan.budgets.choose_token_budgets`, for GPUs of
     ``launch.gpu_mem_gib``) at the longest sequence the run can see: ``cfg`` with the unset ones
     filled in (the set ones kept, a warning logged where they do not fit), and the choice. Rank 0
     logs them. A config the plan cannot size (no ``config.json`` at ``model.path``, an invalid
     layout) is returned as it is, for the trainer to report."""
     import logging
 
-    from megatron_oar.commands.plan import Hardware, choose_token_budgets
-    from megatron_oar.commands.plan_budgets import with_budgets
+    from megatron_oar.commands.plan.budget_search import with_budgets
+    from megatron_oar.commands.plan.budgets import choose_token_budgets
+    from megatron_oar.commands.plan.hardware import Hardware
     from megatron_oar.config import ConfigError, validate
     from megatron_oar.models import ModelConfigError, read_hf_config
 

@@ -1,9 +1,10 @@
 """``oar plan``'s token budgets and lengths: the searches, free of the memory model.
 
-The memory model is :mod:`megatron_oar.commands.plan`'s; it hands this module, per budget, the
-bytes of the phase the budget sizes as a function of the budget, and per response length whether
-the whole plan fits. Both are monotone: more tokens per micro-batch, or longer responses, never
-need less memory (``tests/test_plan.py`` checks the searches against the plan at their boundary).
+The memory model (:mod:`megatron_oar.commands.plan.budgets`, :mod:`megatron_oar.commands.plan.planner`)
+hands this module, per budget, the bytes of the phase the budget sizes as a function of the
+budget, and per response length whether the whole plan fits. Both are monotone: more tokens per
+micro-batch, or longer responses, never need less memory (``tests/test_plan.py`` checks the
+searches against the plan at their boundary).
 
 * :func:`choose_budgets`: each token budget left unset (null) in the config becomes the largest
   multiple of :data:`BUDGET_STEP` tokens, at least one full-length row and at most ``hi`` (the

@@ -1,6 +1,14 @@
 """``oar plan``'s arithmetic for mixture-of-experts models (Qwen3-MoE): what changes when a
 decoder layer's MLP is megatron-core's ``MoELayer`` split over expert parallelism.
 
+Each rank holds ``num_experts / EP`` experts of its stage's MoE layers, each split over ETP, next
+to the dense parts split over TP; the experts' Adam state is split over the expert-data-parallel
+group (world / (ETP x EP x PP)), the dense parts' over DP. A MoE layer's activations add the
+router's and the routed copies'. The plan also prints the total and active parameters, the
+experts' memory per GPU and the alltoall dispatcher's bytes per token and MoE layer; FLOPs count
+the active parameters (``models/flops.py``), and decode reads the experts its tokens are routed
+to.
+
 Layout (megatron-core's "MoE parallel folding"): the attention, norms, router and embeddings are
 split as in a dense model, over TP (and PP), and replicated over DP = world / (TP x PP); the
 routed experts of a MoE layer are split over EP (``num_experts / EP`` whole experts per rank) and
@@ -17,7 +25,7 @@ rank. With ETP > 1 the received rows are all-gathered over the ETP group (and re
 back). The backward moves the same bytes again.
 
 Activations of a MoE layer, per token a rank holds, in 16-bit elements: the dense layer's norm
-and attention terms (``plan._layer_act_bytes``), the router's fp32 logits and probabilities
+and attention terms (``activations._layer_act_bytes``), the router's fp32 logits and probabilities
 (``2 x num_experts`` fp32), and per routed copy (``moe_topk`` of them, times ETP: each ETP rank
 sees every row of its experts) the permuted input (``hidden``) and FC1's output and SwiGLU's
 (``3 x moe_intermediate_size / ETP``).

@@ -1,0 +1,71 @@
+"""``oar plan``'s time per step, phase by phase.
+
+Time per step, at worst-case lengths unless ``--response-tokens`` says otherwise (padded
+micro-batches, ``train.batching`` / ``attribution.batching`` ``padded``, still process every
+sequence at the longest length; token budgets at its own): Megatron passes as FLOPs
+(``models/flops.py``) at a stated MFU (forward 2 FLOPs per matmul parameter per token plus causal attention
+2*L*a*d*s; backward 2x forward; OAR-G's input-gradient-only backward 1x; OAR-P one forward per
+scored token; screened OAR-P OAR-G plus ``screen_fraction`` of OAR-P), generation by a roofline
+over decode steps (weights and KV cache read once per step at a stated fraction of HBM bandwidth,
+or compute-bound at the MFU).
+"""
+
+from __future__ import annotations
+
+import math
+
+from megatron_oar.commands.plan import moe as plan_moe
+from megatron_oar.commands.plan.hardware import Hardware
+from megatron_oar.commands.plan.moe import expert_params
+from megatron_oar.commands.plan.params import total_params
+from megatron_oar.models import QwenArch
+from megatron_oar.models.flops import forward_flops, matmul_params
+
+
+def estimate_time(cfg, a: QwenArch, hw: Hardware, *, world, samples, prompt, resp, longest,
+                  engines, concurrent, kv_per_token, vllm_weights) -> tuple[dict, dict]:
+    """``(flops, time_s)`` of one step by phase: PFLOP, and seconds (with their ``total``)."""
+    s = prompt + resp
+    n_mm = matmul_params(a)
+    attn_per_token = 2 * a.num_layers * a.num_heads * a.head_dim * s  # causal: mean context s/2
+    fwd_token = 2 * n_mm + attn_per_token
+    t, at = cfg.train, cfg.attribution_config()
+    # padded micro-batches run every sequence at the longest possible length; token budgets
+    # (and packing) at its own, up to a few per cent of padding to a micro-batch's longest
+    fwd_seq = {"logprob": forward_flops(a, [longest if t.batching == "padded" else s]),
+               "update": forward_flops(a, [longest if t.batching == "padded" else s]),
+               "attribution": forward_flops(a, [longest if at.batching == "padded" else s])}
+    fe = {"logprob": 1.0 + (1.0 if cfg.loss.kl_coef > 0 else 0.0),  # old-logprob (+ reference)
+          "update": t.ppo_epochs * (3.0 + (1.0 if cfg.model.recompute == "full" else 0.0))}
+    if cfg.uses_attribution and at.method == "oar_g":
+        fe["attribution"] = 2.0  # noisy forward + input-gradient-only backward
+    elif cfg.uses_attribution and at.method == "oar_p_screened":  # OAR-G, then its top fraction
+        fe["attribution"] = 2.0 + math.ceil(at.screen_fraction * resp)
+    elif cfg.uses_attribution:
+        fe["attribution"] = float(resp)  # one forward per scored token (upper bound: all)
+    else:
+        fe["attribution"] = 0.0
+    megatron_flop = {k: v * fwd_seq[k] * samples for k, v in fe.items()}
+    rate = world * hw.peak_tflops * 1e12 * hw.mfu
+    times = {k: v / rate for k, v in megatron_flop.items()}
+
+    # generation: prefill at the MFU, decode by a roofline per step
+    seqs = math.ceil(samples / engines)
+    rtp = cfg.rollout.tp
+    prefill = seqs * prompt * fwd_token / (rtp * hw.peak_tflops * 1e12 * hw.mfu)
+    waves = math.ceil(seqs / concurrent)
+    ctx = prompt + resp / 2
+    if a.is_moe:  # a decode step reads the experts its tokens are routed to, not all of them
+        moe_layers = sum(a.is_moe_layer(i) for i in range(a.num_layers))
+        experts = moe_layers * expert_params(a) / total_params(a)  # their share of the weights
+        vllm_weights *= 1 - experts + experts * plan_moe.experts_read_fraction(a, concurrent)
+    step_bytes = vllm_weights + concurrent * ctx * kv_per_token
+    step_flop = concurrent * (2 * n_mm + 4 * a.num_layers * a.num_heads * a.head_dim * ctx) / rtp
+    per_step = max(step_bytes / (hw.hbm_tb_s * 1e12 * hw.bandwidth_eff),
+                   step_flop / (hw.peak_tflops * 1e12 * hw.mfu))
+    times = {"generate": prefill + waves * resp * per_step, **times}
+    gen_flop = samples * s * fwd_token
+    flops = {"generate": gen_flop / 1e15, **{k: v / 1e15 for k, v in megatron_flop.items()}}
+    time_s = {k: v for k, v in times.items() if v > 0}
+    time_s["total"] = sum(time_s.values())
+    return flops, time_s
