@@ -43,8 +43,10 @@ test-gpu: $(STAMP)
 test-stress: $(STAMP)
 	bash tests/stress.sh 3
 
+# the lock's header comment (its leading '#' lines) is kept above the new freeze
 lock:
-	$(BIN)/pip freeze --exclude-editable | grep -v -E '^(torchvision|torchaudio|torchcodec)==' > requirements/.lock.new
+	sed -n '/^#/!q;p' requirements/cpu-lock.txt > requirements/.lock.new
+	$(BIN)/pip freeze --exclude-editable | grep -v -E '^(torchvision|torchaudio|torchcodec)==' >> requirements/.lock.new
 	mv requirements/.lock.new requirements/cpu-lock.txt
 
 clean:

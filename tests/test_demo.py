@@ -108,3 +108,12 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     png = out / "run" / "plots" / "training_curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "run" / "checkpoints" / "latest").exists()
+
+
+def test_the_closing_line_reports_the_accuracy_curves_best_and_last():
+    """The held-out accuracy's best and last point, each with its step, not the last alone."""
+    from megatron_oar.commands.demo import held_out_accuracy_line
+
+    evals = [{"step": s, "eval/accuracy": a} for s, a in [(0, 0.41), (10, 0.875), (50, 0.93), (80, 0.875)]]
+    assert held_out_accuracy_line(evals) == ("held-out greedy accuracy 41.0% at step 0 -> best 93.0% (step 50), "
+                                             "last 87.5% (step 80)")

@@ -158,3 +158,20 @@ def test_installed_oar_launch_dryrun(installed):
     assert (f"-m megatron_oar.commands.train --config {config} rollout.gpu_memory_utilization=0.4"
             in r.stdout)
     assert list(installed["work"].iterdir()) == []
+
+
+def test_make_lock_keeps_the_lock_files_header(tmp_path):
+    """``make lock`` regenerates requirements/cpu-lock.txt from ``pip freeze`` and keeps its
+    header comment (here in a copy of the Makefile, with a stand-in ``pip``: about 0.1 s)."""
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    (tmp_path / "requirements").mkdir()
+    lock = (REPO / "requirements" / "cpu-lock.txt").read_text().splitlines()
+    header = lock[:next(i for i, line in enumerate(lock) if not line.startswith("#"))]
+    (tmp_path / "requirements" / "cpu-lock.txt").write_text("\n".join(header + ["old==0"]) + "\n")
+    (tmp_path / "bin").mkdir()
+    pip = tmp_path / "bin" / "pip"
+    pip.write_text("#!/bin/sh\nprintf 'torch==2\\ntorchvision==1\\nzzz==3\\n'\n")
+    pip.chmod(0o755)
+    subprocess.run(["make", "-s", "lock", f"BIN={tmp_path / 'bin'}"], cwd=tmp_path, check=True, timeout=60)
+    assert header and (tmp_path / "requirements" / "cpu-lock.txt").read_text().splitlines() == header + [
+        "torch==2", "zzz==3"]

@@ -738,7 +738,10 @@ def test_training_replay_world2(tiny_moe):
             mean, peak = res["ratio"]
             print(f"{name}: unchanged weights ratio mean {mean} max {peak}; agreement "
                   f"{res['agree_unchanged']} rolled {res['agree_rolled']}")
-            assert mean == 1.0 and peak == 1.0, name
+            # the old-logprob pass and the update's forward are not the same kernels on every CPU
+            # (a 2-core AVX-512 EPYC gave a max of 1.0000004768, 4 fp32 ulps): a few ulps of 1
+            assert mean == pytest.approx(1.0, abs=1e-6) and peak == pytest.approx(1.0, abs=1e-6), name
+            # a count of equal expert ids over a count of tokens: exact
             assert res["agree_unchanged"]["routing/agree_old_update"] == 1.0
             assert res["agree_rolled"]["routing/agree_old_update"] < 0.9
         for i in range(full.size):

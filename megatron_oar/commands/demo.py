@@ -32,6 +32,17 @@ EXAMPLE = resources.path("tiny_chain_cpu.yaml")  # the package's copy: there aft
 SFT_PROGRESS_S = 10.0  # warm-up progress line interval when stdout is not a terminal
 
 
+
+def held_out_accuracy_line(evals: list[dict]) -> str:
+    """The held-out accuracy curve's start, best and last point, each with its step (the first
+    best where it ties): the last point alone is not the trend."""
+    first, last = evals[0], evals[-1]
+    best = max(evals, key=lambda r: r["eval/accuracy"])
+    return (f"held-out greedy accuracy {first['eval/accuracy']:.1%} at step {first['step']} -> best "
+            f"{best['eval/accuracy']:.1%} (step {best['step']}), "
+            f"last {last['eval/accuracy']:.1%} (step {last['step']})")
+
+
 def demo_task(example: Path = EXAMPLE):
     """The task of the demo's config (``data.synthetic``: a ``SyntheticConfig``)."""
     from megatron_oar.config import load_config
@@ -120,9 +131,7 @@ def run_demo(out: Path, *, steps: int | None = None, sft_steps: int | None = Non
                   f"({'rising' if last > first else 'NOT rising'})")
     evals = [r for r in records if "eval/accuracy" in r]
     if evals:
-        console.print(f"held-out greedy accuracy: {evals[0]['eval/accuracy']:.1%} before training "
-                      f"(step {evals[0]['step']}), {evals[-1]['eval/accuracy']:.1%} after step "
-                      f"{evals[-1]['step']}")
+        console.print(held_out_accuracy_line(evals))
         console.print("held-out greedy accuracy by step: " + ", ".join(
             f"{r['step']}: {r['eval/accuracy']:.1%}" for r in evals))
 
