@@ -32,9 +32,12 @@ import warnings
 
 LEVELS = ("info", "debug")
 QUIET_LIBRARIES = ("vllm",)
-# megatron-core loggers whose INFO lines (FSDP's backend detection, logged at import) show only at
-# log.level=debug
-QUIET_MEGATRON = ("megatron.core.distributed.fsdp",)
+# megatron-core loggers whose INFO lines show only at log.level=debug: FSDP's backend detection
+# (logged at import), and the configuration dumps of every training start (the whole
+# DistributedDataParallelConfig, every parameter's name per gradient bucket, the whole
+# OptimizerConfig: about 40 lines per rank before the first step)
+QUIET_MEGATRON = ("megatron.core.distributed.fsdp", "megatron.core.distributed.distributed_data_parallel",
+                  "megatron.core.distributed.param_and_grad_buffer", "megatron.core.optimizer")
 # (message regex, category) of the notices quiet_backend_notices() filters; nothing else
 BACKEND_NOTICES = (
     (r"Transformer Engine and Apex are not installed\. Falling back to ", UserWarning),
@@ -92,5 +95,5 @@ def setup_logging(rank: int = 0, level: str = "info") -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", library)
     for name in QUIET_LIBRARIES:  # already imported: set the level on its logger too
         logging.getLogger(name).setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
-    for name in QUIET_MEGATRON:  # "Using Megatron-FSDP without Transformer Engine." at every start
+    for name in QUIET_MEGATRON:  # FSDP's backend line, the DDP / bucket / optimizer config dumps
         logging.getLogger(name).setLevel(library)

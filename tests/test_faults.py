@@ -80,6 +80,9 @@ class Run:
         return [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", self.text)]
 
 
+CONSOLE_NOISE = r"nanobind: leaked|DistributedDataParallelConfig\(|Params for bucket|OptimizerConfig\("
+
+
 def _stream(cmd: list[str], run_dir: Path, env: dict, timeout: float, on_line=None) -> Run:
     """Runs ``cmd`` in its own process group, collecting its output lines with their arrival
     times; ``on_line(proc, line)`` sees each line as it comes. Every process the command starts
@@ -116,6 +119,9 @@ def _stream(cmd: list[str], run_dir: Path, env: dict, timeout: float, on_line=No
     assert not timed_out, f"{cmd[:4]}... ran past {timeout} s:\n" + "\n".join(x for _, x in lines[-60:])
     assert not left, (f"{cmd[:4]}... left {len(left)} process(es) behind:\n"
                       + "\n".join(f"  pid {p}: {c[:200]}" for p, c in sorted(left.items())))
+    # the console keeps one line per phase: no leak reports, no megatron config dumps (issue 41)
+    noise = [x for _, x in lines if re.search(CONSOLE_NOISE, x)]
+    assert not noise, f"{cmd[:4]}... printed {len(noise)} noise line(s), e.g.:\n" + "\n".join(noise[:5])
     return Run(proc.returncode, lines, run_dir)
 
 

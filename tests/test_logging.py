@@ -292,6 +292,27 @@ def test_vllm_logs_warnings_only_unless_debug():
     assert _vllm_level_after("debug") == "DEBUG"
 
 
+def test_megatron_config_dumps_only_at_debug(monkeypatch):
+    """megatron's DDP config, gradient-bucket parameter list and optimizer config (logged at INFO
+    by every rank's training start) reach the console only with log.level=debug."""
+    import logging
+
+    from megatron_oar import log_setup
+
+    dumps = ("megatron.core.distributed.distributed_data_parallel",
+             "megatron.core.distributed.param_and_grad_buffer", "megatron.core.optimizer")
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # basicConfig adds a handler to an empty root only
+    monkeypatch.setattr(root, "level", root.level)
+    for name in dumps:
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+    for level, shown in (("info", False), ("debug", True)):
+        log_setup.setup_logging(0, level)
+        for name in dumps:
+            assert logging.getLogger(name).isEnabledFor(logging.INFO) is shown, (level, name)
+        assert logging.getLogger("megatron_oar.training").isEnabledFor(logging.INFO)
+
+
 def test_log_level_is_checked_with_the_key():
     from megatron_oar.config import ConfigError, load_config
 
