@@ -22,6 +22,11 @@ from tests.test_attribution import SEQ_ADV, make_batch, rel_error
 FORCED = 16
 SIGMA = 1e-2  # as in test_attribution: OAR-G's fp32 rounding floor stays ~1e-5
 TOL = 1e-5
+# OAR-G's scores are gradients of a divergence near 0: fp32 rounding of other kernel shapes reaches
+# ~1e-5 of a row's largest score (tests/test_attribution.py allows 6e-5 across micro-batch
+# shapes); SDPA's attention kernel blocks by sequence length, so padded rows round differently
+# (measured 1.05e-5 for OAR-G and 1.21e-5 for screened OAR-P at TP2 and PP2, 2026-11-27)
+IMPORTANCE_TOL = 6e-5
 
 
 def _config(tp: int = 1, sp: bool = False, fp8: str | None = None):
@@ -227,11 +232,9 @@ def test_padding_changes_nothing(runs):
         for name in ("oar_g", "oar_p", "oar_p_screened"):
             assert plain[name].abs().max() > 0
             err = rel_error(padded[name], plain[name])
-            assert err <= TOL, f"rank {rank}: {name} rel err {err:.2e}"
-        assert plain["applied"] and padded["applied"]
-        assert padded["loss"] == pytest.approx(plain["loss"], rel=TOL)
-        assert padded["grad_norm"] == pytest.approx(plain["grad_norm"], rel=TOL)
-        for got, want in zip(padded["grads"], plain["grads"]):
-            assert (got - want).abs().max() <= TOL * want.abs().max(), f"rank {rank}: grads"
-        for got, want in zip(padded["weights"], plain["weights"]):
-            assert _close(got, want), f"rank {rank}: updated weights"
+            assert err <= IMPORTANCE_TOL, f"rank {rank}: {name} rel err {err:.2e}"
+        # applied, loss, grad norm, gradients; the updated weights where a gradient is above
+        # rounding (Adam's first step is lr * sign(g) where g is at rounding level)
+        from tests.test_micro_batches import assert_same_update
+
+        assert_same_update(padded, plain, f"rank {rank}", lr=1e-3)
