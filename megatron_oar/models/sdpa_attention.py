@@ -44,6 +44,7 @@ _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 _BACKENDS = {0: "math", 1: "flash_attention", 2: "efficient_attention", 3: "cudnn_attention",
              4: "overrideable"}  # torch's SDPBackend order (torch/nn/attention/__init__.py)
 _logged: set[str] = set()
+_logged_backend: list[bool] = []
 
 
 def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool,
@@ -116,8 +117,10 @@ class SDPAttention(DotProductAttention):
     def _sdpa(self, q, k, v, mask, causal: bool, dropout: float) -> torch.Tensor:
         """``[b, heads, s, dim]`` in and out."""
         gqa = self.groups > 1
-        _log_once(f"attention: sdpa backend={sdpa_backend(q, k, v, causal=causal, gqa=gqa)} "
-                  f"dtype={str(q.dtype).removeprefix('torch.')} gqa={gqa}")
+        if not _logged_backend:  # the kernel SDPA picks, once per process (asking costs a dispatch)
+            _logged_backend.append(True)
+            _log_once(f"attention: sdpa backend={sdpa_backend(q, k, v, causal=causal, gqa=gqa)} "
+                      f"dtype={str(q.dtype).removeprefix('torch.')} gqa={gqa}")
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                               is_causal=causal, scale=self.softmax_scale,
                                               enable_gqa=gqa)
