@@ -45,12 +45,18 @@ SUITE = "attribution_flops"
 METHODS = ("grpo", "oar_g", "oar_p_screened", "oar_p")
 
 
-def response_lengths(args) -> list[int]:
+def lognormal_lengths(rows: int, median: int, sigma: float, lo: int, hi: int, seed: int = 0) -> list[int]:
+    """``rows`` response lengths drawn log-normal around ``median``, clipped to ``[lo, hi]``."""
     import torch
 
-    g = torch.Generator().manual_seed(0)
-    drawn = torch.exp(torch.randn(args.rows, generator=g) * args.length_sigma) * args.median_response
-    return drawn.round().clamp(args.min_response, args.max_response).long().tolist()
+    g = torch.Generator().manual_seed(seed)
+    drawn = torch.exp(torch.randn(rows, generator=g) * sigma) * median
+    return drawn.round().clamp(lo, hi).long().tolist()
+
+
+def response_lengths(args) -> list[int]:
+    return lognormal_lengths(args.rows, args.median_response, args.length_sigma, args.min_response,
+                             args.max_response)
 
 
 def floor_ratio(tokens: float, oar_g_tokens: float, copy_tokens: float) -> float:

@@ -64,14 +64,6 @@ VARIANTS = {
 BATCHES = {"short": (16, 1024, 256, 2048), "long": (8, 4096, 2048, 8192)}
 
 
-def _lengths(rows: int, median: int, sigma: float, lo: int, hi: int, seed: int = 0) -> list[int]:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    drawn = torch.exp(torch.randn(rows, generator=g) * sigma) * median
-    return drawn.round().clamp(lo, hi).long().tolist()
-
-
 def _sync():
     import torch
 
@@ -293,7 +285,7 @@ def _hf(hf_dir: Path, args, batches: dict) -> dict:
 def measure(args) -> dict:
     import torch
 
-    from benchmarks.attribution_flops import attribution_flops
+    from benchmarks.attribution_flops import attribution_flops, lognormal_lengths
     from benchmarks.random_model import random_batch
     from checkpoints_convert.convert import hf_to_megatron
     from megatron_oar.models import parse_arch, read_hf_config
@@ -303,7 +295,7 @@ def measure(args) -> dict:
     if args.memory_cap_gib and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total))
-    specs = {name: _lengths(rows, median, args.length_sigma, lo, hi, seed=i)
+    specs = {name: lognormal_lengths(rows, median, args.length_sigma, lo, hi, seed=i)
              for i, (name, (rows, median, lo, hi)) in enumerate(args.batches.items())}
     longest = max(max(r) for r in specs.values())
     peak = peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None

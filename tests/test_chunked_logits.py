@@ -188,24 +188,17 @@ def _worker(ckpt: str, tied_ckpt: str, out: str) -> None:
     from tests.test_micro_batches import _passes
 
     results = {}
-    for tp, pp, sp, batchings in LAYOUTS:
-        init_runtime(ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp))
-        dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        rows = list(range(d, 5, dp))
-        for batching in batchings:
-            for chunk in (0, CHUNK):
-                # whole gradients on every DP rank (not the sharded optimizer's reduce-scatter), so
-                # that the weights' check below knows which gradients are firm
-                results[tp, pp, sp, batching, chunk] = _passes(ckpt, rows, batching, sharded_optimizer=False,
-                                                           logits_chunk=chunk, sequence_parallel=sp)
-    for tp, pp, sp, batchings in TIED_LAYOUTS:
-        init_runtime(ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp))
-        dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        rows = list(range(d, 5, dp))
-        for batching in batchings:
-            for chunk in (0, CHUNK):
-                results[tp, pp, sp, batching, "tied", chunk] = _passes(
-                    tied_ckpt, rows, batching, sharded_optimizer=False, logits_chunk=chunk, sequence_parallel=sp)
+    for model, tag, layouts in ((ckpt, (), LAYOUTS), (tied_ckpt, ("tied",), TIED_LAYOUTS)):
+        for tp, pp, sp, batchings in layouts:
+            init_runtime(ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp))
+            dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+            rows = list(range(d, 5, dp))
+            for batching in batchings:
+                for chunk in (0, CHUNK):
+                    # whole gradients on every DP rank (not the sharded optimizer's reduce-scatter),
+                    # so that the weights' check below knows which gradients are firm
+                    results[(tp, pp, sp, batching, *tag, chunk)] = _passes(
+                        model, rows, batching, sharded_optimizer=False, logits_chunk=chunk, sequence_parallel=sp)
     init_runtime(ParallelConfig(tp=2, pp=1, sequence_parallel=True))
     results["memory"] = {chunk: _largest_logits(ckpt, chunk) for chunk in (0, CHUNK)}
     save_gathered(results, out)

@@ -29,6 +29,8 @@ logged once per process at the first call (:func:`sdpa_backend`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import logging
 
@@ -65,6 +67,7 @@ def _log_once(line: str) -> None:
         log.info(line)
 
 
+@functools.cache
 def _varlen():
     """``(varlen_attn, the keyword that makes it causal, whether it takes enable_gqa)`` or None
     where this torch has no variable-length attention (before 2.10)."""
@@ -108,8 +111,6 @@ class SDPAttention(DotProductAttention):
     def _dropout_rng(self, dropout: float):
         """Megatron's RNG for attention dropout (a different stream per TP rank, as its local
         attention forks it); nothing to fork without dropout."""
-        import contextlib
-
         if dropout == 0.0 or self.config.sequence_parallel:
             return contextlib.nullcontext()
         return tensor_parallel.get_cuda_rng_tracker().fork()
