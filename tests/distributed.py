@@ -47,6 +47,9 @@ def _world_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
     """One rank of a freshly spawned world (``launch_fresh``)."""
     os.environ.update(_world_env(rank, world_size, port))
+    import torch
+
+    torch.set_num_threads(1)  # as in _serve: OMP_NUM_THREADS came after spawn imported torch
     from megatron_oar.runtime import destroy_runtime
 
     try:
@@ -119,8 +122,14 @@ def _rss_bytes() -> int:
 
 def _serve(rank: int, conn) -> None:
     """A pool rank: runs jobs ``(fn, args, world_size, port)`` until it receives ``None``."""
+    # one OpenMP thread per rank, as torchrun gives its workers: the environment variable alone
+    # comes too late (spawn imported torch while unpickling this target). Under SDPA (the local
+    # spec's default) the thread count changes no bit of a TP2 step; megatron's unfused attention
+    # rounds differently at one thread (docs/testing.md, tests/padding_rounding_check.py)
     os.environ["OMP_NUM_THREADS"] = "1"
-    import torch  # noqa: F401 - imported once here, warm for every job
+    import torch
+
+    torch.set_num_threads(1)
 
     from megatron_oar.runtime import destroy_runtime
 

@@ -116,7 +116,7 @@ def _probe(out, rows=None) -> tuple:
     return out.logp[rows], out.score[rows]
 
 
-def _passes(ckpt: str, update: bool) -> dict:
+def _passes(ckpt: str, update: bool, micro_batch_size: int = 1, attention: str = "auto") -> dict:
     """Every Megatron pass of one training step on a fresh policy; this rank's outputs."""
     from transformers import AutoTokenizer
 
@@ -136,7 +136,7 @@ def _passes(ckpt: str, update: bool) -> dict:
     from megatron_oar.training.policy_passes import old_logprob_pass, reference_logprobs, update_step
 
     ckpt = Path(ckpt)
-    policy = build_policy(read_hf_config(ckpt / "hf"), ModelConfig(path=str(ckpt), spec="local"),
+    policy = build_policy(read_hf_config(ckpt / "hf"), ModelConfig(path=str(ckpt), spec="local", attention=attention),
                           OptimConfig(lr=1e-3), checkpoint=ckpt, total_optimizer_steps=4)
     vocab = read_hf_config(ckpt / "hf")["vocab_size"]
     tok = AutoTokenizer.from_pretrained(str(ckpt / "hf"))
@@ -176,7 +176,8 @@ def _passes(ckpt: str, update: bool) -> dict:
     if not update:
         return out
     key[0] = "update"
-    result = update_step(policy, batch, PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01), vocab, 1)
+    result = update_step(policy, batch, PolicyLossConfig(kl_coef=0.1, entropy_coef=0.01), vocab,
+                         micro_batch_size)
     out.update(loss=result.stats["loss"], grad_norm=result.grad_norm, applied=result.applied,
                grads=[p.main_grad.clone() for p in policy.gpt.parameters()],
                weights=[p.detach().clone() for p in policy.gpt.parameters()])
