@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "launch": ("megatron_oar.commands.launch", "validate a config for its cluster, start it via nemo-run"),
         "plan": ("megatron_oar.commands.plan", "memory per GPU and step time of a config on its cluster"),
         "eval": ("megatron_oar.eval.run_eval", "pass@k on AIME24/25, AMC23, MATH500, GSM8K (Table 1)"),
-        "viz": ("megatron_oar.eval.viz", "token-importance maps (HTML + PNG) from oracle records"),
+        "viz": ("megatron_oar.eval.viz.cli", "token-importance maps (HTML + PNG) from oracle records"),
         "repro": ("megatron_oar.repro.runner", "the paper's tables and figures in miniature on CPU"),
     }
     analyses = {"oracle": "megatron_oar.eval.oracle", "recall": "megatron_oar.eval.recall"}

@@ -12,8 +12,8 @@ from html.parser import HTMLParser
 import pytest
 from PIL import Image
 
-from megatron_oar.eval import viz
 from megatron_oar.eval.records import TokenRecord, write_records
+from megatron_oar.eval.viz import cells, cli, colors, html_page, inputs, png_figure
 
 TRICKY = ["Let", "'s", " solve", " <b>&", " 3x", " +", " 5", " =", " 20", ".\n", "\n", "<0xE2>",
           "  two spaces", "\t", "&amp;", ' "q"', "x", " =", " 5", " \\boxed{5}"]
@@ -72,22 +72,22 @@ def bg(tok: dict) -> tuple[int, int, int]:
 
 
 def methods_of(rec):
-    return viz.resolve_methods(rec, None, "test")
+    return inputs.resolve_methods(rec, None, "test")
 
 
 # ----------------------------------------------------------------------------- HTML
 
 def test_html_has_every_token_once_per_panel_in_order():
     rec = record()
-    page = Page(viz.render_html([(rec, methods_of(rec))]))
+    page = Page(html_page.render_html([(rec, methods_of(rec))]))
     assert list(page.panels) == ["oar_p", "oar_g", "entropy", "oracle"]
-    expected = [viz.display_text(t) for t in rec.tokens]
+    expected = [cells.display_text(t) for t in rec.tokens]
     assert expected == rec.tokens  # nothing here needs escaping beyond HTML
     for method, toks in page.panels.items():
         assert [t["text"] for t in toks] == expected, method
         assert all(t["title"] for t in toks)
     # the panels are labelled like the paper's rows
-    html = viz.render_html([(rec, methods_of(rec))])
+    html = html_page.render_html([(rec, methods_of(rec))])
     for label in ("OAR-P", "OAR-G", "Entropy", "Oracle"):
         assert f'<div class="label">{label}</div>' in html
     assert "white-space:pre-wrap" in html and "<script" not in html and "http" not in html
@@ -95,7 +95,7 @@ def test_html_has_every_token_once_per_panel_in_order():
 
 def test_markup_in_tokens_is_escaped_not_parsed():
     rec = record()
-    html = viz.render_html([(rec, methods_of(rec))])
+    html = html_page.render_html([(rec, methods_of(rec))])
     assert "&lt;b&gt;&amp;" in html and "<b>" not in html
     page = Page(html)
     assert page.tags["b"] == 0  # the token did not become an element
@@ -108,7 +108,7 @@ def test_markup_in_tokens_is_escaped_not_parsed():
 
 def test_control_characters_are_shown_escaped():
     rec = record(["a\x00b", "\r\n", "\ud800"], oracle=None)
-    page = Page(viz.render_html([(rec, ["oar_p"])]))
+    page = Page(html_page.render_html([(rec, ["oar_p"])]))
     assert [t["text"] for t in page.panels["oar_p"]] == ["a\\x00b", "\\x0d\n", "\ufffd"]
 
 
@@ -116,17 +116,17 @@ def test_colours_are_monotone_in_the_score():
     n = 12
     scores = [float(i) for i in range(n)]
     rec = record([f" t{i}" for i in range(n)], scores={"oar_p": scores}, oracle=None)
-    toks = Page(viz.render_html([(rec, ["oar_p"])])).panels["oar_p"]
-    lum = [viz.luminance(bg(t)) for t in toks]
+    toks = Page(html_page.render_html([(rec, ["oar_p"])])).panels["oar_p"]
+    lum = [colors.luminance(bg(t)) for t in toks]
     assert all(a > b for a, b in zip(lum, lum[1:])), lum  # higher score -> darker
     assert bg(toks[0]) == (255, 255, 255)  # the sequence's minimum is white
     sat = [max(c) - min(c) for c in map(bg, toks)]
     assert sat[-1] > 100 and sat[-1] > sat[0]
     # the colormap itself, on a fine grid; text colour keeps contrast
-    grid = [viz.luminance(viz.score_rgb(i / 200)) for i in range(201)]
+    grid = [colors.luminance(colors.score_rgb(i / 200)) for i in range(201)]
     assert all(a >= b for a, b in zip(grid, grid[1:])) and grid[0] > 0.99 > 0.1 > grid[-1]
-    assert viz.text_rgb(viz.score_rgb(1.0)) == viz.LIGHT_FG
-    assert viz.text_rgb(viz.score_rgb(0.0)) == viz.DARK_FG
+    assert colors.text_rgb(colors.score_rgb(1.0)) == colors.LIGHT_FG
+    assert colors.text_rgb(colors.score_rgb(0.0)) == colors.DARK_FG
 
 
 def test_normalisation_is_oar_eq14_per_sequence():
@@ -135,63 +135,63 @@ def test_normalisation_is_oar_eq14_per_sequence():
 
     scores = [0.0, 0.5, 3.0, 100.0, 2.0, 7.0]
     mask = [True, True, True, False, True, True]
-    ours = viz.normalize(scores, mask)
+    ours = cells.normalize(scores, mask)
     ref = normalize_importance(torch.tensor([scores], dtype=torch.float64), torch.tensor([mask]))[0]
     for i, m in enumerate(mask):
         assert (ours[i] == pytest.approx(float(ref[i]), abs=1e-9)) if m else ours[i] != ours[i]
     # scale-invariant comparability: the same ranking in two methods gives the same end colours
-    assert viz.normalize([1, 2, 3], [True] * 3)[0] == 0.0
-    assert viz.normalize([5, 5, 5], [True] * 3).tolist() == [0.0, 0.0, 0.0]  # constant: no NaN
+    assert cells.normalize([1, 2, 3], [True] * 3)[0] == 0.0
+    assert cells.normalize([5, 5, 5], [True] * 3).tolist() == [0.0, 0.0, 0.0]  # constant: no NaN
 
 
 def test_unscored_tokens_are_grey_and_unranked():
     scored = [i < len(TRICKY) - 3 for i in range(len(TRICKY))]
     rec = record(scored=scored)
-    toks = Page(viz.render_html([(rec, methods_of(rec))])).panels["oar_p"]
+    toks = Page(html_page.render_html([(rec, methods_of(rec))])).panels["oar_p"]
     for t, s in zip(toks, scored):
-        assert (bg(t) == viz.UNSCORED_BG) == (not s)
+        assert (bg(t) == colors.UNSCORED_BG) == (not s)
         assert ("not scored" in t["title"]) == (not s)
-    ranks = viz.ranks(rec.scores["oar_p"], scored)
+    ranks = cells.ranks(rec.scores["oar_p"], scored)
     assert sorted(r for r in ranks if r) == list(range(1, sum(scored) + 1))
 
 
 def test_oracle_row_marks_pivots():
     rec = record()
-    page = Page(viz.render_html([(rec, methods_of(rec))]))
+    page = Page(html_page.render_html([(rec, methods_of(rec))]))
     for tok, o in zip(page.panels["oracle"], rec.oracle):
-        assert (bg(tok) == viz.PIVOT_RGB) == bool(o)
+        assert (bg(tok) == colors.PIVOT_RGB) == bool(o)
         assert ("causal pivot" in tok["title"]) == bool(o)
     for tok, o in zip(page.panels["oar_p"], rec.oracle):  # underlined in the method rows
         assert ("pv" in tok["class"]) == bool(o)
     # the pivot colour is not a colour of the importance ramp
-    assert all(viz.score_rgb(i / 50) != viz.PIVOT_RGB for i in range(51))
+    assert all(colors.score_rgb(i / 50) != colors.PIVOT_RGB for i in range(51))
 
 
 def test_caption_recall_and_page_metadata():
     n = 10
     rec = record([f" w{i}" for i in range(n)], oracle=[1, 0, 0, 0, 0, 0, 0, 0, 1, 0],
                  scores={"oar_p": [9, 0, 0, 0, 0, 0, 0, 0, 1, 0], "entropy": [0.0] * 9 + [5.0]})
-    assert viz.top_recall(rec, "oar_p") == (2, 2, 2)  # top 20% of 10: tokens 0 and 8, both pivots
-    assert viz.top_recall(rec, "entropy") == (1, 2, 2)  # 9, then 0 by stable tie order
-    html = viz.render_html([(rec, ["oar_p", "entropy", "oracle"])])
+    assert cells.top_recall(rec, "oar_p") == (2, 2, 2)  # top 20% of 10: tokens 0 and 8, both pivots
+    assert cells.top_recall(rec, "entropy") == (1, 2, 2)  # 9, then 0 by stable tie order
+    html = html_page.render_html([(rec, ["oar_p", "entropy", "oracle"])])
     assert "OAR-P 2/2 = 1.00" in html and "Entropy 1/2 = 0.50" in html
     assert "top 20% = 2 of 10 scored tokens, 2 pivots" in html
     assert "✓ correct" in html and "<details" in html and "linear-gradient" in html
     rec.oracle = None
-    assert viz.top_recall(rec, "oar_p") is None
-    assert "oracle not run" in viz.render_html([(rec, ["oar_p"])])
+    assert cells.top_recall(rec, "oar_p") is None
+    assert "oracle not run" in html_page.render_html([(rec, ["oar_p"])])
 
 
 def test_newline_tokens_get_a_visible_marker():
     rec = record(["a", "\n", " b"], oracle=None)
-    toks = Page(viz.render_html([(rec, ["oar_p"])])).panels["oar_p"]
+    toks = Page(html_page.render_html([(rec, ["oar_p"])])).panels["oar_p"]
     assert ["nl" in t["class"] for t in toks] == [False, True, False]
     assert toks[1]["text"] == "\n"  # the marker is CSS-generated, not in the text
 
 
 # ----------------------------------------------------------------------------- PNG
 
-def box_colour(img: Image.Image, box: viz.Box) -> tuple[int, int, int]:
+def box_colour(img: Image.Image, box: png_figure.Box) -> tuple[int, int, int]:
     """The most common colour inside a token box: its background (text glyphs are a minority)."""
     crop = img.crop((int(box.x0) + 1, int(box.y0) + 1, int(box.x1) - 1, int(box.y1) - 1))
     return Counter(crop.getdata()).most_common(1)[0][0]
@@ -200,24 +200,24 @@ def box_colour(img: Image.Image, box: viz.Box) -> tuple[int, int, int]:
 def test_png_renders_with_the_html_colours(tmp_path):
     rec = record()
     methods = methods_of(rec)
-    fig, boxes = viz.png_figure(rec, methods)
-    out = viz.render_png(rec, methods, tmp_path / "r.png")
+    fig, boxes = png_figure.png_figure(rec, methods)
+    out = png_figure.render_png(rec, methods, tmp_path / "r.png")
     img = Image.open(out).convert("RGB")
-    assert img.width == viz.PNG_WIDTH and 300 < img.height < 3000
+    assert img.width == png_figure.PNG_WIDTH and 300 < img.height < 3000
     assert len(set(img.getdata())) > 20  # not blank
     # the top-scoring OAR-P token is drawn dark red, exactly the HTML's colour
     top = max(range(len(rec.tokens)), key=lambda i: rec.scores["oar_p"][i])
-    colours = viz.cell_colors(rec, "oar_p")
-    page = Page(viz.render_html([(rec, methods)]))
+    colours = cells.cell_colors(rec, "oar_p")
+    page = Page(html_page.render_html([(rec, methods)]))
     assert bg(page.panels["oar_p"][top]) == colours[top][0]
     top_boxes = [b for b in boxes if b.method == "oar_p" and b.token == top]
     assert top_boxes and all(b.rgb == colours[top][0] for b in top_boxes)
     got = box_colour(img, top_boxes[0])
     assert all(abs(g - e) <= 3 for g, e in zip(got, colours[top][0])), (got, colours[top][0])
-    assert viz.luminance(got) < 0.15
+    assert colors.luminance(got) < 0.15
     # oracle pivots are blue in the oracle row
     pivot = next(b for b in boxes if b.method == "oracle" and rec.oracle[b.token])
-    assert box_colour(img, pivot) == viz.PIVOT_RGB
+    assert box_colour(img, pivot) == colors.PIVOT_RGB
     # every box lies inside the image
     assert all(0 <= b.x0 < b.x1 <= img.width and 0 <= b.y0 < b.y1 <= img.height for b in boxes)
 
@@ -226,23 +226,23 @@ def test_png_wraps_long_responses_and_grows(tmp_path):
     short = record([" word"] * 20, scores={"oar_p": [float(i) for i in range(20)]}, oracle=None)
     long = record([" word"] * 2000, scores={"oar_p": [float(i % 97) for i in range(2000)]},
                   oracle=None)
-    h_short = Image.open(viz.render_png(short, ["oar_p"], tmp_path / "s.png")).height
-    _, boxes = viz.png_figure(long, ["oar_p"])
-    h_long = Image.open(viz.render_png(long, ["oar_p"], tmp_path / "l.png")).height
+    h_short = Image.open(png_figure.render_png(short, ["oar_p"], tmp_path / "s.png")).height
+    _, boxes = png_figure.png_figure(long, ["oar_p"])
+    h_long = Image.open(png_figure.render_png(long, ["oar_p"], tmp_path / "l.png")).height
     assert h_long > 5 * h_short
     assert len({b.y0 for b in boxes}) > 50  # many lines
-    assert max(b.x1 for b in boxes) <= viz.PNG_WIDTH - viz.MARGIN + 1
+    assert max(b.x1 for b in boxes) <= png_figure.PNG_WIDTH - png_figure.MARGIN + 1
 
 
 def test_wrap_layout():
-    segs, nlines = viz.wrap(["ab", " cd", "\n", "efghij", "k\nl"], cols=5)
+    segs, nlines = png_figure.wrap(["ab", " cd", "\n", "efghij", "k\nl"], cols=5)
     assert segs[0] == [(0, 0, 2, "ab")] and segs[1] == [(0, 2, 3, " cd")]
     assert segs[2] == []  # a bare newline only breaks the line
     assert segs[3] == [(1, 0, 5, "efghi"), (2, 0, 1, "j")]  # wider than a line: broken
     assert segs[4] == [(2, 1, 1, "k"), (3, 0, 1, "l")] and nlines == 4
-    segs, _ = viz.wrap(["abcd", "xyz"], cols=5)  # does not fit the rest of the line: next line
+    segs, _ = png_figure.wrap(["abcd", "xyz"], cols=5)  # does not fit the rest of the line: next line
     assert segs[1] == [(1, 0, 3, "xyz")]
-    segs, _ = viz.wrap(["中文"], cols=3)  # wide characters take two columns
+    segs, _ = png_figure.wrap(["中文"], cols=3)  # wide characters take two columns
     assert segs[0] == [(0, 0, 2, "中"), (1, 0, 2, "文")]
 
 
@@ -275,7 +275,7 @@ def _screenshot(html_path, png_path) -> str | None:
 
 def test_browser_screenshot_is_not_blank(tmp_path):
     rec = record()
-    paths = viz.visualize(_write(tmp_path, [rec]), tmp_path / "out", index=0, png=False)
+    paths = cli.visualize(_write(tmp_path, [rec]), tmp_path / "out", index=0, png=False)
     shot = tmp_path / "shot.png"
     if _screenshot(paths[0], shot) is None:
         if os.environ.get("OAR_REQUIRE_BROWSER") == "1":  # .ci/run installs Debian's chromium
@@ -299,15 +299,15 @@ def _write(tmp_path, recs):
 def test_cli_writes_html_and_png(tmp_path, capsys):
     path = _write(tmp_path, [record(), record(id="aime/1#0", correct=False)])
     out = tmp_path / "viz"
-    assert viz.main([str(path), "--id", "aime/1#0", "--out", str(out),
+    assert cli.main([str(path), "--id", "aime/1#0", "--out", str(out),
                      "--methods", "OAR-G,oracle,entropy"]) == 0
     assert capsys.readouterr().out.split() == [str(out / "aime_1_0.html"),
                                                str(out / "aime_1_0.png")]
     page = Page((out / "aime_1_0.html").read_text(encoding="utf-8"))
     assert list(page.panels) == ["oar_g", "oracle", "entropy"]
-    assert Image.open(out / "aime_1_0.png").width == viz.PNG_WIDTH
+    assert Image.open(out / "aime_1_0.png").width == png_figure.PNG_WIDTH
     # several records: one page with a section each, one PNG each
-    assert viz.main([str(path), "--out", str(out), "--max-records", "2"]) == 0
+    assert cli.main([str(path), "--out", str(out), "--max-records", "2"]) == 0
     html = (out / "records.html").read_text(encoding="utf-8")
     assert html.count('<section class="record"') == 2 and "✗ incorrect" in html
     assert (out / "math500_17_3.png").is_file()
@@ -326,7 +326,7 @@ def test_cli_errors_name_the_file_or_flag(tmp_path, capsys, args, needle):
     path = _write(tmp_path, [record(id="a"), record(id="b", oracle=None)])
     missing = tmp_path / "missing.jsonl"
     fmt = {"path": path, "missing": missing}
-    assert viz.main([a.format(**fmt) for a in args]) == 2
+    assert cli.main([a.format(**fmt) for a in args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("oar viz: error: ") and needle.format(**fmt) in err
     if "missing" in args[0]:
