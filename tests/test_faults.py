@@ -80,7 +80,11 @@ class Run:
         return [int(m) for m in re.findall(r"resumed from \S+ at step (\d+)", self.text)]
 
 
-CONSOLE_NOISE = r"nanobind: leaked|DistributedDataParallelConfig\(|Params for bucket|OptimizerConfig\("
+# what no run prints (log_setup: the leak report, megatron's config dumps, library deprecations,
+# vLLM's notices about what oar sets up on purpose)
+CONSOLE_NOISE = (r"nanobind: leaked|DistributedDataParallelConfig\(|Params for bucket|OptimizerConfig\("
+                 r"|learning rate decay style|FutureWarning|not a leaf Tensor|global random seed is set"
+                 r"|Enforce eager set|Triton is not installed|not found in LD_PRELOAD|after the thread binding")
 
 
 def _stream(cmd: list[str], run_dir: Path, env: dict, timeout: float, on_line=None) -> Run:

