@@ -80,9 +80,9 @@ def test_stall_until_signal_ends_on_a_stop_signal_or_after_its_seconds(monkeypat
                                            ("stall-until-signal@generate:seconds=1", None, (1, 10))):
             monkeypatch.setenv(faults.ENV, fault)
             faults.reset()
+            t = time.monotonic()  # before the timer starts: the stall lasts at least signal_after
             if signal_after is not None:
                 threading.Timer(signal_after, os.kill, (os.getpid(), signal.SIGUSR1)).start()
-            t = time.monotonic()
             faults.inject("generate", step=1)
             assert lasts[0] <= time.monotonic() - t < lasts[1], (fault, time.monotonic() - t)
             assert p.received == (None if signal_after is None else signal.SIGUSR1)
