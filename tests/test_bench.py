@@ -354,6 +354,7 @@ def test_logits_memory_suite_end_to_end(tmp_path):
     assert "| 1024 | update |" in (out / "logits_memory.md").read_text()
 
 
+@pytest.mark.slow
 def test_attribution_flops_suite_end_to_end(tmp_path):
     """`oar bench attribution-flops` on a tiny model: every method timed, the floors counted from
     the batch (OAR-G scores every row here, so its floor is exactly 1.5), exact OAR-P on 2 of 4
@@ -395,6 +396,7 @@ def test_attribution_flops_suite_end_to_end(tmp_path):
     assert "| oar_p | " in (out / "attribution_flops.md").read_text()
 
 
+@pytest.mark.slow
 def test_vs_hf_suite_end_to_end(tmp_path):
     """`oar bench vs-hf` on a tiny model: ours with SDPA and with megatron's unfused attention and
     the plain transformers loop run every pass on the same batch; their old log-probs agree to

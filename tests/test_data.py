@@ -326,6 +326,7 @@ def test_synthetic_text_suits_the_tiny_tokenizer(tokenizer):
             assert len(tokenizer.tokenize(" " + number)) == 1, number
 
 
+@pytest.mark.slow
 def test_synthetic_answers_verify_with_the_reward_function(tmp_path):
     from megatron_oar.rewards import RewardConfig, score_batch
 

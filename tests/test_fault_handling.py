@@ -298,6 +298,7 @@ _RANK_WITH_HELPERS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_stop_signals_to_the_rank_group_leave_its_helpers_alive():
     """torchrun forwards SIGTERM / SIGUSR1 to each worker's whole process group (``os.killpg``):
     the rank records it and finishes its step, and the helpers it started (the resource

@@ -280,6 +280,7 @@ def test_launch_flags_become_overrides(capsys, in_repo):
     assert "launch.executor=slurm launch.nodes=2" in out
 
 
+@pytest.mark.slow
 def test_shim_writes_nothing(tmp_path):
     """``python launch_scripts/nemo_run_launch.py``, from another directory, with a fresh HOME:
     the dry run leaves no file behind (no job dir, no ~/.nemo_run)."""

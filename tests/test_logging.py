@@ -287,6 +287,7 @@ def _vllm_level_after(level: str) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_vllm_logs_warnings_only_unless_debug():
     assert _vllm_level_after("info") == "WARNING"
     assert _vllm_level_after("debug") == "DEBUG"
@@ -362,6 +363,7 @@ def test_log_level_is_checked_with_the_key():
         load_config(None, ["log.level=verbose"])
 
 
+@pytest.mark.slow
 def test_oar_plan_help_prints_no_backend_notices():
     """megatron-core's "Transformer Engine and Apex are not installed" UserWarnings (at import)
     and DCP's single-process notice are filtered by every entry point; `oar info` lists them."""

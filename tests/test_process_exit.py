@@ -69,6 +69,7 @@ PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("module", "argv"), [
     ("megatron_oar.commands.train", ["--config", "missing.yaml"]),        # each torchrun rank
     ("megatron_oar.cli", ["train", "--config", "missing.yaml"]),          # oar (one process)
@@ -95,6 +96,7 @@ WRITER_MANAGER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_the_checkpoint_writers_manager_server_runs_with_its_heap_frozen():
     """A rank's exit joins that server (multiprocessing's atexit hook): its own exit must not
     walk the modules it imported either."""
@@ -104,6 +106,7 @@ def test_the_checkpoint_writers_manager_server_runs_with_its_heap_frozen():
     assert int(proc.stdout.split("frozen")[1]) > 1000, proc.stdout
 
 
+@pytest.mark.slow
 def test_a_command_ends_without_nanobind_leak_reports():
     """The frozen heap keeps triton's nanobind objects alive past the interpreter's end, and
     nanobind reports them as leaks ("nanobind: leaked N instances!" ...) unless its report is

@@ -354,6 +354,7 @@ def test_batch_budget_bounds_a_whole_call():
         assert pool.map([("a", "a")])[0].correct  # fresh workers after the kills
 
 
+@pytest.mark.slow
 def test_spawn_start_method_and_close_reaps_children():
     pool = VerifierPool(2, timeout_s=1.0, verifier="tests.test_rewards:sleepy_verify",
                         start_method="spawn")

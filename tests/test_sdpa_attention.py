@@ -104,6 +104,7 @@ def _module_checks() -> None:
         sdpa(tq, tk, tv, torch.zeros(1, 1, 13, 13, dtype=torch.bool), packed_seq_params=packed)
 
 
+@pytest.mark.slow
 def test_sdpa_equals_unfused_attention():
     launch(_module_checks, 1)
 
