@@ -86,6 +86,7 @@ CASES = {
     "qwen2.5-math-1.5b_oar_g.yaml": ("math-1.5b", 8),
     "qwen2.5-7b_oar_g.yaml": ("7b", 8),
     "qwen2.5-7b_oar_p.yaml": ("7b", 8),
+    "qwen2.5-7b_oar_g_separate.yaml": ("7b", 16),
     "qwen2.5-math-7b_oar_g.yaml": ("math-7b", 8),
     "qwen2.5-14b_oar_g.yaml": ("14b", 16),
     "qwen2.5-32b_oar_g.yaml": ("32b", 32),

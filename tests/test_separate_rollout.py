@@ -148,7 +148,8 @@ def end_to_end(trainer_checkpoint, tmp_path_factory) -> dict:
 def _comparable(record: dict) -> dict:
     from tests.test_trainer import SKIP_TIMING
 
-    skip = (*SKIP_TIMING, "rollout/staleness", "rollout/policy_version", "rollout/sync_")
+    skip = (*SKIP_TIMING, "rollout/staleness", "rollout/policy_version", "rollout/sync_",
+            "rollout/generation_seconds", "rollout/wait_seconds", "rollout/overlap")
     return {k: v for k, v in record.items() if not k.startswith(skip)}
 
 
@@ -167,6 +168,9 @@ def test_staleness_zero_trains_as_colocated(end_to_end):
     for k, w in col["weights"].items():
         assert torch.allclose(torch.tensor(w), torch.tensor(sep["weights"][k]), atol=1e-6, rtol=0), k
     assert [r["rollout/staleness_max"] for r in sep["records"]] == [0.0, 0.0]
+    # the trainer waited for every generation: nothing hidden
+    assert [r["rollout/overlap"] for r in sep["records"]] == [0.0, 0.0]
+    assert all(r["rollout/generation_seconds"] > 0 for r in sep["records"])
 
 
 @pytest.mark.slow
@@ -178,6 +182,8 @@ def test_staleness_one_lags_one_update(end_to_end):
     assert [r["rollout/policy_version"] for r in recs] == [0.0, 0.0, 1.0]
     assert end_to_end["staleness1"]["changed"] > 0
     assert all(r["rollout/logprob_mismatch"] < 0.5 for r in recs)
+    # the last step's batch was generated while step 2 trained (timing: only its range checked)
+    assert 0.0 <= recs[-1]["rollout/overlap"] <= 1.0 and recs[-1]["rollout/generation_seconds"] > 0
 
 
 @pytest.mark.slow

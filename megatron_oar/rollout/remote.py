@@ -142,6 +142,7 @@ class RemoteRollout:
         self._stash: dict[tuple, object] = {}  # results read before they were asked for
         self.synced_version: int | None = None
         self._closed = False
+        self._timing = {"generation": 0.0, "wait": 0.0}  # since the last take_timing()
 
     # -- the engine's interface -------------------------------------------------------------
 
@@ -198,11 +199,26 @@ class RemoteRollout:
         ``meta["policy_version"]``), on every training rank."""
         request = self._request(prompt_ids, n, temperature, top_p, top_k, max_new_tokens, stop, stop_token_ids, seeds)
         key = self._key(request)
+        t0 = time.perf_counter()
         if key not in self._stash and not any(k == key for _, k in self._outstanding):
             self._send(request)
         while key not in self._stash:
             self._receive_next()
-        return self._stash.pop(key)
+        batch = self._stash.pop(key)
+        self._timing["wait"] += time.perf_counter() - t0
+        self._timing["generation"] += batch.gen_seconds
+        return batch
+
+    def take_timing(self) -> dict[str, float]:
+        """Since the last call: the rollout ranks' generation seconds for the batches handed out,
+        the seconds the trainer waited on the rollout ranks (for results, and in weight syncs,
+        which wait for the generation in flight to end and include the transfer), and the share
+        of generation hidden behind training, ``1 - wait / generation`` (0 when the trainer
+        waited throughout, as at ``max_staleness=0``)."""
+        t, self._timing = self._timing, {"generation": 0.0, "wait": 0.0}
+        hidden = max(0.0, 1.0 - t["wait"] / t["generation"]) if t["generation"] > 0 else 0.0
+        return {"rollout/generation_seconds": t["generation"], "rollout/wait_seconds": t["wait"],
+                "rollout/overlap": hidden}
 
     def _receive_next(self) -> None:
         """The oldest outstanding result, on every training rank."""
@@ -238,6 +254,8 @@ class RemoteRollout:
         if box[0] is not None:
             raise WeightSyncError(f"separate placement: {box[0]}")
         self.synced_version = version
+        # a sync waits for the generation in flight to end: counted as waiting (take_timing)
+        self._timing["wait"] += time.perf_counter() - t0
         return SyncStats(seconds=time.perf_counter() - t0, bytes=counts["bytes"],
                          num_tensors=counts["tensors"], num_buckets=counts["buckets"],
                          max_bucket_bytes=counts["max"], max_received_bytes=counts["bytes"])

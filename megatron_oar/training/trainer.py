@@ -296,17 +296,19 @@ class Trainer:
                             attr_stats=attr_stats, attr_work=attr_work, mismatch=mismatch,
                             sync_seconds=sync.seconds,
                             sync_gib_per_rank=sync.max_received_bytes / 2**30, lengths=lengths, split=split, t0=t0,
-                            routing=routing) | self._staleness_metrics(data)
+                            routing=routing) | self._placement_metrics(data)
 
-    def _staleness_metrics(self, data) -> dict[str, float]:
-        """How many updates old the step's samples are (``rollout.placement=separate``: the
-        policy version each was generated with, against the ``self.step`` updates trained)."""
+    def _placement_metrics(self, data) -> dict[str, float]:
+        """``rollout.placement=separate``: how many updates old the step's samples are (the
+        policy version each was generated with, against the ``self.step`` updates trained), and
+        how much of their generation the trainer did not wait for (``RemoteRollout.take_timing``)."""
         if not self.cfg.rollout.separate:
             return {}
+        timing = self.engine.take_timing() if hasattr(self.engine, "take_timing") else {}
         lags = [self.step - (self.step if s.version is None else s.version) for s in data.samples]
         return {"rollout/policy_version": float(self.step - max(lags, default=0)),
                 "rollout/staleness_mean": sum(lags) / max(len(lags), 1),
-                "rollout/staleness_max": float(max(lags, default=0))}
+                "rollout/staleness_max": float(max(lags, default=0)), **timing}
 
     def wake_rollout(self, step: int):
         """Collective: vLLM back on the GPU with the current policy (phases.WAKE): its weights
