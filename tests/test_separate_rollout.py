@@ -1,10 +1,15 @@
 """The separate placement (``rollout.placement=separate``, issue 43): training ranks and rollout
 ranks in one torchrun world.
 
-* ``test_world_split_and_bucket_transfer`` (fast, one job of 3 gloo ranks, about 3 s): the world
-  splits into 2 training ranks and 1 rollout rank, each role with its own default group;
-  weight buckets (fp32, bf16, a 0-dim tensor) and objects travel between the roles exactly;
-  a send posted without waiting does not block the sender's next receive.
+* ``test_world_split_and_bucket_transfer`` (one job of 3 gloo ranks in the warm pool, about 3 s):
+  the world splits into 2 training ranks and 1 rollout rank, each role with its own default
+  group; weight buckets (fp32, bf16, a 0-dim tensor) and objects travel between the roles
+  exactly; a send posted without waiting does not block the sender's next receive.
+* slow, one job of 2 ranks (1 training + 1 rollout, a vLLM engine on each: the colocated run's
+  and the rollout rank's), 50-160 s on 2 busy cores, shared by three tests: the colocated run,
+  the separate runs at ``max_staleness`` 0 and 1, the sync check after broadcasts.
+* a rollout rank killed mid-generation stops the trainer with ``RolloutRankError`` (fresh
+  processes, no vLLM, about 60 s).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ def _split_worker(out: str) -> None:
     Path(out, f"rank{roles.global_rank}.json").write_text(json.dumps(report))
 
 
+@pytest.mark.slow
 def test_world_split_and_bucket_transfer(tmp_path):
     launch(_split_worker, 3, str(tmp_path))
     r = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(3)]
@@ -193,3 +199,78 @@ def test_engine_weights_equal_megatrons_after_each_broadcast(end_to_end):
         assert check["agree_max"] < 1e-4, check   # fp32: rounding
         assert check["moved_max"] > 0.05, check   # and the check can fail
     assert [c["version"] for c in end_to_end["checks"]] == [100, 101]
+
+
+# ------------------------------------------------------------------ a rollout rank that dies (fast)
+
+class _FakeEngine:
+    """The engine's interface for :class:`RolloutServer`, without vLLM: each completion is the
+    prompt reversed."""
+
+    dp_rank, dp_size = 0, 1
+
+    def generate(self, prompts, *, seeds, n, **_):
+        from megatron_oar.rollout import RolloutBatch
+
+        resp = [[list(reversed(p))] * n for p in prompts]
+        return RolloutBatch(prompt_ids=prompts, response_ids=resp,
+                            logprobs=[[[0.0] * len(r) for r in g] for g in resp],
+                            finish_reasons=[["stop"] * n for _ in prompts],
+                            stop_reasons=[[None] * n for _ in prompts], texts=[[""] * n for _ in prompts],
+                            seeds=list(seeds), n=n, temperature=1.0, top_p=1.0, top_k=0,
+                            logprobs_mode="raw_logprobs")
+
+    def gather(self, batch):
+        return batch
+
+
+def _dead_rollout_worker(out: str) -> None:
+    import os
+    from types import SimpleNamespace
+
+    from megatron_oar.rollout import RolloutConfig
+    from megatron_oar.rollout.remote import RemoteRollout, RolloutRankError, RolloutServer
+    from megatron_oar.runtime.roles import ROLLOUT, split_world
+
+    os.environ["OAR_FAULTS"] = "kill@rollout.generate:step=2:rank=1"
+    roles = split_world(1, timeout_minutes=0.1)  # a dead peer: gloo gives up after 6 s
+    if roles.role == ROLLOUT:
+        RolloutServer(_FakeEngine(), roles).serve()  # killed inside its second request
+        return
+    remote = RemoteRollout(SimpleNamespace(rollout=RolloutConfig(n=2)), roles, arch=None)
+    first = remote.generate([[1, 2, 3]], seeds=[5])
+    try:
+        remote.generate([[4, 5]], seeds=[6])
+        outcome = "no error"
+    except RolloutRankError as e:
+        outcome = str(e)
+    remote.shutdown()  # nothing left to say to a dead rank: returns
+    Path(out).write_text(json.dumps({"first": first.response_ids, "outcome": outcome}))
+
+
+@pytest.mark.slow
+def test_dead_rollout_rank_stops_the_trainer_naming_it(tmp_path):
+    """A rollout rank killed inside a generation (``OAR_FAULTS=kill@rollout.generate``): the
+    trainer's wait raises ``RolloutRankError`` naming the rollout ranks, instead of hanging or
+    failing with a bare gloo error. Fresh processes (a rank dies; torch's spawn would end the
+    trainer with it, so each rank is a plain process here), no vLLM: 60 s on 2 busy cores, mostly
+    two processes importing torch and megatron."""
+    import torch.multiprocessing as mp
+
+    from tests.distributed import _entry, free_port
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_entry, args=(rank, _dead_rollout_worker, 2, port, (str(tmp_path / "out.json"),)))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [0, -9], codes  # the trainer finished its part; the rollout rank was killed
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert res["first"] == [[[3, 2, 1], [3, 2, 1]]]
+    assert "the rollout ranks (global ranks 1-1, rollout.placement=separate) stopped answering" in res["outcome"]

@@ -38,11 +38,17 @@ from megatron_oar.rollout.sync_check import WeightSyncError
 from megatron_oar.rollout.transfer import recv_buckets, recv_object, send_buckets, send_object
 from megatron_oar.rollout.weight_sync import iter_hf_buckets
 from megatron_oar.runtime.roles import Roles
+from megatron_oar.testing import faults
 
 log = logging.getLogger(__name__)
 
 TRAINER, ROLLOUT_LEADER = 0, 1  # members of the `weights` group: training rank 0, rollout rank 0
 RESULTS_SENDER = 0  # the `results` group: [rollout rank 0, training rank 0]
+
+
+class RolloutRankError(RuntimeError):
+    """A rollout rank of the separate placement died, hung past the groups' timeout, or broke
+    the protocol; raised on every training rank."""
 
 
 class RolloutServer:
@@ -51,6 +57,7 @@ class RolloutServer:
     def __init__(self, engine, roles: Roles):
         self.engine, self.roles = engine, roles
         self.version: int | None = None
+        self.served = 0  # generation requests so far
         self._pending = None  # the last batch sent, until training rank 0 has read it
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
@@ -93,6 +100,8 @@ class RolloutServer:
 
     def _generate(self, request: dict) -> None:
         engine = self.engine
+        self.served += 1
+        faults.inject("rollout.generate", step=self.served)
         prompts, seeds = request["prompt_ids"], request["seeds"]
         mine = share(engine.dp_rank, engine.dp_size, len(prompts))
         t0 = time.perf_counter()
@@ -178,10 +187,31 @@ class RemoteRollout:
         request = {**request, "id": self._requests}
         self._requests += 1
         key = self._key(request)
+        error = None
         if self.rank == 0:
-            send_object(self.roles.weights, request, TRAINER)
+            try:
+                send_object(self.roles.weights, request, TRAINER)
+            except RuntimeError as e:
+                error = self._lost(e, "sending a generation request")
+        self._raise_everywhere(error)
         self._outstanding.append((request["id"], key))
         return key
+
+    def _lost(self, error: Exception, doing: str) -> str:
+        r = self.roles
+        return (f"the rollout ranks (global ranks {r.train_size}-{r.global_size - 1}, "
+                f"rollout.placement=separate) stopped answering while {doing}: {type(error).__name__}: "
+                f"{error}. A rollout rank died, hung past parallel.timeout_minutes, or failed; the run "
+                "stops as for a failed training rank (torchrun restarts it from the last checkpoint "
+                "where launch.max_restarts allows)")
+
+    def _raise_everywhere(self, error: str | None) -> None:
+        """Collective over the training world: training rank 0's ``error`` raised on every rank."""
+        box = [error]
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        if box[0] is not None:
+            self._closed = True  # nothing more to say to the rollout ranks
+            raise RolloutRankError(box[0])
 
     def prefetch(self, prompt_ids, *, n=None, temperature=None, top_p=None, top_k=None, max_new_tokens=None,
                  stop=None, stop_token_ids=None, seeds=None) -> None:
@@ -223,12 +253,19 @@ class RemoteRollout:
     def _receive_next(self) -> None:
         """The oldest outstanding result, on every training rank."""
         rid, key = self._outstanding.pop(0)
-        box = [recv_object(self.roles.results, RESULTS_SENDER) if self.rank == 0 else None]
+        batch = error = None
+        if self.rank == 0:
+            try:
+                batch = recv_object(self.roles.results, RESULTS_SENDER)
+            except RuntimeError as e:
+                error = self._lost(e, f"the trainer waited for the result of request {rid}")
+            else:
+                if batch.meta.get("request") != rid:
+                    error = f"rollout result for request {batch.meta.get('request')}, expected {rid}"
+        self._raise_everywhere(error)
+        box = [batch]
         dist.broadcast_object_list(box, src=0, group=self._control)
-        batch = box[0]
-        if batch.meta.get("request") != rid:
-            raise RuntimeError(f"rollout result for request {batch.meta.get('request')}, expected {rid}")
-        self._stash[key] = batch
+        self._stash[key] = box[0]
 
     def sync_weights(self, model, *, step: int | None = None, version: int | None = None) -> SyncStats:
         """Collective over the training world: Megatron's weights, as full HF tensors in
@@ -239,16 +276,19 @@ class RemoteRollout:
         t0 = time.perf_counter()
         buckets = iter_hf_buckets(model, self.arch, self.config.bucket_bytes)
         counts = {"bytes": 0, "tensors": 0, "buckets": 0, "max": 0}
-        message = None
+        message = lost = None
         if self.rank == 0:
-            send_object(self.roles.weights, {"kind": "sync", "step": step, "id": None}, TRAINER)
-            counts = send_buckets(self.roles.weights, self.roles.weights_device, buckets,
-                                  version=-1 if version is None else version)
-            if self.roles.weights.all_max(0.0):
-                message = recv_object(self.roles.weights, ROLLOUT_LEADER)
-        else:
-            for _ in buckets:  # this rank's share of the gathers
-                pass
+            try:
+                send_object(self.roles.weights, {"kind": "sync", "step": step, "id": None}, TRAINER)
+                counts = send_buckets(self.roles.weights, self.roles.weights_device, buckets,
+                                      version=-1 if version is None else version)
+                if self.roles.weights.all_max(0.0):
+                    message = recv_object(self.roles.weights, ROLLOUT_LEADER)
+            except RuntimeError as e:
+                lost = self._lost(e, "the trainer sent the weights")
+        for _ in buckets:  # this rank's share of the gathers (the rest of it, after a failure)
+            pass
+        self._raise_everywhere(lost)
         box = [message]
         dist.broadcast_object_list(box, src=0, group=self._control)
         if box[0] is not None:

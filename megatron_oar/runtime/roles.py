@@ -25,12 +25,15 @@ caller's default group, which the other role does not share):
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 TRAIN, ROLLOUT = "train", "rollout"
 
@@ -107,7 +110,10 @@ class Roles:
         """Collective over every rank: waits for all (so the store's host, global rank 0, is the
         last to go), then drops the cross-role groups."""
         if self.everyone is not None:
-            self.everyone.barrier()
+            try:
+                self.everyone.barrier()
+            except RuntimeError as e:  # a rank died (the run already failed): nothing to wait for
+                log.warning("separate placement: not every rank reached the end (%s)", e)
         for name in ("weights", "weights_device", "results", "everyone"):
             setattr(self, name, None)
         self.store = None
