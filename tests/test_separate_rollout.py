@@ -6,8 +6,9 @@ ranks in one torchrun world.
   group; weight buckets (fp32, bf16, a 0-dim tensor) and objects travel between the roles
   exactly; a send posted without waiting does not block the sender's next receive.
 * slow, one job of 2 ranks (1 training + 1 rollout, a vLLM engine on each: the colocated run's
-  and the rollout rank's), 50-160 s on 2 busy cores, shared by three tests: the colocated run,
-  the separate runs at ``max_staleness`` 0 and 1, the sync check after broadcasts.
+  and the rollout rank's), 60-200 s on 2 busy cores, shared by four tests: the colocated run,
+  the separate runs at ``max_staleness`` 0 (and its resume) and 1, the sync check after
+  broadcasts.
 * a rollout rank killed mid-generation stops the trainer with ``RolloutRankError`` (fresh
   processes, no vLLM, about 60 s).
 """
@@ -122,6 +123,9 @@ def _end_to_end_worker(ckpt: str, root: str, out: str) -> None:
 
     remote = RemoteRollout(sep0, roles, parse_arch(read_hf_config(sep0.model.hf_dir() / "config.json")))
     run(sep0, remote, "staleness0")
+    # resumed from staleness0's checkpoint (step 2) to step 3, against an uninterrupted 3-step run
+    run(_config(ckpt, f"{root}/sep0", *common, *SEPARATE, "train.steps=3"), remote, "resumed")
+    run(_config(ckpt, f"{root}/straight", *common, *SEPARATE, "train.steps=3"), remote, "straight")
     sep1 = _config(ckpt, f"{root}/sep1", *common, *SEPARATE, "rollout.max_staleness=1", "train.steps=3")
     trainer = run(sep1, remote, "staleness1")
 
@@ -177,6 +181,16 @@ def test_staleness_zero_trains_as_colocated(end_to_end):
     # the trainer waited for every generation: nothing hidden
     assert [r["rollout/overlap"] for r in sep["records"]] == [0.0, 0.0]
     assert all(r["rollout/generation_seconds"] > 0 for r in sep["records"])
+
+
+@pytest.mark.slow
+def test_staleness_zero_resumes_bit_exact(end_to_end):
+    """Stopped after 2 steps and resumed (checkpoint.resume auto) to 3: the same step-3 metrics
+    and the same weights, bit for bit, as the uninterrupted 3-step run."""
+    resumed, straight = end_to_end["resumed"], end_to_end["straight"]
+    assert [r["step"] for r in resumed["records"]] == [1, 2, 3]  # the log goes on
+    assert _comparable(resumed["records"][-1]) == _comparable(straight["records"][-1])
+    assert resumed["weights"] == straight["weights"]
 
 
 @pytest.mark.slow

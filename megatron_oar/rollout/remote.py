@@ -96,7 +96,7 @@ class RolloutServer:
             raise error
         if failed:
             raise WeightSyncError("weight load failed on another rollout rank")
-        self.version = int(end["version"])
+        self.version = None if int(end["version"]) < 0 else int(end["version"])  # -1: not given
 
     def _generate(self, request: dict) -> None:
         engine = self.engine
