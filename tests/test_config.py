@@ -571,6 +571,9 @@ def test_save_overwrites_atomically(tmp_path):
     (["rollout.max_staleness=1"], 2, r"rollout.max_staleness=1: needs rollout.placement=separate"),
     (["rollout.placement=separate", "rollout.ranks=1", "rollout.max_staleness=-1"], 3,
      r"rollout.max_staleness=-1: must be an integer >= 0"),
+    (["rollout.partial_tokens=4"], 2, r"rollout.partial_tokens=4: needs rollout.placement=separate"),
+    (["rollout.placement=separate", "rollout.ranks=1", "rollout.partial_tokens=0"], 3,
+     r"rollout.partial_tokens=0: must be an integer >= 1"),
 ])
 def test_rollout_placement_is_validated(overrides, world, match):
     with raises(match):

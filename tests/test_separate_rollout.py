@@ -288,3 +288,72 @@ def test_dead_rollout_rank_stops_the_trainer_naming_it(tmp_path):
     res = json.loads((tmp_path / "out.json").read_text())
     assert res["first"] == [[[3, 2, 1], [3, 2, 1]]]
     assert "the rollout ranks (global ranks 1-1, rollout.placement=separate) stopped answering" in res["outcome"]
+
+
+# ------------------------------------------------------------- partial rollouts' segments (fast)
+
+class _CountingEngine:
+    """``generate`` for :func:`generate_in_segments` without vLLM: completion ``j`` of a prompt
+    emits the tokens ``len(prompt) + t`` (one per position), its log-prob the weights' version,
+    and stops (EOS) once it reaches ``stop_at[j]`` tokens of response."""
+
+    def __init__(self, stop_at):
+        from types import SimpleNamespace
+
+        self.stop_at, self.version, self.calls = stop_at, 0, []
+        self.config = SimpleNamespace(n=len(stop_at), max_new_tokens=99)
+        self.llm = SimpleNamespace(get_tokenizer=lambda: SimpleNamespace(
+            decode=lambda ids, skip_special_tokens: " ".join(map(str, ids))))
+        self.prompt_len = None
+
+    def generate(self, prompts, *, seeds, n, max_new_tokens, **_):
+        from megatron_oar.rollout import RolloutBatch
+
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        self.calls.append((len(prompts), list(budgets)))
+        self.prompt_len = self.prompt_len or len(prompts[0])
+        resp, fin = [], []
+        for k, (p, b) in enumerate(zip(prompts, budgets)):
+            group, reasons = [], []
+            for j in range(n):
+                # which completion this is: its own index, or (continuations) the one encoded in the seed
+                which = j if n > 1 else seeds[k] % len(self.stop_at)
+                done = len(p) - self.prompt_len
+                left = self.stop_at[which] - done
+                toks = [len(p) + t for t in range(min(b, left))]
+                group.append(toks)
+                reasons.append("stop" if len(toks) == left else "length")
+            resp.append(group)
+            fin.append(reasons)
+        return RolloutBatch(prompt_ids=prompts, response_ids=resp,
+                            logprobs=[[[float(self.version)] * len(r) for r in g] for g in resp],
+                            finish_reasons=fin, stop_reasons=[[None] * n for _ in prompts],
+                            texts=[[""] * n for _ in prompts], seeds=list(seeds), n=n, temperature=1.0,
+                            top_p=1.0, top_k=0, logprobs_mode="processed_logprobs")
+
+
+def test_partial_rollout_segments_join_and_record_versions(monkeypatch):
+    """Three completions stopping at 2, 7 and 11 tokens, segments of 4, budget 10: the segments
+    join into whole responses (the third cut at the budget), the weights switch at the first
+    boundary (version 0 -> 1) and every token records the version that sampled it. Milliseconds."""
+    from megatron_oar.rollout import partial
+
+    engine = _CountingEngine(stop_at=[2, 7, 11])
+    # continuation seeds carry the completion index (the fake reads it back)
+    monkeypatch.setattr(partial, "derive_seed", lambda ns, seed, j, segment: 3 * segment + j)
+    switches = iter([1, None, None])
+
+    def at_boundary():
+        new = next(switches)
+        if new is not None:
+            engine.version = new
+        return new
+
+    batch, versions = partial.generate_in_segments(engine, [[7, 8, 9]], [0], {"max_new_tokens": 10},
+                                                   segment_tokens=4, version=0, at_boundary=at_boundary)
+    assert batch.response_ids == [[[3, 4], [3, 4, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]]
+    assert batch.finish_reasons == [["stop", "stop", "length"]]
+    assert versions == [[[0, 0], [0] * 4 + [1] * 3, [0] * 4 + [1] * 6]]
+    assert batch.logprobs == [[[float(v) for v in vs] for vs in versions[0]]]  # each token's weights'
+    assert engine.calls == [(1, [4]), (2, [4, 4]), (1, [2])]
+    assert batch.texts[0][0] == "3 4" and batch.meta["segments"] == 3

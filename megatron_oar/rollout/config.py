@@ -53,6 +53,10 @@ class RolloutConfig:
       on (separate placement only). 0: each step generates with the weights it trains (today's
       on-policy order); 1: the next step's batch is generated while this step trains, from the
       weights one update older; ``loss.rollout_correction`` weighs the gap.
+    * ``partial_tokens`` (separate placement, null: off): generate in segments of at most this
+      many new tokens; new weights that arrive while a batch is generated are loaded between two
+      segments and its unfinished completions continue under them, each token recording the
+      policy version that sampled it (``rollout/partial.py``).
 
     Sampling defaults (each can be overridden per :meth:`RolloutEngine.generate` call):
     ``n`` completions per prompt, ``temperature`` (0: greedy), ``top_p``, ``top_k`` (0: off),
@@ -86,6 +90,7 @@ class RolloutConfig:
     placement: str = "colocated"
     ranks: int = 0
     max_staleness: int = 0
+    partial_tokens: int | None = None
     tp: int = 1
     gpu_memory_utilization: float = 0.5
     max_model_len: int = 4096
@@ -161,7 +166,14 @@ class RolloutConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise bad(name, "must be an integer >= 0")
+        if self.partial_tokens is not None and (
+                isinstance(self.partial_tokens, bool) or not isinstance(self.partial_tokens, int)
+                or self.partial_tokens < 1):
+            raise bad("partial_tokens", "must be an integer >= 1 (new tokens per segment) or null")
         if self.placement == "colocated":
+            if self.partial_tokens is not None:
+                raise bad("partial_tokens", "needs rollout.placement=separate (weights change "
+                                            "between segments only where the engines run apart)")
             for name in ("ranks", "max_staleness"):
                 if getattr(self, name):
                     raise bad(name, "needs rollout.placement=separate (colocated engines generate "

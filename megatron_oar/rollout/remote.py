@@ -7,10 +7,11 @@ sent them (``runtime/roles.py``'s ``weights`` group):
 
 * ``sync``: receive the policy's HF-layout buckets (``rollout/transfer.py``) into vLLM and take
   their policy version;
-* ``generate``: each rollout group generates its share of the prompts, the groups' batches are
-  joined, and rollout rank 0 sends the batch, tagged with the policy version it came from
-  (``batch.meta["policy_version"]``), to training rank 0 (the ``results`` group) without
-  waiting for it to be read;
+* ``generate``: each rollout group generates its share of the prompts (in segments, with
+  ``rollout.partial_tokens``: ``rollout/partial.py``), the groups' batches are joined, and
+  rollout rank 0 sends the batch, tagged with the policy version it came from
+  (``batch.meta["policy_version"]``, and each token's, ``["token_versions"]``, in segments), to
+  training rank 0 (the ``results`` group) without waiting for it to be read;
 * ``stop``.
 
 On the training ranks :class:`RemoteRollout` stands in for the engine (``generate``, ``gather``,
@@ -42,6 +43,12 @@ from megatron_oar.testing import faults
 
 log = logging.getLogger(__name__)
 
+def sync_pending_key(n: int) -> str:
+    """The store key training rank 0 sets before its ``n``-th weight sync (partial rollouts look
+    for it between segments)."""
+    return f"oar/sync_pending/{n}"
+
+
 TRAINER, ROLLOUT_LEADER = 0, 1  # members of the `weights` group: training rank 0, rollout rank 0
 RESULTS_SENDER = 0  # the `results` group: [rollout rank 0, training rank 0]
 
@@ -58,6 +65,8 @@ class RolloutServer:
         self.engine, self.roles = engine, roles
         self.version: int | None = None
         self.served = 0  # generation requests so far
+        self.syncs = 0  # weight loads so far (the trainer counts the same: sync_pending_key)
+        self._queued: list[dict] = []  # requests read while looking for a sync (partial rollouts)
         self._pending = None  # the last batch sent, until training rank 0 has read it
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
@@ -67,7 +76,7 @@ class RolloutServer:
         the trainer first)."""
         w = self.roles.weights
         while True:
-            request = recv_object(w, TRAINER)
+            request = self._queued.pop(0) if self._queued else recv_object(w, TRAINER)
             kind = request["kind"]
             if kind == "stop":
                 break
@@ -97,6 +106,26 @@ class RolloutServer:
         if failed:
             raise WeightSyncError("weight load failed on another rollout rank")
         self.version = None if int(end["version"]) < 0 else int(end["version"])  # -1: not given
+        self.syncs += 1
+
+    def _at_boundary(self) -> int | None:
+        """Between two segments of a partial rollout: when the trainer has announced its next
+        sync (``sync_pending_key``; any rollout rank seeing it counts, so all agree), reads the
+        requests queued before it, loads the weights and returns their version; else None."""
+        seen = self.roles.store.check([sync_pending_key(self.syncs + 1)])
+        if not self.engine_world_max(float(seen)):
+            return None
+        while True:
+            request = recv_object(self.roles.weights, TRAINER)
+            if request["kind"] == "sync":
+                self._sync(request)
+                return self.version
+            self._queued.append(request)  # a later generation (or stop): after this one
+
+    def engine_world_max(self, value: float) -> float:
+        t = torch.tensor([value])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.engine._world_gloo)
+        return float(t.item())
 
     def _generate(self, request: dict) -> None:
         engine = self.engine
@@ -105,10 +134,27 @@ class RolloutServer:
         prompts, seeds = request["prompt_ids"], request["seeds"]
         mine = share(engine.dp_rank, engine.dp_size, len(prompts))
         t0 = time.perf_counter()
-        batch = engine.generate([prompts[i] for i in mine], seeds=[seeds[i] for i in mine], **request["sampling"])
+        ids, own_seeds = [prompts[i] for i in mine], [seeds[i] for i in mine]
+        versions, start_version = None, self.version
+        if request.get("partial_tokens"):  # the trainer's rollout.partial_tokens
+            from megatron_oar.rollout.partial import generate_in_segments
+
+            def at_boundary():  # fault point for tests: the step the batch is for (prefetched)
+                faults.inject("rollout.segment", step=request.get("step"))
+                return self._at_boundary()
+
+            batch, versions = generate_in_segments(engine, ids, own_seeds, request["sampling"],
+                                                   segment_tokens=request["partial_tokens"], version=self.version,
+                                                   at_boundary=at_boundary)
+        else:
+            batch = engine.generate(ids, seeds=own_seeds, **request["sampling"])
         batch = engine.gather(batch)
+        if versions is not None:  # every rollout group's, in group order (as the batches)
+            parts: list = [None] * engine.world_size
+            dist.all_gather_object(parts, versions if engine.is_group_leader else None, group=engine._world_gloo)
+            batch.meta["token_versions"] = [v for part in parts if part is not None for v in part]
         batch.gen_seconds = time.perf_counter() - t0
-        batch.meta["policy_version"] = self.version
+        batch.meta["policy_version"] = start_version  # partial rollouts: the oldest of its tokens
         batch.meta["request"] = request["id"]
         if self.roles.is_rollout_leader:
             if self._pending is not None:
@@ -121,7 +167,8 @@ def serve_rollouts(cfg, roles: Roles) -> None:
     from megatron_oar.rollout import RolloutEngine
 
     # the engine's world is the rollout world, all of it generating (placement-wise "colocated")
-    own = replace(cfg.rollout, sleep_level=0, placement="colocated", ranks=0, max_staleness=0)
+    own = replace(cfg.rollout, sleep_level=0, placement="colocated", ranks=0, max_staleness=0,
+                  partial_tokens=None)
     engine = RolloutEngine(cfg.model.hf_dir(), own, tokenizer=cfg.model.tokenizer_dir())
     try:
         RolloutServer(engine, roles).serve()
@@ -150,6 +197,7 @@ class RemoteRollout:
         self._outstanding: list[tuple[int, tuple]] = []  # sent, result not read: (id, key)
         self._stash: dict[tuple, object] = {}  # results read before they were asked for
         self.synced_version: int | None = None
+        self._syncs = 0
         self._closed = False
         self._timing = {"generation": 0.0, "wait": 0.0}  # since the last take_timing()
 
@@ -175,7 +223,8 @@ class RemoteRollout:
         if seeds is None or any(s is None for s in seeds):
             raise ValueError("rollout.placement=separate: every prompt needs an explicit seed")
         return {"kind": "generate", "prompt_ids": [[int(t) for t in p] for p in prompt_ids],
-                "seeds": [int(s) for s in seeds], "sampling": sampling}
+                "seeds": [int(s) for s in seeds], "sampling": sampling,
+                "partial_tokens": c.partial_tokens}
 
     @staticmethod
     def _key(request: dict) -> tuple:
@@ -214,14 +263,15 @@ class RemoteRollout:
             raise RolloutRankError(box[0])
 
     def prefetch(self, prompt_ids, *, n=None, temperature=None, top_p=None, top_k=None, max_new_tokens=None,
-                 stop=None, stop_token_ids=None, seeds=None) -> None:
+                 stop=None, stop_token_ids=None, seeds=None, step: int | None = None) -> None:
         """Send a generation request now; a later :meth:`generate` with the same arguments takes
-        its result (generated from whatever weights the rollout ranks hold when they reach it)."""
+        its result (generated from whatever weights the rollout ranks hold when they reach it).
+        ``step``: the training step it is for (logs and fault injection)."""
         request = self._request(prompt_ids, n, temperature, top_p, top_k, max_new_tokens, stop, stop_token_ids, seeds)
         key = self._key(request)
         if key in self._stash or any(k == key for _, k in self._outstanding):
             return
-        self._send(request)
+        self._send({**request, "step": step})
 
     def generate(self, prompt_ids, *, n=None, temperature=None, top_p=None, top_k=None, max_new_tokens=None,
                  stop=None, stop_token_ids=None, seeds=None):
@@ -277,8 +327,10 @@ class RemoteRollout:
         buckets = iter_hf_buckets(model, self.arch, self.config.bucket_bytes)
         counts = {"bytes": 0, "tensors": 0, "buckets": 0, "max": 0}
         message = lost = None
+        self._syncs += 1
         if self.rank == 0:
             try:
+                self.roles.store.set(sync_pending_key(self._syncs), "1")  # partial rollouts: stop at a boundary
                 send_object(self.roles.weights, {"kind": "sync", "step": step, "id": None}, TRAINER)
                 counts = send_buckets(self.roles.weights, self.roles.weights_device, buckets,
                                       version=-1 if version is None else version)

@@ -54,6 +54,8 @@ class Sample:
     # the policy version (updates so far) vLLM generated it with; None: the weights being trained
     # (colocated). rollout.placement=separate sets it (rollout/remote.py)
     version: int | None = None
+    # rollout.partial_tokens: each response token's policy version (the oldest is ``version``)
+    token_versions: list | None = None
 
 
 @dataclass
@@ -76,11 +78,15 @@ def generate_samples(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, 
     ids = prompt_ids(tokenizer, prompts, template, mine)
     batch = engine.gather(engine.generate(ids, seeds=[seeds[i] for i in mine], **sampling))
     version = batch.meta.get("policy_version")
+    per_token = batch.meta.get("token_versions")  # rollout.partial_tokens
     out = []
     for c in batch.completions():
+        tokens = None if per_token is None else per_token[c.prompt_index][c.sample_index]
         out.append(Sample(c.prompt_ids, c.response_ids, c.logprobs, c.finish_reason, c.text,
                           prompts[c.prompt_index].answer, c.prompt_index,
-                          routed_experts=c.routed_experts, version=version))
+                          routed_experts=c.routed_experts,
+                          version=min(tokens, default=version) if tokens else version,
+                          token_versions=tokens))
     return out
 
 
@@ -106,7 +112,7 @@ def prefetch(engine, sampler: PromptSampler, tokenizer: PreTrainedTokenizerBase,
             return
         seeds = [derive_seed(ROLLOUT, seed, ahead_step, 0, i) for i in range(len(prompts))]
         engine.prefetch(prompt_ids(tokenizer, prompts, template, range(len(prompts))), seeds=seeds,
-                        **(sampling or {}))
+                        step=ahead_step + 1, **(sampling or {}))
 
 
 def score_samples(samples: list[Sample], scorer: RewardScorer, group: dist.ProcessGroup) -> None:

@@ -308,7 +308,10 @@ class Trainer:
         lags = [self.step - (self.step if s.version is None else s.version) for s in data.samples]
         return {"rollout/policy_version": float(self.step - max(lags, default=0)),
                 "rollout/staleness_mean": sum(lags) / max(len(lags), 1),
-                "rollout/staleness_max": float(max(lags, default=0)), **timing}
+                "rollout/staleness_max": float(max(lags, default=0)),
+                # rollout.partial_tokens: completions whose tokens came from more than one version
+                "rollout/partial_fraction": sum(len(set(s.token_versions or ())) > 1 for s in data.samples)
+                / max(len(data.samples), 1), **timing}
 
     def wake_rollout(self, step: int):
         """Collective: vLLM back on the GPU with the current policy (phases.WAKE): its weights
