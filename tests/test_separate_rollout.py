@@ -84,21 +84,29 @@ def _end_to_end_worker(ckpt: str, root: str, out: str) -> None:
     """Global rank 1 serves rollouts; global rank 0 trains: colocated (its own engine over the
     training world of 1), separate at staleness 0 and at staleness 1 (the rollout rank), then
     the sync check after broadcasts."""
+    import os
+
     import torch.distributed as dist
 
     from megatron_oar.rollout import RolloutEngine
     from megatron_oar.rollout.remote import RemoteRollout, serve_rollouts
     from megatron_oar.runtime import init_runtime
     from megatron_oar.runtime.roles import ROLLOUT, split_world
+    from megatron_oar.testing import faults
     from megatron_oar.training.trainer import Trainer
     from tests.test_trainer import _config, _records, _weights
 
     common = ("parallel.tp=1", "rollout.logprobs_mode=processed_logprobs", "credit=grpo",
               "loss.rollout_correction=tis")
     sep0 = _config(ckpt, f"{root}/sep0", *common, *SEPARATE)
+    # the partial run's step-3 batch (generated while step 2 trains) waits 10 s at its first
+    # segment boundary: step 2's sync is then certainly pending, the weights switch mid-batch
+    os.environ["OAR_FAULTS"] = "stall@rollout.segment:step=3:seconds=10"
+    faults.reset()  # this process may have parsed OAR_FAULTS in an earlier job
     roles = split_world(1, timeout_minutes=5)
     if roles.role == ROLLOUT:
         serve_rollouts(sep0, roles)
+        faults.reset()
         return
     assert dist.get_world_size() == 1  # the training world
     results = {}
@@ -144,7 +152,14 @@ def _end_to_end_worker(ckpt: str, root: str, out: str) -> None:
         checks.append({"version": batch.meta["policy_version"], "agree_max": agree.max_abs_diff,
                        "moved_max": moved.max_abs_diff, "tokens": agree.num_tokens})
     results["checks"] = checks
+    # partial rollouts: segments of 4 tokens, new weights between two of them
+    partial = _config(ckpt, f"{root}/partial", *common, *SEPARATE, "rollout.max_staleness=1", "train.steps=3",
+                      "rollout.partial_tokens=4")
+    remote.shutdown(stop=False)  # the handle's config sets the requests: a new one for these
+    remote = RemoteRollout(partial, roles, remote.arch)
+    run(partial, remote, "partial")
     remote.shutdown()
+    faults.reset()
     Path(out).write_text(json.dumps(results))
 
 
@@ -159,7 +174,7 @@ def _comparable(record: dict) -> dict:
     from tests.test_trainer import SKIP_TIMING
 
     skip = (*SKIP_TIMING, "rollout/staleness", "rollout/policy_version", "rollout/sync_",
-            "rollout/generation_seconds", "rollout/wait_seconds", "rollout/overlap")
+            "rollout/generation_seconds", "rollout/wait_seconds", "rollout/overlap", "rollout/partial_fraction")
     return {k: v for k, v in record.items() if not k.startswith(skip)}
 
 
@@ -204,6 +219,20 @@ def test_staleness_one_lags_one_update(end_to_end):
     assert all(r["rollout/logprob_mismatch"] < 0.5 for r in recs)
     # the last step's batch was generated while step 2 trained (timing: only its range checked)
     assert 0.0 <= recs[-1]["rollout/overlap"] <= 1.0 and recs[-1]["rollout/generation_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_partial_rollouts_switch_weights_mid_batch(end_to_end):
+    """rollout.partial_tokens=4 at staleness 1: step 3's batch began under version 1 and its
+    unfinished completions continued under version 2 (the sync reached the rollout rank at a
+    segment boundary), so some completions span two versions and the batch lags 1 at its
+    oldest token; the run trains, vLLM's log-probs still agree (each token's own weights')."""
+    recs = end_to_end["partial"]["records"]
+    assert [r["rollout/staleness_max"] for r in recs] == [0.0, 1.0, 1.0]
+    assert recs[0]["rollout/partial_fraction"] == 0.0  # nothing to switch to: generated at the start
+    assert recs[2]["rollout/partial_fraction"] > 0.0, recs[2]
+    assert all(r["rollout/logprob_mismatch"] < 0.5 for r in recs)
+    assert end_to_end["partial"]["changed"] > 0
 
 
 @pytest.mark.slow

@@ -43,10 +43,9 @@ from megatron_oar.testing import faults
 
 log = logging.getLogger(__name__)
 
-def sync_pending_key(n: int) -> str:
-    """The store key training rank 0 sets before its ``n``-th weight sync (partial rollouts look
-    for it between segments)."""
-    return f"oar/sync_pending/{n}"
+# the store's count of weight syncs training rank 0 has announced (partial rollouts compare it,
+# between two segments, with the loads done)
+SYNCS_ANNOUNCED = "oar/syncs_announced"
 
 
 TRAINER, ROLLOUT_LEADER = 0, 1  # members of the `weights` group: training rank 0, rollout rank 0
@@ -65,7 +64,7 @@ class RolloutServer:
         self.engine, self.roles = engine, roles
         self.version: int | None = None
         self.served = 0  # generation requests so far
-        self.syncs = 0  # weight loads so far (the trainer counts the same: sync_pending_key)
+        self.syncs = 0  # weight loads so far (against the store's SYNCS_ANNOUNCED)
         self._queued: list[dict] = []  # requests read while looking for a sync (partial rollouts)
         self._pending = None  # the last batch sent, until training rank 0 has read it
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
@@ -110,9 +109,10 @@ class RolloutServer:
 
     def _at_boundary(self) -> int | None:
         """Between two segments of a partial rollout: when the trainer has announced its next
-        sync (``sync_pending_key``; any rollout rank seeing it counts, so all agree), reads the
-        requests queued before it, loads the weights and returns their version; else None."""
-        seen = self.roles.store.check([sync_pending_key(self.syncs + 1)])
+        sync (``SYNCS_ANNOUNCED`` past the loads done; any rollout rank seeing it counts, so all
+        agree), reads the requests queued before it, loads the weights and returns their
+        version; else None."""
+        seen = self.roles.store.add(SYNCS_ANNOUNCED, 0) > self.syncs
         if not self.engine_world_max(float(seen)):
             return None
         while True:
@@ -197,7 +197,6 @@ class RemoteRollout:
         self._outstanding: list[tuple[int, tuple]] = []  # sent, result not read: (id, key)
         self._stash: dict[tuple, object] = {}  # results read before they were asked for
         self.synced_version: int | None = None
-        self._syncs = 0
         self._closed = False
         self._timing = {"generation": 0.0, "wait": 0.0}  # since the last take_timing()
 
@@ -327,10 +326,9 @@ class RemoteRollout:
         buckets = iter_hf_buckets(model, self.arch, self.config.bucket_bytes)
         counts = {"bytes": 0, "tensors": 0, "buckets": 0, "max": 0}
         message = lost = None
-        self._syncs += 1
         if self.rank == 0:
             try:
-                self.roles.store.set(sync_pending_key(self._syncs), "1")  # partial rollouts: stop at a boundary
+                self.roles.store.add(SYNCS_ANNOUNCED, 1)  # partial rollouts: take it at a boundary
                 send_object(self.roles.weights, {"kind": "sync", "step": step, "id": None}, TRAINER)
                 counts = send_buckets(self.roles.weights, self.roles.weights_device, buckets,
                                       version=-1 if version is None else version)
@@ -359,14 +357,14 @@ class RemoteRollout:
 
         return logprob_agreement(model, batch, self.arch.vocab_size, micro_batch_size=micro_batch_size)
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, stop: bool = True) -> None:
         """Collective over the training world: reads the results still in flight, then stops the
-        rollout ranks."""
+        rollout ranks (``stop``; false leaves them serving, for another handle)."""
         if self._closed:
             return
         while self._outstanding:
             self._receive_next()
         self._stash.clear()
-        if self.rank == 0:
-            send_object(self.roles.weights, {"kind": "stop", "id": None}, TRAINER)
         self._closed = True
+        if stop and self.rank == 0:
+            send_object(self.roles.weights, {"kind": "stop", "id": None}, TRAINER)
