@@ -1,16 +1,19 @@
 """The separate placement (``rollout.placement=separate``, issue 43): training ranks and rollout
 ranks in one torchrun world.
 
-* ``test_world_split_and_bucket_transfer`` (one job of 3 gloo ranks in the warm pool, about 3 s):
+* ``test_world_split_and_bucket_transfer`` (one job of 3 gloo ranks in the warm pool: a few
+  seconds, 30 s when it is the job that starts the pool):
   the world splits into 2 training ranks and 1 rollout rank, each role with its own default
   group; weight buckets (fp32, bf16, a 0-dim tensor) and objects travel between the roles
   exactly; a send posted without waiting does not block the sender's next receive.
 * slow, one job of 2 ranks (1 training + 1 rollout, a vLLM engine on each: the colocated run's
-  and the rollout rank's), 60-200 s on 2 busy cores, shared by four tests: the colocated run,
-  the separate runs at ``max_staleness`` 0 (and its resume) and 1, the sync check after
-  broadcasts.
+  and the rollout rank's), 110-200 s on 2 busy cores (10 s of it a deliberate stall), shared
+  by five tests: the colocated run, the separate runs at ``max_staleness`` 0 (and its resume)
+  and 1, partial rollouts, the sync check after broadcasts.
 * a rollout rank killed mid-generation stops the trainer with ``RolloutRankError`` (fresh
-  processes, no vLLM, about 60 s).
+  processes, no vLLM, 20-60 s).
+* partial rollouts' segments joined with a fake engine (no processes, milliseconds after the
+  imports).
 """
 
 from __future__ import annotations
@@ -296,8 +299,8 @@ def test_dead_rollout_rank_stops_the_trainer_naming_it(tmp_path):
     """A rollout rank killed inside a generation (``OAR_FAULTS=kill@rollout.generate``): the
     trainer's wait raises ``RolloutRankError`` naming the rollout ranks, instead of hanging or
     failing with a bare gloo error. Fresh processes (a rank dies; torch's spawn would end the
-    trainer with it, so each rank is a plain process here), no vLLM: 60 s on 2 busy cores, mostly
-    two processes importing torch and megatron."""
+    trainer with it, so each rank is a plain process here), no vLLM: 20-60 s on 2 busy cores,
+    mostly two processes importing torch and megatron."""
     import torch.multiprocessing as mp
 
     from tests.distributed import _entry, free_port
