@@ -10,8 +10,8 @@ ranks in one torchrun world.
   and the rollout rank's), 110-200 s on 2 busy cores (10 s of it a deliberate stall), shared
   by five tests: the colocated run, the separate runs at ``max_staleness`` 0 (and its resume)
   and 1, partial rollouts, the sync check after broadcasts.
-* a rollout rank killed mid-generation stops the trainer with ``RolloutRankError`` (fresh
-  processes, no vLLM, 20-60 s).
+* a rollout rank killed, or hung, mid-generation stops the trainer with ``RolloutRankError``
+  (fresh processes, no vLLM, 20-60 s each).
 * partial rollouts' segments joined with a fake engine (no processes, milliseconds after the
   imports).
 """
@@ -270,7 +270,7 @@ class _FakeEngine:
         return batch
 
 
-def _dead_rollout_worker(out: str) -> None:
+def _dead_rollout_worker(out: str, action: str = "kill") -> None:
     import os
     from types import SimpleNamespace
 
@@ -278,7 +278,7 @@ def _dead_rollout_worker(out: str) -> None:
     from megatron_oar.rollout.remote import RemoteRollout, RolloutRankError, RolloutServer
     from megatron_oar.runtime.roles import ROLLOUT, split_world
 
-    os.environ["OAR_FAULTS"] = "kill@rollout.generate:step=2:rank=1"
+    os.environ["OAR_FAULTS"] = f"{action}@rollout.generate:step=2:rank=1"
     roles = split_world(1, timeout_minutes=0.1)  # a dead peer: gloo gives up after 6 s
     if roles.role == ROLLOUT:
         RolloutServer(_FakeEngine(), roles).serve()  # killed inside its second request
@@ -295,10 +295,12 @@ def _dead_rollout_worker(out: str) -> None:
 
 
 @pytest.mark.slow
-def test_dead_rollout_rank_stops_the_trainer_naming_it(tmp_path):
-    """A rollout rank killed inside a generation (``OAR_FAULTS=kill@rollout.generate``): the
-    trainer's wait raises ``RolloutRankError`` naming the rollout ranks, instead of hanging or
-    failing with a bare gloo error. Fresh processes (a rank dies; torch's spawn would end the
+@pytest.mark.parametrize("action", ["kill", "hang"])
+def test_dead_rollout_rank_stops_the_trainer_naming_it(tmp_path, action):
+    """A rollout rank killed, or hung, inside a generation (``OAR_FAULTS=kill@rollout.generate``
+    / ``hang@``): the trainer's wait raises ``RolloutRankError`` naming the rollout ranks (for the
+    hang once the groups' timeout, here 6 s, has passed), instead of hanging or failing with a
+    bare gloo error. Fresh processes (a rank dies; torch's spawn would end the
     trainer with it, so each rank is a plain process here), no vLLM: 20-60 s on 2 busy cores,
     mostly two processes importing torch and megatron."""
     import torch.multiprocessing as mp
@@ -306,17 +308,20 @@ def test_dead_rollout_rank_stops_the_trainer_naming_it(tmp_path):
     from tests.distributed import _entry, free_port
 
     ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=_entry, args=(rank, _dead_rollout_worker, 2, port, (str(tmp_path / "out.json"),)))
+    procs = [ctx.Process(target=_entry, args=(rank, _dead_rollout_worker, 2, port,
+                                              (str(tmp_path / "out.json"), action)))
              for rank in range(2)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=240)
-    codes = [p.exitcode for p in procs]
+    procs[0].join(timeout=240)
+    procs[1].join(timeout=5)
+    alive = [p.is_alive() for p in procs]
     for p in procs:
         if p.is_alive():
             p.kill()
-    assert codes == [0, -9], codes  # the trainer finished its part; the rollout rank was killed
+            p.join()
+    assert procs[0].exitcode == 0 and not alive[0]  # the trainer finished its part
+    assert alive[1] == (action == "hang") and procs[1].exitcode == -9  # killed: by the fault, or here
     res = json.loads((tmp_path / "out.json").read_text())
     assert res["first"] == [[[3, 2, 1], [3, 2, 1]]]
     assert "the rollout ranks (global ranks 1-1, rollout.placement=separate) stopped answering" in res["outcome"]
