@@ -574,6 +574,8 @@ def test_save_overwrites_atomically(tmp_path):
     (["rollout.partial_tokens=4"], 2, r"rollout.partial_tokens=4: needs rollout.placement=separate"),
     (["rollout.placement=separate", "rollout.ranks=1", "rollout.partial_tokens=0"], 3,
      r"rollout.partial_tokens=0: must be an integer >= 1"),
+    (["rollout.placement=separate", "rollout.ranks=2", "parallel.tp=1", "rollout.partial_tokens=4"], 3,
+     r"rollout.partial_tokens=4 with rollout.ranks=2 and rollout.tp=1: partial rollouts need one engine"),
 ])
 def test_rollout_placement_is_validated(overrides, world, match):
     with raises(match):

@@ -185,6 +185,12 @@ class RolloutConfig:
             raise bad("ranks", "rollout.placement=separate needs >= 1 rollout ranks")
         if self.ranks % self.tp:
             raise RolloutConfigError(f"rollout.tp={self.tp} does not divide rollout.ranks={self.ranks}")
+        if self.partial_tokens is not None and self.ranks != self.tp:
+            # engines finish their segments at different times; the boundaries where weights may
+            # switch are collective over the rollout world: built for one engine only
+            raise RolloutConfigError(
+                f"rollout.partial_tokens={self.partial_tokens} with rollout.ranks={self.ranks} and "
+                f"rollout.tp={self.tp}: partial rollouts need one engine (rollout.ranks == rollout.tp)")
         if world_size is not None and self.ranks >= world_size:
             raise bad("ranks", f"leaves {world_size - self.ranks} training ranks of the world size "
                                f"{world_size}")
