@@ -22,6 +22,7 @@
     oar bench attribution ...      attribution cost vs GRPO: sweep and end-to-end ratios (Fig. 7)
     oar bench screening RECORDS    screened OAR-P against exact OAR-P (quality and cost vs q)
     oar bench rollout ...          generation tokens/s and weight-sync time vs model size
+    oar bench placement ...        step time colocated vs separate rollouts (staleness 0 / 1)
     oar bench convert ...          converter peak memory vs model and layer size
     oar bench batching ...         padding and sweep time, padded vs token-budget micro-batches
     oar bench attribution-flops ...  attribution cost vs GRPO on a 57.7M model, 128-512-token
@@ -45,7 +46,7 @@ from megatron_oar.log_setup import backend_notices, quiet_backend_notices
 # `oar bench SUITE`: the module in benchmarks/ (results in BENCHMARKS.md)
 BENCH_SUITES = {"attribution": "attribution", "rollout": "rollout", "screening": "screening",
                 "convert": "convert_memory", "batching": "batching", "attribution-flops": "attribution_flops",
-                "logits-memory": "logits_memory", "vs-hf": "vs_hf"}
+                "logits-memory": "logits_memory", "vs-hf": "vs_hf", "placement": "placement"}
 
 
 def _demo(args: argparse.Namespace) -> int:

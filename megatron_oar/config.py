@@ -487,14 +487,18 @@ def _check_model_and_layout(cfg: Config, world_size: int | None) -> int:
     _need(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel needs parallel.tp > 1")
     _check_spec(m)
     dp = 1
+    _component(r.validate, world_size)  # the placement first: it says which ranks train
     if world_size is not None:
-        _need(world_size % (p.tp * p.pp) == 0,
-              f"parallel.tp*parallel.pp = {p.tp}*{p.pp} does not divide the world size {world_size}")
+        train_world = r.training_world_size(world_size)
+        which = (f"the world size {world_size}" if train_world == world_size else
+                 f"the training ranks {train_world} (world size {world_size} - rollout.ranks={r.ranks})")
+        _need(train_world % (p.tp * p.pp) == 0,
+              f"parallel.tp*parallel.pp = {p.tp}*{p.pp} does not divide {which}")
         etp = p.tp if p.etp is None else p.etp
-        _need(world_size % (etp * p.ep * p.pp) == 0,
-              f"parallel.etp*parallel.ep*parallel.pp = {etp}*{p.ep}*{p.pp} does not divide the "
-              f"world size {world_size} (the experts' layout; parallel.etp defaults to parallel.tp)")
-        dp = world_size // (p.tp * p.pp)
+        _need(train_world % (etp * p.ep * p.pp) == 0,
+              f"parallel.etp*parallel.ep*parallel.pp = {etp}*{p.ep}*{p.pp} does not divide "
+              f"{which} (the experts' layout; parallel.etp defaults to parallel.tp)")
+        dp = train_world // (p.tp * p.pp)
     # TE's delayed-scaling amax reduction is a collective over TP x DP at every FP8 autocast exit
     # of a grad-enabled pass; DP ranks score different numbers of sequences (only A_i != 0), so
     # their counts of such exits differ and the reductions pair up wrongly or hang.
@@ -504,7 +508,9 @@ def _check_model_and_layout(cfg: Config, world_size: int | None) -> int:
           "ranks score different numbers of sequences, and Transformer Engine's amax reduction "
           "runs over TP x DP at each FP8 autocast exit. Set attribution.allow_fp8=false "
           "(attribution in bf16, the default) or use a layout with DP=1")
-    _component(r.validate, world_size)
+    _need(not (r.separate and m.routing_replay == "rollout"),
+          "model.routing_replay=rollout with rollout.placement=separate: vLLM's routed experts stay "
+          "on the rollout ranks; use model.routing_replay=record (or the colocated placement)")
     _check_rollout_sampling(cfg)
     return dp
 

@@ -39,8 +39,9 @@ ENGINE = "engine"
 OAR_G_NOISE = "oar_g_noise"
 RANDOM_CREDIT = "random_credit"
 SAMPLER = "sampler"
+PARTIAL = "partial"
 NAMESPACES = (ROLLOUT, EVAL, BENCHMARK, ORACLE, ORACLE_RANDOM, ENGINE, OAR_G_NOISE, RANDOM_CREDIT,
-              SAMPLER)
+              SAMPLER, PARTIAL)
 
 
 def derive_seed(namespace: str, *parts: int | str) -> int:

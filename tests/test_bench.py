@@ -421,3 +421,26 @@ def test_vs_hf_suite_end_to_end(tmp_path):
     assert all(res["hf"]["batch"][n]["seconds"] > 0 for n in ("logprob", "update"))
     table = (out / "vs_hf.md").read_text()
     assert "| old-logprob | " in table and "| OAR-G attribution | " in table and "sdpa / HF" in table
+
+
+def test_placement_summary_and_table():
+    """`oar bench placement`: a run's records -> medians over steps 2..N (the checkpoint out of
+    the step, the rollout rank's generation seconds where logged), and the table against the
+    colocated run. Milliseconds."""
+    from benchmarks import placement
+
+    colocated = [{"time/step": 9.0, "time/generate": 5.0},
+                 {"time/step": 4.0, "time/generate": 2.0},
+                 {"time/step": 6.0, "time/checkpoint": 2.0, "time/generate": 2.0}]
+    separate = [{"time/step": 9.0, "rollout/generation_seconds": 5.0, "rollout/overlap": 0.0,
+                 "rollout/staleness_max": 0.0},
+                {"time/step": 2.0, "rollout/generation_seconds": 2.0, "rollout/overlap": 0.5,
+                 "rollout/staleness_max": 1.0},
+                {"time/step": 3.0, "time/checkpoint": 1.0, "rollout/generation_seconds": 2.0,
+                 "rollout/overlap": 0.7, "rollout/staleness_max": 1.0}]
+    c, s = placement.summarize_run(colocated), placement.summarize_run(separate)
+    assert (c["step_s"], c["generation_s"], c["overlap"], c["staleness"]) == (4.0, 2.0, 0.0, 0.0)
+    assert (s["step_s"], s["generation_s"], s["overlap"], s["staleness"]) == (2.0, 2.0, 0.6, 1.0)
+    text = placement.table({"colocated": c, "separate, staleness 1": s})
+    assert text.splitlines()[:2] == [placement.TABLE_HEADER, placement.TABLE_RULE]
+    assert "| separate, staleness 1 | 3 | 2.00 | 2.00x faster | 2.00 | 60% | 1 |" in text

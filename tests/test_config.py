@@ -86,6 +86,7 @@ CASES = {
     "qwen2.5-math-1.5b_oar_g.yaml": ("math-1.5b", 8),
     "qwen2.5-7b_oar_g.yaml": ("7b", 8),
     "qwen2.5-7b_oar_p.yaml": ("7b", 8),
+    "qwen2.5-7b_oar_g_separate.yaml": ("7b", 16),
     "qwen2.5-math-7b_oar_g.yaml": ("math-7b", 8),
     "qwen2.5-14b_oar_g.yaml": ("14b", 16),
     "qwen2.5-32b_oar_g.yaml": ("32b", 32),
@@ -552,3 +553,38 @@ def test_save_overwrites_atomically(tmp_path):
     save_config(example("tiny_cpu.yaml", "train.steps=7"), path)
     assert load_config(path, []).train.steps == 7
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
+# ------------------------------------------------- rollout placement (issue 43), milliseconds
+
+@pytest.mark.parametrize("overrides, world, match", [
+    (["rollout.placement=apart"], 3, r"rollout.placement='apart': expected one of \['colocated', 'separate'\]"),
+    (["rollout.placement=separate"], 3, r"rollout.ranks=0: rollout.placement=separate needs >= 1"),
+    (["rollout.placement=separate", "rollout.ranks=3"], 3,
+     r"rollout.ranks=3: leaves 0 training ranks of the world size 3"),
+    (["rollout.placement=separate", "rollout.ranks=1", "rollout.tp=2"], 3,
+     r"rollout.tp=2 does not divide rollout.ranks=1"),
+    # TP2 training over the 3 - 1 = 2 training ranks fits; over 3 - 2 = 1 it does not
+    (["rollout.placement=separate", "rollout.ranks=2"], 3,
+     r"parallel.tp\*parallel.pp = 2\*1 does not divide the training ranks 1 \(world size 3 - rollout.ranks=2\)"),
+    (["rollout.ranks=1"], 3, r"rollout.ranks=1: needs rollout.placement=separate"),
+    (["rollout.max_staleness=1"], 2, r"rollout.max_staleness=1: needs rollout.placement=separate"),
+    (["rollout.placement=separate", "rollout.ranks=1", "rollout.max_staleness=-1"], 3,
+     r"rollout.max_staleness=-1: must be an integer >= 0"),
+    (["rollout.partial_tokens=4"], 2, r"rollout.partial_tokens=4: needs rollout.placement=separate"),
+    (["rollout.placement=separate", "rollout.ranks=1", "rollout.partial_tokens=0"], 3,
+     r"rollout.partial_tokens=0: must be an integer >= 1"),
+    (["rollout.placement=separate", "rollout.ranks=2", "parallel.tp=1", "rollout.partial_tokens=4"], 3,
+     r"rollout.partial_tokens=4 with rollout.ranks=2 and rollout.tp=1: partial rollouts need one engine"),
+])
+def test_rollout_placement_is_validated(overrides, world, match):
+    with raises(match):
+        validate(example("tiny_cpu.yaml", *overrides), world_size=world, hf_config=HF["tiny"])
+
+
+def test_separate_placement_splits_the_world():
+    cfg = example("tiny_cpu.yaml", "rollout.placement=separate", "rollout.ranks=1",
+                  "rollout.max_staleness=1")
+    validate(cfg, world_size=3, hf_config=HF["tiny"])  # 2 training ranks (TP2) + 1 rollout rank
+    assert cfg.rollout.training_world_size(3) == 2
+    assert RolloutConfig().training_world_size(3) == 3  # colocated: every rank trains

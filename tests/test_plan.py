@@ -584,3 +584,41 @@ def test_oar_p_cost_warning_at_its_threshold(capsys):
     assert "warning: exact OAR-P costs" in capsys.readouterr().out
     P.main(["--config", path, "--oar-p-max-cost", f"{ratio * 1.001}"])
     assert "warning: exact OAR-P" not in capsys.readouterr().out
+
+
+def test_separate_placement_plans_each_role():
+    """rollout.placement=separate (issue 43), 2 nodes of 8: training GPUs hold no vLLM (the same
+    Megatron state as colocated at the same layout, the sleeping engine's GiB free), a rollout
+    GPU holds the engine's share, a bucket and the reserve; the step is the slower of
+    generation and training plus the broadcast from staleness 1 on, their sum at 0; a rollout
+    share past the GPU is refused, naming the key. Milliseconds."""
+    from megatron_oar.commands.plan.memory import VLLM_ASLEEP_GIB
+    from megatron_oar.training.phases import NOTHING
+
+    path = ROOT / "examples" / "qwen2.5-7b_oar_g.yaml"
+    sep = ["rollout.placement=separate", "rollout.ranks=8", "rollout.gpu_memory_utilization=0.85"]
+    hf, _ = resolve_hf_config(load_config(path).model.path, None)
+    make_plan, Hardware, render = P.make_plan, P.Hardware, P.render
+    colocated = make_plan(load_config(path), hf, nodes=1, gpus_per_node=8, hw=Hardware())
+    plans = {k: make_plan(load_config(path, [*sep, f"rollout.max_staleness={k}"]), hf, nodes=2,
+                          gpus_per_node=8, hw=Hardware()) for k in (0, 1)}
+    one = plans[1]
+    assert one.layout["dp"] == colocated.layout["dp"] and one.layout["training_gpus"] == 8
+    assert set(one.phase_vllm_holds.values()) == {NOTHING}
+    # the Megatron state is the colocated one; the sleeping engine's GiB go to larger token budgets
+    for key in ("weights", "gradients", "optimizer"):
+        assert one.memory_gib[key] == pytest.approx(colocated.memory_gib[key])
+    assert all(one.budgets["tokens"][k] >= n for k, n in colocated.budgets["tokens"].items())
+    assert one.train_peak_gib <= colocated.train_peak_gib + VLLM_ASLEEP_GIB
+    cfg = load_config(path, sep)
+    assert one.rollout_gpu_gib == pytest.approx(0.85 * 80 + cfg.rollout.bucket_mb / 1024 + 4.0)
+    assert one.fits and one.vllm["kv_tokens"] > colocated.vllm["kv_tokens"]
+    t0, t1 = plans[0].time_s, one.time_s
+    train = sum(v for k, v in t1.items() if k not in ("generate", "sync", "total"))
+    assert t1["sync"] > 0
+    assert t1["total"] == pytest.approx(max(t1["generate"], train) + t1["sync"])
+    assert t0["total"] == pytest.approx(t1["generate"] + train + t1["sync"])
+    assert "separate placement: 8 training GPUs, 8 rollout GPUs" in render(one, "x")
+    too_much = make_plan(load_config(path, [*sep, "rollout.gpu_memory_utilization=1.0"]), hf, nodes=2,
+                         gpus_per_node=8, hw=Hardware())
+    assert not too_much.fits and "lower rollout.gpu_memory_utilization" in " ".join(too_much.reasons)

@@ -89,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_oar.training.trainer import Trainer
 
         cfg, _ = choose_run_budgets(cfg, world=int(os.environ.get("WORLD_SIZE", "1")), rank=rank)
+        if cfg.rollout.separate:  # checked before the world is split, as a colocated run is
+            validate_for_world(cfg)
         try:
+            if cfg.rollout.separate and _serve_rollouts_here(cfg):
+                return 0  # a rollout rank: served the trainer until it stopped
             trainer = Trainer(cfg)
             trainer.run()
         finally:
@@ -98,6 +102,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     return EXIT_PREEMPTED if trainer.preempted else 0
+
+
+def validate_for_world(cfg) -> None:
+    """``validate`` with torchrun's world size and the model's config.json (a ConfigError names
+    the key), before the world is split into roles."""
+    from megatron_oar.config import validate
+    from megatron_oar.models import read_hf_config
+
+    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+             hf_config=read_hf_config(cfg.model.hf_dir() / "config.json"))
+
+
+def _serve_rollouts_here(cfg) -> bool:
+    """rollout.placement=separate: splits torchrun's world (``runtime/roles.py``); on a rollout
+    rank serves the trainer until it stops and returns True, on a training rank returns False."""
+    from megatron_oar.rollout.remote import serve_rollouts
+    from megatron_oar.runtime.roles import ROLLOUT, split_world
+
+    roles = split_world(cfg.rollout.ranks, timeout_minutes=cfg.parallel.timeout_minutes)
+    if roles.role != ROLLOUT:
+        return False
+    serve_rollouts(cfg, roles)
+    return True
 
 
 if __name__ == "__main__":

@@ -10,6 +10,13 @@ import torch
 from megatron_oar.models.sequence_batch import SequenceBatch
 
 
+def share(dp_rank: int, dp_size: int, n: int) -> range:
+    """The items ``[0, n)`` rollout group ``dp_rank`` of ``dp_size`` generates: contiguous, in
+    group order, so gathering the groups' outputs gives item order."""
+    per = -(-n // dp_size)
+    return range(dp_rank * per, min((dp_rank + 1) * per, n))
+
+
 @dataclass(frozen=True)
 class RoutedExperts:
     """vLLM's routed experts of one completion once the rollout groups' batches are joined

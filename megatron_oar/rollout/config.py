@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 LOAD_FORMATS = ("dummy", "auto", "safetensors")
+PLACEMENTS = ("colocated", "separate")
 
 
 class RolloutConfigError(ValueError):
@@ -42,6 +43,21 @@ class RolloutConfig:
       vLLM engine its own Megatron shard instead of all-gathering full tensors over TP (about
       1/TP of the bytes per rank; docs/rollout.md); false forces the full-tensor path.
 
+    Placement (docs/rollout.md, "Separate placement"):
+
+    * ``placement``: ``colocated`` (default: every rank holds a Megatron shard and a vLLM engine
+      that sleeps while Megatron trains) or ``separate`` (the last ``ranks`` ranks of the world
+      hold only vLLM engines, awake for the whole run; the others train).
+    * ``ranks``: the rollout ranks of the separate placement (0 when colocated); ``tp`` divides it.
+    * ``max_staleness``: how many policy updates a sample may lag behind the weights it is trained
+      on (separate placement only). 0: each step generates with the weights it trains (today's
+      on-policy order); 1: the next step's batch is generated while this step trains, from the
+      weights one update older; ``loss.rollout_correction`` weighs the gap.
+    * ``partial_tokens`` (separate placement, null: off): generate in segments of at most this
+      many new tokens; new weights that arrive while a batch is generated are loaded between two
+      segments and its unfinished completions continue under them, each token recording the
+      policy version that sampled it (``rollout/partial.py``).
+
     Sampling defaults (each can be overridden per :meth:`RolloutEngine.generate` call):
     ``n`` completions per prompt, ``temperature`` (0: greedy), ``top_p``, ``top_k`` (0: off),
     ``max_new_tokens``, ``stop`` strings, ``stop_token_ids``.
@@ -71,6 +87,10 @@ class RolloutConfig:
     validation refuses other settings unless the limit is null).
     """
 
+    placement: str = "colocated"
+    ranks: int = 0
+    max_staleness: int = 0
+    partial_tokens: int | None = None
     tp: int = 1
     gpu_memory_utilization: float = 0.5
     max_model_len: int = 4096
@@ -119,8 +139,7 @@ class RolloutConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(name, "must be a positive integer")
-        if world_size is not None and world_size % self.tp:
-            raise bad("tp", f"does not divide the world size {world_size}")
+        self._check_placement(world_size, bad)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.dtype not in VLLM_DTYPES:
@@ -139,6 +158,50 @@ class RolloutConfig:
             raise bad("logprobs_mode", f"expected one of {list(LOGPROBS_MODES)}")
         check_sampling(self.temperature, self.top_p, self.top_k, prefix="rollout.")
         self._check_mismatch_limit()
+
+    def _check_placement(self, world_size: int | None, bad) -> None:
+        if self.placement not in PLACEMENTS:
+            raise bad("placement", f"expected one of {list(PLACEMENTS)}")
+        for name in ("ranks", "max_staleness"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise bad(name, "must be an integer >= 0")
+        if self.partial_tokens is not None and (
+                isinstance(self.partial_tokens, bool) or not isinstance(self.partial_tokens, int)
+                or self.partial_tokens < 1):
+            raise bad("partial_tokens", "must be an integer >= 1 (new tokens per segment) or null")
+        if self.placement == "colocated":
+            if self.partial_tokens is not None:
+                raise bad("partial_tokens", "needs rollout.placement=separate (weights change "
+                                            "between segments only where the engines run apart)")
+            for name in ("ranks", "max_staleness"):
+                if getattr(self, name):
+                    raise bad(name, "needs rollout.placement=separate (colocated engines generate "
+                                    "on the training ranks, with the weights they train)")
+            if world_size is not None and world_size % self.tp:
+                raise bad("tp", f"does not divide the world size {world_size}")
+            return
+        if self.ranks < 1:
+            raise bad("ranks", "rollout.placement=separate needs >= 1 rollout ranks")
+        if self.ranks % self.tp:
+            raise RolloutConfigError(f"rollout.tp={self.tp} does not divide rollout.ranks={self.ranks}")
+        if self.partial_tokens is not None and self.ranks != self.tp:
+            # engines finish their segments at different times; the boundaries where weights may
+            # switch are collective over the rollout world: built for one engine only
+            raise RolloutConfigError(
+                f"rollout.partial_tokens={self.partial_tokens} with rollout.ranks={self.ranks} and "
+                f"rollout.tp={self.tp}: partial rollouts need one engine (rollout.ranks == rollout.tp)")
+        if world_size is not None and self.ranks >= world_size:
+            raise bad("ranks", f"leaves {world_size - self.ranks} training ranks of the world size "
+                               f"{world_size}")
+
+    @property
+    def separate(self) -> bool:
+        return self.placement == "separate"
+
+    def training_world_size(self, world_size: int) -> int:
+        """The ranks that train: all of them colocated, all but the last ``ranks`` separate."""
+        return world_size - self.ranks if self.separate else world_size
 
     @property
     def reports_policy_logprobs(self) -> bool:

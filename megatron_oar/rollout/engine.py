@@ -20,7 +20,7 @@ import os
 import random
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -30,7 +30,13 @@ import torch.distributed as dist
 from megatron_oar.models import parse_arch, read_hf_config
 from megatron_oar.rollout.batch import RolloutBatch, RoutedExperts
 from megatron_oar.rollout.config import VLLM_DTYPES, RolloutConfig, check_sampling
-from megatron_oar.rollout.weight_sync import ExpertTarget, ShardTarget, expert_target, iter_hf_buckets
+from megatron_oar.rollout.weight_sync import (
+    ExpertTarget,
+    ShardTarget,
+    WeightBucket,
+    expert_target,
+    iter_hf_buckets,
+)
 from megatron_oar.runtime import gloo_group
 from megatron_oar.seeds import ENGINE, derive_seed
 from megatron_oar.testing import faults
@@ -373,15 +379,35 @@ class RolloutEngine:
         in-place reload had not reached, none), so the engine refuses to generate or sync again:
         the run must stop and resume from its last checkpoint.
         """
+        self._check_syncable()
+        t0 = time.perf_counter()
+        shards = self._shard_target(model)
+        experts = self._expert_target()
+        buckets = iter_hf_buckets(model, self.arch, self.config.bucket_bytes, shards=shards, experts=experts)
+        return self._load(buckets, step, t0, shards=shards is not None, experts_cut=experts is not None)
+
+    def load_buckets(self, buckets: Iterable[WeightBucket], *, step: int | None = None) -> SyncStats:
+        """Collective over the engine's world: load HF-layout buckets from ``buckets`` (full
+        tensors, every rank the same names in the same order) into vLLM, as :meth:`sync_weights`
+        does with Megatron's. The separate placement's rollout ranks feed it the buckets they
+        receive from the trainer (``rollout/transfer.py``); a failure drains the iterator, so
+        the sender is never left waiting, and raises ``WeightSyncError`` on every rank."""
+        self._check_syncable()
+        return self._load(iter(buckets), step, time.perf_counter(), shards=False, experts_cut=False)
+
+    def _check_syncable(self) -> None:
         from megatron_oar.rollout.sync_check import WeightSyncError
 
         if self._broken is not None:
             raise WeightSyncError(f"{self._broken} (this engine refuses further weight syncs)")
         if self.is_sleeping:
             self.wake_up(["weights"])
-        t0 = time.perf_counter()
-        shards = self._shard_target(model)
-        experts = self._expert_target()
+
+    def _load(self, source: Iterator[WeightBucket], step: int | None, t0: float, *, shards: bool,
+              experts_cut: bool) -> SyncStats:
+        """The load of :meth:`sync_weights` / :meth:`load_buckets` (their docstrings)."""
+        from megatron_oar.rollout.sync_check import WeightSyncError
+
         counts = {"bytes": 0, "tensors": 0, "buckets": 0, "max": 0, "done": False, "tp": 0, "pp": 0,
                   "ep": 0}
         # what this rank was doing, for the error: gathering or loading bucket `index` (from 0),
@@ -390,8 +416,7 @@ class RolloutEngine:
         gathered = {"all": False}
 
         def megatron_buckets():  # the collective part: every rank must exhaust it
-            for bucket in iter_hf_buckets(model, self.arch, self.config.bucket_bytes, shards=shards,
-                                          experts=experts):
+            for bucket in source:
                 counts["buckets"] += 1
                 counts["tp"] += bucket.received_tp
                 counts["pp"] += bucket.received_pp
@@ -457,7 +482,7 @@ class RolloutEngine:
                          num_tensors=counts["tensors"], num_buckets=counts["buckets"],
                          max_bucket_bytes=counts["max"], received_tp_bytes=counts["tp"],
                          received_pp_bytes=counts["pp"], received_ep_bytes=counts["ep"],
-                         shards=shards is not None, experts_cut=experts is not None,
+                         shards=shards, experts_cut=experts_cut,
                          max_received_bytes=max(r["received"] for r in reports))
 
     def _shard_target(self, model) -> ShardTarget | None:

@@ -207,6 +207,10 @@ def init_runtime(parallel: ParallelConfig | None = None) -> RuntimeInfo:
 def destroy_runtime() -> None:
     from megatron.core import parallel_state
 
+    from megatron_oar.runtime.roles import forget_roles
+
+    forget_roles()  # rollout.placement=separate: every rank of both roles, then the groups go
+
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

@@ -15,7 +15,8 @@ holds comma-separated faults ``ACTION@POINT[:key=value...]``::
                                                       ``seconds``): a signal during that phase
 
 Points are the trainer's phases (``training/phases.py``: ``generate``, ``update``, ...) and
-finer ones inside them (``checkpoint.shards``, ``sync.bucket``). ``step`` is the step being
+finer ones inside them (``checkpoint.shards``, ``sync.bucket``), and ``rollout.generate`` on a
+rollout rank of the separate placement (``step``: its n-th generation request, from 1). ``step`` is the step being
 computed, numbered as the logs and checkpoints number it (the first step is 1; the evaluation
 before it is step 0). Filters: ``step``, ``rank`` (global), ``attempt`` (torchrun's
 ``TORCHELASTIC_RESTART_COUNT``; default 0, so a restarted group runs clean); ``seconds`` is the
@@ -49,7 +50,8 @@ class Fault:
     def matches(self, point: str, step: int | None) -> bool:
         if self.fired or point != self.point:
             return False
-        now = {"step": step, "rank": _env_int("RANK", 0),
+        # global: torchrun's rank also where the separate placement made RANK the role's
+        now = {"step": step, "rank": _env_int("OAR_GLOBAL_RANK", _env_int("RANK", 0)),
                "attempt": _env_int("TORCHELASTIC_RESTART_COUNT", 0)}
         wanted = {"attempt": 0, **self.when}
         return all(now[k] == v for k, v in wanted.items())
@@ -108,7 +110,7 @@ def inject(point: str, *, step: int | None = None) -> None:
 
 
 def _fire(fault: Fault, step: int | None) -> None:
-    where = f"{fault.point} (step {step}, rank {_env_int('RANK', 0)})"
+    where = f"{fault.point} (step {step}, rank {_env_int('OAR_GLOBAL_RANK', _env_int('RANK', 0))})"
     if fault.action == "stall-until-signal":
         with _stop_signal_wakeup() as wait:  # armed before the line a test may answer
             print(f"[{ENV}] injecting {fault.action} at {where}", flush=True)

@@ -15,6 +15,7 @@ exactly what the uninterrupted run would have.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_oar.data import Example, render_prompt
+from megatron_oar.rollout.batch import share
 from megatron_oar.seeds import ROLLOUT, derive_seed
 
 if TYPE_CHECKING:
@@ -49,6 +51,11 @@ class Sample:
     format: float = 0.0
     status: str = ""
     routed_experts: object = None  # vLLM's [tokens, layers, k] (model.routing_replay=rollout)
+    # the policy version (updates so far) vLLM generated it with; None: the weights being trained
+    # (colocated). rollout.placement=separate sets it (rollout/remote.py)
+    version: int | None = None
+    # rollout.partial_tokens: each response token's policy version (the oldest is ``version``)
+    token_versions: list | None = None
 
 
 @dataclass
@@ -58,10 +65,8 @@ class StepData:
 
 
 def group_share(engine: RolloutEngine, n: int) -> range:
-    """The items ``[0, n)`` this rank's rollout group generates: contiguous, in group order, so
-    ``engine.gather`` of the groups' outputs is in item order."""
-    per = -(-n // engine.dp_size)
-    return range(engine.dp_rank * per, min((engine.dp_rank + 1) * per, n))
+    """The items ``[0, n)`` this rank's rollout group generates (:func:`share`)."""
+    return share(engine.dp_rank, engine.dp_size, n)
 
 
 def generate_samples(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, prompts: list[Example],
@@ -70,15 +75,44 @@ def generate_samples(engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, 
     """Collective: every rollout group generates its share of ``prompts`` (``sampling``: the
     engine's ``n``/``temperature``/... overrides); all completions, prompt-major, on every rank."""
     mine = group_share(engine, len(prompts))
-    ids = [tokenizer(render_prompt(prompts[i].prompt, template, tokenizer),
-                     add_special_tokens=False)["input_ids"] for i in mine]
+    ids = prompt_ids(tokenizer, prompts, template, mine)
     batch = engine.gather(engine.generate(ids, seeds=[seeds[i] for i in mine], **sampling))
+    version = batch.meta.get("policy_version")
+    per_token = batch.meta.get("token_versions")  # rollout.partial_tokens
     out = []
     for c in batch.completions():
+        tokens = None if per_token is None else per_token[c.prompt_index][c.sample_index]
         out.append(Sample(c.prompt_ids, c.response_ids, c.logprobs, c.finish_reason, c.text,
                           prompts[c.prompt_index].answer, c.prompt_index,
-                          routed_experts=c.routed_experts))
+                          routed_experts=c.routed_experts,
+                          version=min(tokens, default=version) if tokens else version,
+                          token_versions=tokens))
     return out
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: list[Example], template: str,
+               which: range) -> list[list[int]]:
+    """The token ids of ``prompts[i]`` for ``i`` in ``which``, rendered with ``template``."""
+    return [tokenizer(render_prompt(prompts[i].prompt, template, tokenizer),
+                      add_special_tokens=False)["input_ids"] for i in which]
+
+
+def prefetch(engine, sampler: PromptSampler, tokenizer: PreTrainedTokenizerBase, *, step: int, ahead: int,
+             template: str, seed: int, sampling: dict | None = None) -> None:
+    """rollout.placement=separate with rollout.max_staleness=``ahead`` >= 1: sends the first
+    round of steps ``step + 1 .. step + ahead`` to the rollout ranks now (``engine``: a
+    :class:`~megatron_oar.rollout.remote.RemoteRollout`), with exactly the prompts and seeds
+    :func:`collect` will ask for at those steps, read from a copy of ``sampler`` (which itself
+    does not move: a checkpoint records no prompt as drawn that was not trained on)."""
+    peek = copy.copy(sampler)
+    for ahead_step in range(step + 1, step + 1 + ahead):
+        try:
+            prompts = next(peek)
+        except StopIteration:
+            return
+        seeds = [derive_seed(ROLLOUT, seed, ahead_step, 0, i) for i in range(len(prompts))]
+        engine.prefetch(prompt_ids(tokenizer, prompts, template, range(len(prompts))), seeds=seeds,
+                        step=ahead_step + 1, **(sampling or {}))
 
 
 def score_samples(samples: list[Sample], scorer: RewardScorer, group: dist.ProcessGroup) -> None:

@@ -12,6 +12,11 @@ after generation (and after an evaluation) it sleeps, and every Megatron pass ru
 sleeps. ``rollout.sleep_level: 2`` (the default) discards the engine's weights when it sleeps,
 since the next sync overwrites them anyway; level 1 would copy them to pinned host memory and
 back at every step.
+
+With ``rollout.placement=separate`` the trainer runs the same phases, but the engines live on the
+rollout ranks: a training GPU holds no vLLM in any phase (``oar plan``'s ``trainer_phases`` says
+``nothing`` throughout), ``wake_*`` and ``sleep`` are no-ops, ``sync`` is the broadcast to the
+rollout ranks and ``generate`` the wait for their batch (docs/rollout.md, "Separate placement").
 """
 
 from __future__ import annotations

@@ -47,11 +47,12 @@ from megatron_oar.models import read_hf_config
 from megatron_oar.models.model_checkpoint import CheckpointMeta
 from megatron_oar.rollout.sync_check import check_policy_agreement
 from megatron_oar.runtime.distributed import on_rank0
+from megatron_oar.runtime.roles import current_roles
 from megatron_oar.runtime.stop_signals import start_resource_tracker_shielded
 from megatron_oar.seeds import RANDOM_CREDIT, derive_seed
 from megatron_oar.testing import faults
 from megatron_oar.training import step_checkpoint as ckpt
-from megatron_oar.training.collect import collect
+from megatron_oar.training.collect import collect, prefetch
 from megatron_oar.training.dp_split import dp_assignment
 from megatron_oar.training.evaluate import evaluate, load_eval_examples
 from megatron_oar.training.inputs import TrainBatch, build_train_batch, load_examples
@@ -88,7 +89,12 @@ class Trainer:
         start_resource_tracker_shielded()  # before a library starts it, unshielded (stop_signals.py)
         hf_dir = cfg.model.hf_dir()
         hf_config = read_hf_config(hf_dir / "config.json")
-        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+        roles = current_roles()  # rollout.placement=separate: this is one of the training ranks
+        world = (roles.global_size if roles is not None and cfg.rollout.separate else
+                 dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1)))
+        if cfg.rollout.separate and roles is None:
+            raise RuntimeError("rollout.placement=separate: split the world first "
+                               "(megatron_oar.runtime.roles.split_world; `oar train` does)")
         validate(cfg, world_size=world, hf_config=hf_config)  # before any work
         ctx = start_run(cfg, hf_config)
         self.rt, self.rank, self.arch = ctx.rt, ctx.rt.rank, ctx.arch
@@ -139,6 +145,10 @@ class Trainer:
         if self.rank == 0:
             save_config(cfg, Path(cfg.run_dir) / "config.yaml")
         self.own_engine = engine is None
+        if engine is None and cfg.rollout.separate:  # the engines run on the rollout ranks
+            from megatron_oar.rollout.remote import RemoteRollout
+
+            engine = RemoteRollout(cfg, current_roles(), self.arch)
         self.engine = engine or RolloutEngine(hf_dir, cfg.rollout, tokenizer=cfg.model.tokenizer_dir())
         self.engine.sleep()  # asleep between generations; the loop wakes it (wake_rollout)
         self.scorer = RewardScorer(cfg.rewards)
@@ -222,6 +232,11 @@ class Trainer:
                            seed=r.seed, dynamic_sampling=cfg.train.dynamic_sampling,
                            max_refill_rounds=cfg.train.max_refill_rounds, group=self.control,
                            sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k})
+            ahead = min(r.max_staleness, cfg.train.steps - n)
+            if ahead > 0:  # the next steps' rollouts, generated while this step trains
+                prefetch(self.engine, self.sampler, self.tokenizer, step=step, ahead=ahead,
+                         template=cfg.data.template, seed=r.seed,
+                         sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k})
         with self.phase("sleep", n):  # every Megatron pass below runs while vLLM sleeps
             self.engine.sleep()
         rewards = torch.tensor([s.reward for s in data.samples])
@@ -281,7 +296,22 @@ class Trainer:
                             attr_stats=attr_stats, attr_work=attr_work, mismatch=mismatch,
                             sync_seconds=sync.seconds,
                             sync_gib_per_rank=sync.max_received_bytes / 2**30, lengths=lengths, split=split, t0=t0,
-                            routing=routing)
+                            routing=routing) | self._placement_metrics(data)
+
+    def _placement_metrics(self, data) -> dict[str, float]:
+        """``rollout.placement=separate``: how many updates old the step's samples are (the
+        policy version each was generated with, against the ``self.step`` updates trained), and
+        how much of their generation the trainer did not wait for (``RemoteRollout.take_timing``)."""
+        if not self.cfg.rollout.separate:
+            return {}
+        timing = self.engine.take_timing() if hasattr(self.engine, "take_timing") else {}
+        lags = [self.step - (self.step if s.version is None else s.version) for s in data.samples]
+        return {"rollout/policy_version": float(self.step - max(lags, default=0)),
+                "rollout/staleness_mean": sum(lags) / max(len(lags), 1),
+                "rollout/staleness_max": float(max(lags, default=0)),
+                # rollout.partial_tokens: completions whose tokens came from more than one version
+                "rollout/partial_fraction": sum(len(set(s.token_versions or ())) > 1 for s in data.samples)
+                / max(len(data.samples), 1), **timing}
 
     def wake_rollout(self, step: int):
         """Collective: vLLM back on the GPU with the current policy (phases.WAKE): its weights
@@ -289,8 +319,9 @@ class Trainer:
         with the KV cache for memory. Returns the sync's :class:`SyncStats`."""
         with self.phase("wake_weights", step):
             self.engine.wake_up(["weights"])
-        with self.phase("sync", step):
-            sync = self.engine.sync_weights(self.policy.model, step=step)
+        with self.phase("sync", step):  # separate placement: with the policy version it sends
+            version = {"version": self.step} if self.cfg.rollout.separate else {}
+            sync = self.engine.sync_weights(self.policy.model, step=step, **version)
         with self.phase("wake_kv_cache", step):
             self.engine.wake_up(["kv_cache"])
         return sync
@@ -349,7 +380,8 @@ class Trainer:
         rank's, as :func:`step_checkpoint.rng_state` took them), instead of the current ones."""
         state = {"sampler": self.sampler.state_dict(), "nonfinite_in_row": self.nonfinite_in_row,
                  "nonfinite_total": self.nonfinite_total,
-                 "loss_scale_overflows": self.loss_scale_overflows, "credit": self.cfg.credit}
+                 "loss_scale_overflows": self.loss_scale_overflows, "credit": self.cfg.credit,
+                 "policy_version": self.step}  # updates in these weights (the rollouts' versions count them)
         with self.phase("checkpoint", self.step):
             self.last_checkpoint = ckpt.save_checkpoint(
                 self.cfg.checkpoint.dir, self.step, self.policy, state, self.meta, self.hf_files,

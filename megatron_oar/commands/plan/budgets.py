@@ -30,13 +30,15 @@ from megatron_oar.models import QwenArch, parse_arch
 
 
 def budget_specs(cfg, a: QwenArch, *, world: int, hw: Hardware) -> tuple[list[BudgetSpec], int]:
-    """The token budgets ``cfg`` runs with, each with the bytes per GPU of the phase it sizes as a
+    """The token budgets ``cfg`` runs with on ``world`` GPUs (all of them, the rollout ones too),
+    each with the bytes per GPU of the phase it sizes as a
     function of the budget (Megatron's resident state, vLLM asleep, the reserve and the pass's
     activations), at the longest sequence the run can see (``data.max_prompt_tokens`` +
     ``rollout.max_new_tokens``); and that length. The training budget sizes the update and the
     old-logprob pass; the attribution budgets OAR-G's micro-batches (OAR-P: its teacher's forward,
     left to the training budget as before) and OAR-P's copies."""
     par, t = cfg.parallel, cfg.train
+    world = cfg.rollout.training_world_size(world)  # rollout.placement=separate: the GPUs that train
     dp = world // (par.tp * par.pp)
     s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     samples = t.prompts_per_step * t.group_size

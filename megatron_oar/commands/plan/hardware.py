@@ -17,3 +17,6 @@ class Hardware:
     mfu: float = 0.35            # model-FLOPs utilisation assumed for Megatron passes
     bandwidth_eff: float = 0.6   # fraction of HBM bandwidth a decode step reaches
     reserve_gib: float = 4.0     # CUDA context, NCCL buffers, fragmentation
+    # the separate placement's weight broadcast (training rank 0 -> rollout ranks): one
+    # 400 Gb/s NIC at 80%, as an InfiniBand NDR link per GPU would give
+    net_gb_s: float = 40.0

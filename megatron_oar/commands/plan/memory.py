@@ -12,6 +12,9 @@ Per GPU it adds up:
   expert-data-parallel group (:mod:`megatron_oar.commands.plan.moe`).
 * **Activations** of the passes that run while vLLM sleeps:
   :mod:`megatron_oar.commands.plan.activations`.
+* **vLLM**, separate placement (``rollout.placement=separate``): nothing on a training GPU; a
+  rollout GPU holds ``rollout.gpu_memory_utilization`` of itself (weights and KV cache, awake for
+  the whole run), the received weight bucket and the reserve (``Plan.rollout_gpu_gib``).
 * **vLLM**, colocated: awake during generation it holds ``rollout.gpu_memory_utilization`` of the
   GPU (its weights, rollout-TP sharded, and the KV cache in what is left after ``VLLM_OVERHEAD``);
   asleep (``rollout.sleep_level >= 1``) it keeps ``VLLM_ASLEEP`` and its level-1 weights move to
@@ -29,6 +32,7 @@ per GPU is the largest phase.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from megatron_oar.commands.plan import moe as plan_moe
 from megatron_oar.commands.plan.hardware import GIB, Hardware
@@ -70,7 +74,9 @@ def _resident_memory(cfg, a: QwenArch, dp: int, edp: int = 1) -> dict[str, float
 
 def _vllm_memory(cfg, a: QwenArch, hw: Hardware, *, world: int, samples: int) -> dict[str, float]:
     """vLLM's share of a GPU, its weights and KV cache (bytes), what it keeps asleep, and how many
-    sequences each engine runs at once."""
+    sequences each engine runs at once. ``world``: the GPUs holding engines (every GPU colocated,
+    the ``rollout.ranks`` rollout GPUs separate, where a training GPU holds no engine: ``asleep``
+    0, and the engines never sleep)."""
     r = cfg.rollout
     engines = world // r.tp
     weights = total_params(a) * 2 / r.tp  # vLLM runs bf16 weights, vocab sharded by TP
@@ -82,7 +88,7 @@ def _vllm_memory(cfg, a: QwenArch, hw: Hardware, *, world: int, samples: int) ->
     return {"engines": engines, "weights": weights, "share": share, "kv_per_token": kv_per_token,
             "kv_cache": kv_cache, "kv_tokens": kv_tokens, "seqs_per_engine": seqs_per_engine,
             "concurrent": min(seqs_per_engine, r.max_num_seqs, kv_tokens // max(1, r.max_model_len)),
-            "asleep": VLLM_ASLEEP_GIB * GIB if r.sleep_level >= 1 else share}
+            "asleep": 0.0 if r.separate else VLLM_ASLEEP_GIB * GIB if r.sleep_level >= 1 else share}
 
 
 def trainer_phases(cfg) -> list[Phase]:
@@ -93,6 +99,8 @@ def trainer_phases(cfg) -> list[Phase]:
     for p in STEP + (EVAL if cfg.train.eval_interval else ()) + CHECKPOINT:
         if p.name != "attribution" or cfg.uses_attribution:
             seen.setdefault(p.name, p)
+    if cfg.rollout.separate:  # the engines are on the rollout GPUs: a training GPU holds none
+        return [replace(p, vllm_holds=NOTHING) for p in seen.values()]
     return list(seen.values())
 
 

@@ -57,14 +57,19 @@ class Plan:
     reasons: list = field(default_factory=list)
     advice: list = field(default_factory=list)
 
-    @property
-    def peak_gib(self) -> float:
-        return max(self.phases_gib.values())
+    rollout_gpu_gib: float | None = None  # the separate placement: a rollout GPU's peak
 
     @property
     def rollout_peak_gib(self) -> float:
-        """The largest phase while vLLM is (partly) awake: waking, syncing, generating."""
+        """The largest phase while vLLM is (partly) awake: waking, syncing, generating; in the
+        separate placement a rollout GPU's peak."""
+        if self.rollout_gpu_gib is not None:
+            return self.rollout_gpu_gib
         return max(g for k, g in self.phases_gib.items() if self.phase_vllm_holds[k] != NOTHING)
+
+    @property
+    def peak_gib(self) -> float:
+        return max(max(self.phases_gib.values()), self.rollout_gpu_gib or 0.0)
 
     @property
     def train_peak_gib(self) -> float:
@@ -78,8 +83,9 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     """The plan for ``cfg`` (a :class:`megatron_oar.config.Config`) on ``nodes`` x
     ``gpus_per_node`` GPUs; lengths default to the config's maxima (the worst case)."""
     a = parse_arch(hf_config, source=source)
-    world = nodes * gpus_per_node
-    budgets = choose_token_budgets(cfg, hf_config, world=world, hw=hw, source=source)
+    gpus = nodes * gpus_per_node
+    world = cfg.rollout.training_world_size(gpus)  # the GPUs that train (all of them colocated)
+    budgets = choose_token_budgets(cfg, hf_config, world=gpus, hw=hw, source=source)
     cfg = with_budgets(cfg, budgets.tokens)  # the unset ones chosen, the set ones kept
     m, par, t, r = cfg.model, cfg.parallel, cfg.train, cfg.rollout
     dp = world // (par.tp * par.pp)
@@ -95,14 +101,16 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     resident = sum(mem.values())
     act = _activation_memory(cfg, a, s=s, dp=dp, samples=samples, microbatches=microbatches)
     mem.update({f"activations: {k}": v for k, v in act.items()})
-    v = _vllm_memory(cfg, a, hw, world=world, samples=samples)
+    v = _vllm_memory(cfg, a, hw, world=r.ranks if r.separate else world, samples=samples)
     sync = _sync_traffic(cfg, a, world)
     phases = phase_bytes(cfg, hw, resident=resident, act=act, vllm=v,
                          moe_layer_reload=sync["moe_layer_reload_gib"] * GIB)
     plan = Plan(
         model=f"{family_of(a).name}, {a.num_layers} layers, hidden {a.hidden_size}",
         source=source, params_b=total_params(a) / 1e9, active_params_b=active_params(a) / 1e9,
-        layout={"nodes": nodes, "gpus": world, "tp": par.tp, "pp": par.pp, "dp": dp,
+        layout={"nodes": nodes, "gpus": gpus, "training_gpus": world, "placement": r.placement,
+                "rollout_gpus": r.ranks if r.separate else world, "max_staleness": r.max_staleness,
+                "tp": par.tp, "pp": par.pp, "dp": dp,
                 "sequence_parallel": par.sequence_parallel, "recompute": m.recompute, "fp8": m.fp8,
                 "rollout_tp": r.tp, "engines": v["engines"], "seq_len": s, "sleep_level": r.sleep_level,
                 "micro_batches_per_rank": microbatches,
@@ -120,6 +128,8 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
         sync=sync,
         moe=_moe_summary(cfg, a, experts) if a.is_moe else {},
         hardware=asdict(hw))
+    if r.separate:  # a rollout GPU: the engine's share, a received bucket, the reserve
+        plan.rollout_gpu_gib = (v["share"] + cfg.rollout.bucket_bytes) / GIB + hw.reserve_gib
     _verdict(plan, cfg, hw, v)
     if not plan.fits:
         plan.advice = _advice(plan, cfg, mem, act["update"], act["attribution"])
@@ -127,7 +137,22 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
         cfg, a, hw, world=world, samples=samples, prompt=prompt, resp=resp,
         longest=cfg.data.max_prompt_tokens + r.max_new_tokens, engines=v["engines"],
         concurrent=max(1, v["concurrent"]), kv_per_token=v["kv_per_token"], vllm_weights=v["weights"])
+    if r.separate:
+        plan.time_s = separate_step_time(plan.time_s, r.max_staleness,
+                                         broadcast_s=total_params(a) * 2 / (hw.net_gb_s * 1e9))
     return plan
+
+
+def separate_step_time(time_s: dict, max_staleness: int, *, broadcast_s: float) -> dict:
+    """The separate placement's step: Megatron's passes on the training GPUs and generation on
+    the rollout GPUs, plus the weight broadcast (``sync``: the bf16 model over one link from
+    training rank 0). At ``max_staleness`` 0 they take turns (the sum); from 1 on the next batch
+    is generated while this one trains: the slower of the two, plus the broadcast."""
+    out = {**{k: v for k, v in time_s.items() if k != "total"}, "sync": broadcast_s}
+    train = sum(v for k, v in out.items() if k not in ("generate", "sync"))
+    gen = out.get("generate", 0.0)
+    out["total"] = (max(gen, train) if max_staleness else gen + train) + broadcast_s
+    return out
 
 
 OAR_P_MAX_COST = 4.0  # oar plan --oar-p-max-cost: exact OAR-P's step over GRPO's that warns
@@ -240,6 +265,12 @@ def _verdict(plan: Plan, cfg, hw: Hardware, v: dict[str, float]) -> None:
     leaves too little KV cache."""
     r, cap = cfg.rollout, hw.gpu_mem_gib
     over = {phase: gib for phase, gib in plan.phases_gib.items() if gib > cap}
+    if plan.rollout_gpu_gib is not None and plan.rollout_gpu_gib > cap:
+        plan.fits = False
+        plan.reasons.append(
+            f"a rollout GPU needs {plan.rollout_gpu_gib:.1f} GiB > {cap:g} GiB "
+            f"(rollout.gpu_memory_utilization={r.gpu_memory_utilization}, rollout.bucket_mb={r.bucket_mb:g} "
+            f"and the reserve): lower rollout.gpu_memory_utilization")
     if over:
         plan.fits = False
         plan.reasons.append(f"phases {', '.join(over)} need up to {max(over.values()):.1f} GiB "

@@ -22,7 +22,8 @@ def render(plan: Plan, name: str) -> str:
              f"SP {'on' if L['sequence_parallel'] else 'off'}, "
              f"recompute {L['recompute'] or 'none'}, FP8 {L['fp8'] or 'off'}; vLLM TP {L['rollout_tp']} "
              f"({L['engines']} engines); sequences of {L['seq_len']} tokens, "
-             f"{L['micro_batches_per_rank']} micro-batches per rank per optimizer step", "",
+             f"{L['micro_batches_per_rank']} micro-batches per rank per optimizer step",
+             *placement_lines(plan), "",
              "| per GPU | GiB |", "|---|---:|"]
     lines += [f"| {k} | {g:.2f} |" for k, g in plan.memory_gib.items() if g > 0]
     lines += [f"| vLLM awake (weights {v['weights_gib']:.1f} + KV cache {v['kv_cache_gib']:.1f} "
@@ -57,6 +58,22 @@ def render(plan: Plan, name: str) -> str:
         if plan.advice:
             lines.append("try: " + "; ".join(plan.advice))
     return "\n".join(lines)
+
+
+def placement_lines(plan: Plan) -> list[str]:
+    """The separate placement: which GPUs do what, a rollout GPU's memory, the step's overlap."""
+    L = plan.layout
+    if L.get("placement") != "separate":
+        return []
+    t = plan.time_s
+    train = sum(v for k, v in t.items() if k not in ("generate", "sync", "total"))
+    how = ("one step off: the slower of generation and training, plus the broadcast"
+           if L["max_staleness"] else "generation, then training, then the broadcast (max_staleness 0)")
+    return [f"separate placement: {L['training_gpus']} training GPUs, {L['rollout_gpus']} rollout GPUs "
+            f"({L['engines']} vLLM engines, awake throughout); a rollout GPU needs "
+            f"{plan.rollout_gpu_gib:.1f} GiB; per step generation {t.get('generate', 0):.1f} s, "
+            f"training {train:.1f} s, weight broadcast {t['sync']:.1f} s: {how} "
+            f"(rollout.max_staleness={L['max_staleness']})"]
 
 
 def budget_lines(plan: Plan) -> list[str]:

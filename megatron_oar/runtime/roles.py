@@ -1,0 +1,191 @@
+"""The separate placement's world split (``rollout.placement=separate``): training ranks and
+rollout ranks, each role with its own default process group, and the groups that span both.
+
+torchrun starts one world of ``N`` processes. Megatron's ``parallel_state`` and vLLM's
+``external_launcher`` both lay their groups out over *the default process group* (and create
+them with collective ``new_group`` calls over it), so each role gets a default group of its own:
+
+* ranks ``[0, N - R)`` train: their default group is the training world (megatron's TP/PP/DP
+  over it, as colocated over the whole world), rank 0 of it is the world's rank 0 (logging);
+* ranks ``[N - R, N)`` (``R = rollout.ranks``) roll out: their default group is the rollout
+  world, vLLM's external launcher lays out ``ExternalDP x rollout.tp`` over it.
+
+``RANK`` / ``WORLD_SIZE`` are set to the role's rank and size (vLLM and ``init_runtime`` read
+them); ``OAR_GLOBAL_RANK`` / ``OAR_GLOBAL_WORLD_SIZE`` keep torchrun's. The groups spanning both
+roles are built from the same rendezvous store (torch's ``env://``, torchrun's agent store where
+there is one), under their own key prefixes, as process-group objects used directly rather than
+registered with ``torch.distributed`` (a registered group is made by a collective over the
+caller's default group, which the other role does not share):
+
+* ``weights``: training rank 0 and every rollout rank; the weight broadcast (nccl on CUDA,
+  gloo on CPU) and the trainer's requests (gloo);
+* ``results``: rollout rank 0 and training rank 0; finished batches (gloo);
+* ``everyone``: all ranks (gloo), for the start and end of the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+TRAIN, ROLLOUT = "train", "rollout"
+
+
+@dataclass
+class CrossGroup:
+    """A process group over some global ranks, used through its own methods; ``rank`` is this
+    process's rank in it, ``members`` the global ranks in its order."""
+
+    pg: object
+    rank: int
+    members: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, *, wait: bool = True):
+        """``tensor`` from member ``root`` (its rank in this group) to every member; returns the
+        work when ``wait`` is false (keep ``tensor`` alive until it completes)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = root, 0
+        work = self.pg.broadcast([tensor], opts)
+        if wait:
+            work.wait()
+            return None
+        return work
+
+    def barrier(self) -> None:
+        flag = torch.zeros(1)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self.pg.allreduce([flag], opts).wait()
+
+    def all_max(self, value: float) -> float:
+        t = torch.tensor([float(value)])
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.pg.allreduce([t], opts).wait()
+        return float(t.item())
+
+
+@dataclass
+class Roles:
+    """This process's role in the separate placement and the groups spanning the roles."""
+
+    role: str
+    global_rank: int
+    global_size: int
+    rollout_ranks: int
+    weights: CrossGroup | None = None   # training rank 0 + the rollout ranks (gloo)
+    weights_device: CrossGroup | None = None  # the same ranks on nccl (CUDA), else ``weights``
+    results: CrossGroup | None = None   # rollout rank 0 + training rank 0 (gloo)
+    everyone: CrossGroup | None = None  # all ranks (gloo)
+    store: object = field(default=None, repr=False)
+
+    @property
+    def train_size(self) -> int:
+        return self.global_size - self.rollout_ranks
+
+    @property
+    def role_rank(self) -> int:
+        return self.global_rank if self.role == TRAIN else self.global_rank - self.train_size
+
+    @property
+    def is_trainer_leader(self) -> bool:
+        return self.global_rank == 0
+
+    @property
+    def is_rollout_leader(self) -> bool:
+        return self.global_rank == self.train_size
+
+    def close(self) -> None:
+        """Collective over every rank: waits for all (so the store's host, global rank 0, is the
+        last to go), then drops the cross-role groups."""
+        if self.everyone is not None:
+            try:
+                self.everyone.barrier()
+            except RuntimeError as e:  # a rank died (the run already failed): nothing to wait for
+                log.warning("separate placement: not every rank reached the end (%s)", e)
+        for name in ("weights", "weights_device", "results", "everyone"):
+            setattr(self, name, None)
+        self.store = None
+
+
+_ROLES: Roles | None = None
+
+
+def current_roles() -> Roles | None:
+    """The split made by :func:`split_world` in this process (None: colocated / not split)."""
+    return _ROLES
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value else default
+
+
+def split_world(rollout_ranks: int, *, timeout_minutes: float = 30) -> Roles:
+    """Collective over torchrun's whole world: this process joins its role's default process
+    group and the groups spanning the roles (module docstring). Idempotent per process."""
+    global _ROLES
+    if _ROLES is not None:
+        return _ROLES
+    if dist.is_initialized():
+        raise RuntimeError("rollout.placement=separate: the world must be split before "
+                           "torch.distributed is initialised (split_world before init_runtime)")
+    rank = _env_int("OAR_GLOBAL_RANK", _env_int("RANK", 0))
+    size = _env_int("OAR_GLOBAL_WORLD_SIZE", _env_int("WORLD_SIZE", 1))
+    if not 1 <= rollout_ranks < size:
+        raise ValueError(f"rollout.ranks={rollout_ranks}: the world of {size} ranks needs at least "
+                         "one training rank and one rollout rank")
+    timeout = timedelta(minutes=timeout_minutes)
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=size, timeout=timeout))
+    train_size = size - rollout_ranks
+    role = TRAIN if rank < train_size else ROLLOUT
+    role_rank, role_size = (rank, train_size) if role == TRAIN else (rank - train_size, rollout_ranks)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(f"oar/{role}/", store),
+                            rank=role_rank, world_size=role_size, timeout=timeout)
+    os.environ.update(OAR_GLOBAL_RANK=str(rank), OAR_GLOBAL_WORLD_SIZE=str(size),
+                      RANK=str(role_rank), WORLD_SIZE=str(role_size))
+    roles = Roles(role=role, global_rank=rank, global_size=size, rollout_ranks=rollout_ranks, store=store)
+
+    def group(name: str, members: list[int], backend: str = "gloo") -> CrossGroup | None:
+        if rank not in members:
+            return None
+        prefixed = dist.PrefixStore(f"oar/cross/{name}/", store)
+        index = members.index(rank)
+        if backend == "nccl":
+            pg = dist.ProcessGroupNCCL(prefixed, index, len(members))
+        else:
+            pg = dist.ProcessGroupGloo(prefixed, index, len(members), timeout)
+        return CrossGroup(pg, index, tuple(members))
+
+    roles.everyone = group("everyone", list(range(size)))
+    roles.weights = group("weights", [0, *range(train_size, size)])
+    roles.weights_device = group("weights_nccl", [0, *range(train_size, size)], "nccl") if cuda else roles.weights
+    roles.results = group("results", [train_size, 0])
+    roles.everyone.barrier()  # every group exists on every member before anyone uses one
+    _ROLES = roles
+    return roles
+
+
+def forget_roles() -> None:
+    """Drops this process's split (after ``destroy_runtime``; the worlds' teardown)."""
+    global _ROLES
+    if _ROLES is not None:
+        _ROLES.close()
+    _ROLES = None
+    for name, global_name in (("RANK", "OAR_GLOBAL_RANK"), ("WORLD_SIZE", "OAR_GLOBAL_WORLD_SIZE")):
+        if global_name in os.environ:
+            os.environ[name] = os.environ.pop(global_name)

