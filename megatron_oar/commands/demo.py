@@ -96,6 +96,9 @@ def run_demo(out: Path, *, steps: int | None = None, sft_steps: int | None = Non
     t_all = time.perf_counter()
 
     console.rule("[bold]1. tiny Qwen2 + tokenizer, supervised warm-up")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the tiny model's save / load bars: instant, noise in a log
     t = time.perf_counter()
     task = demo_task()
     hf = demo_model.make_demo_model(out / "tiny", task=task, **demo_model.CHAIN_ARCH)

@@ -42,7 +42,8 @@ def make_tokenizer(out: Path, vocab_size: int = 1000, corpus: Iterable[str] | No
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=min(vocab_size - 8, 400) if corpus is None else vocab_size,
                                   special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)  # blank lines in a log, for a second's work
     if corpus is None:
         corpus = [f"{a} + {b} = {a + b}. <answer>{a + b}</answer>" for a in range(40) for b in range(7)]
     tok.train_from_iterator(corpus, trainer)
