@@ -131,18 +131,27 @@ def _baselines(runs: list[RunSpec], g: Grid) -> list[RunSpec]:
 
 # ------------------------------------------------------------------------------ the work
 
-def sft_start(out: Path, config: Path, steps: int | None) -> Path:
+def sft_start(out: Path, config: Path, steps: int | None, carry_slip: float | None = None) -> Path:
     """The shared start (made once): the demo's tiny Qwen2 warmed up on the config's chain task
-    (``demo_model.CHAIN_ARCH``, ``CHAIN_SFT``; ``steps`` overrides the warm-up's length)."""
+    (``demo_model.CHAIN_ARCH``, ``CHAIN_SFT``; ``steps`` and ``carry_slip`` override the warm-up's
+    length and its teacher's slip rate). Its position table covers the config's prompt and
+    response budget (``data.max_prompt_tokens + rollout.max_new_tokens``, rounded up to 32; the
+    chain config's 112 fits CHAIN_ARCH's 160)."""
+    from megatron_oar.config import load_config
     from megatron_oar.repro import demo_model
 
     hf = out / "sft"
     if (hf / "sft.json").is_file():
         return hf
-    task = _task(config)
-    demo_model.make_demo_model(hf, task=task, **demo_model.CHAIN_ARCH)
-    stats = demo_model.sft_warmup(hf, task=task, **{**demo_model.CHAIN_SFT,
-                                                    **({"steps": steps} if steps else {})})
+    cfg = load_config(config)
+    task = cfg.data.synthetic
+    needed = -(-(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens) // 32) * 32
+    arch = {**demo_model.CHAIN_ARCH,
+            "max_position_embeddings": max(demo_model.CHAIN_ARCH["max_position_embeddings"], needed)}
+    demo_model.make_demo_model(hf, task=task, **arch)
+    sft = {**demo_model.CHAIN_SFT, **({"steps": steps} if steps else {}),
+           **({"carry_slip": carry_slip} if carry_slip is not None else {})}
+    stats = demo_model.sft_warmup(hf, task=task, **sft)
     atomic_write_text(hf / "sft.json", json.dumps(stats))
     return hf
 
@@ -162,12 +171,6 @@ def sft_checkpoint(out: Path, sft: Path, config: Path, overrides: list[str], sta
     _run_one_process(hf_to_megatron_command(sft, ckpt, dtype), out / "sft_convert.log",
                      "converting the SFT start", starter)
     return ckpt
-
-
-def _task(config: Path):
-    from megatron_oar.config import load_config
-
-    return load_config(config).data.synthetic
 
 
 def pass_at_k(hf_dir: Path, task, *, k: int, n_problems: int, max_new_tokens: int, seed: int = 0) -> float:
