@@ -143,10 +143,65 @@ def test_report_from_runs(tmp_path):
     assert losses["oar_g / cispo"]["accuracy_vs_ppo_clip"]["mean"] == pytest.approx(0.05)  # (0.10 + 0) / 2
     assert losses["oar_g / cispo"]["pass_at_k_vs_ppo_clip"]["mean"] == pytest.approx(0.05)
     assert "accuracy_vs_ppo_clip" not in losses["oar_g / ppo_clip"]
+    # the learning curve, threshold 0.5: grpo's seeds end at 0.40 (never: its last step, 4) and
+    # 0.50 (step 4); areas (0.3 + final) / 2
+    learn = report.learning(report.load_runs(tmp_path), 0.5)["rows"]
+    assert learn["grpo"]["auc"]["mean"] == pytest.approx((0.35 + 0.40) / 2)
+    assert learn["oar_g"]["auc_vs_grpo"]["mean"] == pytest.approx(0.125 / 2)
+    assert learn["grpo"]["reached"] == 1 and learn["oar_g"]["reached"] == 2
+    assert learn["grpo"]["steps_to_threshold"]["mean"] == 4.0 and learn["oar_g"]["steps_vs_grpo"]["mean"] == 0.0
+    assert rep["learning"]["threshold"] == 0.6  # settings without one: the Grid's default
     text = report.render(rep)
     assert "| oar_g / cispo | 2 | 62.5 ± 31.8 | 5.0 ± 63.5 | 95.0 ± 0.0 | 5.0 ± 0.0 |" in text
+    assert "| grpo | 2 | 37.5 ± 31.8 | - | 4.0 ± 0.0 | 0 | - |" in text  # neither seed reached 60%
     assert "| oar_g | 2 | 30.0 ± 0.0 | 57.5 ± 31.8 | 12.5 ± 31.8 |" in text
     assert "pivot share 12.0%" in text and "| oar_p | 30.0 | 50.0 |" in text
+
+
+def test_learning_curve_measures_by_hand():
+    pts = [(0, 0.3), (5, 0.5), (10, 0.5)]
+    assert report.area_under_curve(pts) == pytest.approx((5 * 0.4 + 5 * 0.5) / 10)
+    assert report.area_under_curve([(0, 0.7)]) == 0.7
+    assert report.steps_to(pts, 0.5) == (5, True) and report.steps_to(pts, 0.9) == (10, False)
+    with pytest.raises(ValueError, match="eval/accuracy"):
+        report.area_under_curve([])
+
+
+def test_credit_grid_runs_validate():
+    """The credit grids run the credit testbed's config (asides on), every method with the same
+    settings, no ablation or loss axis; each run is a config the trainer accepts."""
+    from megatron_oar.config import load_config, validate
+
+    for name in ("credit", "tiny-credit"):
+        g = runner.GRIDS[name]
+        assert g.config().name == "tiny_credit_cpu.yaml"
+        specs = runner.grid(g)
+        assert {s.group for s in specs} == {"main"} or name == "tiny-credit"
+        for spec in specs:
+            cfg = load_config(g.config(), runner.run_overrides(spec, Path("sft"), Path("run"), g))
+            validate(cfg, world_size=1)
+            assert cfg.credit == spec.method and cfg.data.synthetic.chain.asides_max > 0
+    assert {s.overrides for s in runner.grid(runner.GRIDS["credit"])} == {()}
+    assert runner.GRIDS["default"].config() == runner.CONFIG
+    with pytest.raises(ValueError, match="testbed must be one of"):
+        runner.Grid(testbed="nope").config()
+
+
+def test_publish_keeps_the_hand_written_part(tmp_path):
+    out, docs = tmp_path / "out", tmp_path / "docs"
+    out.mkdir()
+    docs.mkdir()
+    (out / "repro.md").write_text("## Table 1\n")
+    (out / "report.json").write_text(json.dumps({
+        "runs": 2, "figures": {}, "settings": {"config": "/x/tiny_credit_cpu.yaml", "wall_seconds": 60.0,
+                                               "jobs": 2, "methods": ["grpo"], "seeds": 2, "steps": 3,
+                                               "testbed": "credit"}}))
+    (docs / "repro-credit.md").write_text(f"# by hand\n\nthe pilot\n{runner.KEEP}\nold tables\n")
+    runner.publish(out, docs, "oar repro --grid credit --publish docs", name="repro-credit")
+    text = (docs / "repro-credit.md").read_text()
+    assert text.startswith("# by hand\n\nthe pilot\n" + runner.KEEP) and "old tables" not in text
+    assert "Made by `oar repro --grid credit --publish docs` in 1 min" in text and text.endswith("## Table 1\n")
+    assert (docs / "repro-credit" / "report.json").is_file()
 
 
 def test_publish_names_files_relative_to_docs(tmp_path):
