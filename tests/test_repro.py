@@ -2,7 +2,8 @@
 
 The runs themselves are ``megatron_oar.commands.train`` (tested in test_trainer.py); here synthetic run
 directories stand in for them, so the report's arithmetic is checked against values written by
-hand. The end-to-end harness on a tiny budget is the slow test at the end: the SFT start (20
+hand. The end-to-end harness on a tiny budget is the slow test at the end, on the credit testbed
+(``--grid tiny-credit``): the SFT start (20
 steps, here), its conversion, 6 training runs and 2 oracle runs, 2 at a time, each a process
 forked from the harness's one warm interpreter (``repro/warm_start.py``: one import of torch,
 megatron-core, transformers and vLLM instead of 9); about 90 s on 2 busy cores, and about 40 s of
@@ -261,18 +262,22 @@ def test_pass_at_k_scored_in_threads_matches_one_at_a_time(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_grid_end_to_end(tmp_path):
-    """The whole harness on a tiny budget: SFT start, 2 methods x 2 seeds x 2 steps, the oracle
-    with two probes, the report; then a second call redoes nothing."""
+    """The whole harness on a tiny budget, on the credit testbed (``--grid tiny-credit``: the
+    chain testbed's config differs only in its data knobs and lengths): SFT start, 2 methods x 2
+    seeds x 2 steps, the oracle with two probes, the report; then a second call redoes nothing."""
     from transformers.modeling_utils import PreTrainedModel
 
+    g = runner.GRIDS["tiny-credit"]
     intact = (PreTrainedModel.init_weights, PreTrainedModel.tie_weights)
-    rep = runner.run(tmp_path, runner.GRIDS["tiny"], jobs=2)
+    rep = runner.run(tmp_path, g, jobs=2)
     assert (PreTrainedModel.init_weights, PreTrainedModel.tie_weights) == intact  # see above
     assert set(rep["table1"]) == {"grpo", "oar_g"} and rep["runs"] == 6
-    assert set(rep["oracle"]) == {"answer_mean", "last_token"}
+    assert rep["settings"]["config"].endswith("tiny_credit_cpu.yaml")
+    assert set(rep["oracle"]) == {"answer_mean", "last_token"} == set(rep["oracle_confirmation"])
+    assert set(rep["learning"]["rows"]) == {"grpo", "oar_g"}
     assert (tmp_path / "repro.md").read_text().startswith("## Table 1")
     stamps = {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/result.json")}
-    runner.run(tmp_path, runner.GRIDS["tiny"], jobs=2)
+    runner.run(tmp_path, g, jobs=2)
     assert stamps == {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/result.json")}
 
 
