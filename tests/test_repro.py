@@ -4,10 +4,11 @@ The runs themselves are ``megatron_oar.commands.train`` (tested in test_trainer.
 directories stand in for them, so the report's arithmetic is checked against values written by
 hand. The end-to-end harness on a tiny budget is the slow test at the end, on the credit testbed
 (``--grid tiny-credit``): the SFT start (20
-steps, here), its conversion, 6 training runs and 2 oracle runs, 2 at a time, each a process
+steps, here), its conversion, 4 training runs and 1 oracle run, 2 at a time, each a process
 forked from the harness's one warm interpreter (``repro/warm_start.py``: one import of torch,
-megatron-core, transformers and vLLM instead of 9); about 90 s on 2 busy cores, and about 40 s of
-CPU less than when every run started Python anew (the file: 178 -> 139 s of CPU).
+megatron-core, transformers and vLLM instead of 9). About 90 s on 2 busy cores for the chain
+testbed's tiny grid (6 runs, 2 oracle runs) when it was the end-to-end test; at a load average of
+about 10 (three agents on 2 cores) the chain's tiny grid took 263 s and this one 251 s.
 """
 
 from __future__ import annotations
@@ -173,12 +174,13 @@ def test_credit_grid_runs_validate():
     settings, no ablation or loss axis; each run is a config the trainer accepts."""
     from megatron_oar.config import load_config, validate
 
-    for name in ("credit", "tiny-credit"):
+    assert runner.GRIDS["tiny-credit"].config().name == "tiny_credit_cpu.yaml"  # run end to end below
+    for name in ("credit",):
         g = runner.GRIDS[name]
         assert g.config().name == "tiny_credit_cpu.yaml"
         specs = runner.grid(g)
-        assert {s.group for s in specs} == {"main"} or name == "tiny-credit"
-        for spec in specs:
+        assert {s.group for s in specs} == {"main"} and len(specs) == 5 * 12
+        for spec in {s.method: s for s in specs}.values():  # one run per method (seeds alike)
             cfg = load_config(g.config(), runner.run_overrides(spec, Path("sft"), Path("run"), g))
             validate(cfg, world_size=1)
             assert cfg.credit == spec.method and cfg.data.synthetic.chain.asides_max > 0
@@ -264,16 +266,17 @@ def test_pass_at_k_scored_in_threads_matches_one_at_a_time(tmp_path):
 def test_tiny_grid_end_to_end(tmp_path):
     """The whole harness on a tiny budget, on the credit testbed (``--grid tiny-credit``: the
     chain testbed's config differs only in its data knobs and lengths): SFT start, 2 methods x 2
-    seeds x 2 steps, the oracle with two probes, the report; then a second call redoes nothing."""
+    seeds x 2 steps, the oracle, the report; then a second call redoes nothing. (The ablations'
+    aliases and tables are checked on hand-written runs above.)"""
     from transformers.modeling_utils import PreTrainedModel
 
     g = runner.GRIDS["tiny-credit"]
     intact = (PreTrainedModel.init_weights, PreTrainedModel.tie_weights)
     rep = runner.run(tmp_path, g, jobs=2)
     assert (PreTrainedModel.init_weights, PreTrainedModel.tie_weights) == intact  # see above
-    assert set(rep["table1"]) == {"grpo", "oar_g"} and rep["runs"] == 6
+    assert set(rep["table1"]) == {"grpo", "oar_g"} and rep["runs"] == 4
     assert rep["settings"]["config"].endswith("tiny_credit_cpu.yaml")
-    assert set(rep["oracle"]) == {"answer_mean", "last_token"} == set(rep["oracle_confirmation"])
+    assert set(rep["oracle"]) == {"answer_mean"} == set(rep["oracle_confirmation"])
     assert set(rep["learning"]["rows"]) == {"grpo", "oar_g"}
     assert (tmp_path / "repro.md").read_text().startswith("## Table 1")
     stamps = {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/result.json")}

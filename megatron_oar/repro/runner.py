@@ -104,9 +104,10 @@ GRIDS = {"default": Grid(),
                         steps=10, eval_interval=2, taus=(), probes=(), floors=(), losses=(),
                         corrections=(), loss_seeds=0, pass_k=4, pass_k_problems=50,
                         oracle_trajectories=40, threshold=0.7, testbed="credit"),
-         # the test suite's credit grid (tests/test_repro.py): tiny on the credit testbed
-         "tiny-credit": Grid(methods=("grpo", "oar_g"), seeds=2, steps=2, eval_interval=1, taus=(1.0,),
-                             probes=("last_token",), floors=(), losses=(), corrections=(), pass_k=2,
+         # the test suite's credit grid (tests/test_repro.py): tiny's main runs on the credit
+         # testbed, no ablations (tiny has them), the oracle with the default probe only
+         "tiny-credit": Grid(methods=("grpo", "oar_g"), seeds=2, steps=2, eval_interval=1, taus=(),
+                             probes=(), floors=(), losses=(), corrections=(), pass_k=2,
                              pass_k_problems=4, oracle_trajectories=2, sft_steps=20, testbed="credit",
                              overrides=["data.synthetic.eval_n=48"])}
 
