@@ -149,3 +149,12 @@ def test_confirmation_by_hand():
     assert c["pivot_share"] == pytest.approx(6 / 14) and c["oracle_share"] == pytest.approx(4 / 14)
     assert c["flip_rate_pivots"] == pytest.approx(3 / 6) and c["flip_rate_other"] == pytest.approx(1 / 8)
     assert c["oracle_on_pivots"] == pytest.approx(3 / 4)
+    assert all(c[k] != c[k] for k in ("kept_share", "caused_share", "caused_on_pivots"))  # NaN: no control
+    # with the control decode: a label counts as caused only where the kept token's own greedy
+    # continuation verifies; here it fails at tokens 3 (a pivot) and 5 (filler, labelled)
+    rec.kept_correct = [1, 1, 1, 0, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0]
+    c = confirmation([rec])
+    assert (c["controlled_tokens"], c["kept"], c["kept_pivots"], c["caused"]) == (14, 12, 5, 2)
+    assert c["kept_share"] == pytest.approx(12 / 14) and c["caused_share"] == pytest.approx(2 / 14)
+    assert c["caused_flip_rate_pivots"] == pytest.approx(2 / 5) and c["caused_flip_rate_other"] == 0.0
+    assert c["caused_on_pivots"] == 1.0

@@ -347,6 +347,15 @@ def render(report: dict) -> str:
         lines += [f"| {p} | {c['trajectories']} | {c['scored_tokens']} | {_pct(c['pivot_share'])} | "
                   f"{_pct(c['oracle_share'])} | {_pct(c['flip_rate_pivots'])} | {_pct(c['flip_rate_other'])} | "
                   f"{_pct(c['oracle_on_pivots'])} |" for p, c in report["oracle_confirmation"].items()]
+        controlled = {p: c for p, c in report["oracle_confirmation"].items() if c.get("controlled_tokens")}
+        if controlled:
+            lines += ["", "With the control decode (`--control`): a label counts as caused only where "
+                      "greedy decoding after the token itself, unsubstituted, still verifies.", "",
+                      "| probe | control verifies | caused pivot share | caused flips on built-in pivots | "
+                      "on other tokens | caused pivots that are built-in |", "|---|---:|---:|---:|---:|---:|"]
+            lines += [f"| {p} | {_pct(c['kept_share'])} | {_pct(c['caused_share'])} | "
+                      f"{_pct(c['caused_flip_rate_pivots'])} | {_pct(c['caused_flip_rate_other'])} | "
+                      f"{_pct(c['caused_on_pivots'])} |" for p, c in controlled.items()]
         lines.append("")
     if report.get("cost"):
         lines += ["## Figure 7: cost per action token, ratio to GRPO (median over steps and seeds)",

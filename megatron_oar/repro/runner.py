@@ -69,6 +69,7 @@ class Grid:
     pass_k: int = 8
     pass_k_problems: int = 100
     oracle_trajectories: int = 40
+    oracle_control: bool = False                       # the oracle's control decode (--control)
     sft_steps: int | None = None                       # the warm-up; None: the demo's (CHAIN_SFT)
     sft_carry_slip: float | None = None                # its teacher's slip rate; None: CHAIN_SFT's
     testbed: str = "chain"                             # the config (TESTBEDS) when none is given
@@ -103,7 +104,7 @@ GRIDS = {"default": Grid(),
          "credit": Grid(methods=("grpo", "random", "entropy", "oar_g", "oar_p_screened"), seeds=12,
                         steps=10, eval_interval=2, taus=(), probes=(), floors=(), losses=(),
                         corrections=(), loss_seeds=0, pass_k=4, pass_k_problems=50,
-                        oracle_trajectories=40, threshold=0.7, testbed="credit"),
+                        oracle_trajectories=40, oracle_control=True, threshold=0.7, testbed="credit"),
          # the test suite's credit grid (tests/test_repro.py): tiny's main runs on the credit
          # testbed, no ablations (tiny has them), the oracle with the default probe only
          "tiny-credit": Grid(methods=("grpo", "oar_g"), seeds=2, steps=2, eval_interval=1, taus=(),
@@ -263,6 +264,7 @@ def oracle_run(probe: str, out: Path, sft: Path, config: Path, g: Grid, starter=
         return dst
     cmd = [sys.executable, "-m", "megatron_oar.eval.oracle", "--config", str(config),
            "--model", str(sft), "--trajectories", str(g.oracle_trajectories), "--out", str(dst),
+           *(["--control"] if g.oracle_control else []),
            "parallel.tp=1", "rollout.tp=1", *g.overrides, f"attribution.probe.kind={probe}",
            f"run_dir={dst / 'run'}"]
     dst.mkdir(parents=True, exist_ok=True)
