@@ -124,6 +124,17 @@ def test_report_from_runs(tmp_path):
         "k_percents": [10, 20], "trajectories": 5, "with_pivots": 4, "pivots": 12,
         "scored_tokens": 100, "recall": {"oar_p": {"micro": [0.3, 0.5], "macro": [0.3, 0.5]},
                                           "random": {"micro": [0.1, 0.2], "macro": [0.1, 0.2]}}}))
+    from megatron_oar.eval.records import TokenRecord, write_records
+
+    # the oracle's records, with its control decode: " Take 14. Then plus 5 is 19." (the answer
+    # span unscored); pivots 1, 4, plus, 5, 1, 9 (6 of 14); labels on 1, 4 and "Then"; the control
+    # fails after "4", so 2 of the 3 labels are caused
+    tokens = [" Take", " ", "1", "4", ".", " Then", " plus", " ", "5", " is", " ", "1", "9", ".",
+              " <answer>", "19", "</answer>"]
+    write_records([TokenRecord(
+        id="a", prompt="Compute 14 plus 5.", reference="19", correct=True, token_ids=list(range(17)),
+        tokens=tokens, scored=[True] * 14 + [False] * 3, oracle=[0, 0, 1, 1, 0, 1] + [0] * 11,
+        kept_correct=[1, 1, 1, 0] + [1] * 10 + [0] * 3)], tmp_path / "oracle" / "answer_mean" / "records.jsonl")
     aliases = [dict(a.__dict__) for a in runner._baselines(runner.grid(g), g)]
     rep = report.build(tmp_path, {"pass_k": 8}, aliases=aliases)
     t1 = rep["table1"]
@@ -158,6 +169,10 @@ def test_report_from_runs(tmp_path):
     assert "| grpo | 2 | 37.5 ± 31.8 | - | 4.0 ± 0.0 | 0 | - |" in text  # neither seed reached 60%
     assert "| oar_g | 2 | 30.0 ± 0.0 | 57.5 ± 31.8 | 12.5 ± 31.8 |" in text
     assert "pivot share 12.0%" in text and "| oar_p | 30.0 | 50.0 |" in text
+    # built-in pivots 6/14 = 42.9%, oracle 3/14; flips on pivots 2/6, on others 1/8; 2/3 built-in
+    assert "| answer_mean | 1 | 14 | 42.9% | 21.4% | 33.3% | 12.5% | 66.7% |" in text
+    # control verifies 13/14; caused 2/14; on pivots 1/5 (the "4" is not kept), others 1/8
+    assert "| answer_mean | 92.9% | 14.3% | 20.0% | 12.5% | 50.0% |" in text
 
 
 def test_learning_curve_measures_by_hand():
