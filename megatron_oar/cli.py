@@ -14,9 +14,10 @@
     oar viz RECORDS.jsonl [--id ID | --index I] [--methods ...] [--out DIR]
                                    token-importance maps (HTML + PNG), OAR-P/OAR-G/entropy/oracle
     oar plot RUN_DIR [--out PNG]   training curves from RUN_DIR/logs/metrics.jsonl
-    oar repro [--out DIR] [--grid default|full|tiny] [--jobs 2] [--report-only]
-                                   every credit method x seeds on the chain testbed, ablations,
-                                   the oracle: Table 1, Figures 3/5/6/7 in DIR/repro.md
+    oar repro [--out DIR] [--grid default|full|losses|credit|tiny] [--jobs 2] [--report-only]
+                                   every credit method x seeds on the chain testbed (--grid credit:
+                                   the credit testbed), ablations, the oracle: Table 1, Figures
+                                   3/5/6/7, learning-curve measures in DIR/repro.md
     oar demo [--out DIR]           tiny end-to-end demo: SFT warm-up, then OAR-G GRPO at TP=2
     oar info                       versions, device and which fused kernels megatron-core will use
     oar bench attribution ...      attribution cost vs GRPO: sweep and end-to-end ratios (Fig. 7)

@@ -97,6 +97,7 @@ CASES = {
     "qwen3-235b-a22b_oar_g.yaml": ("qwen3-235b-a22b", 128),
     "tiny_cpu.yaml": ("tiny", 2),
     "tiny_chain_cpu.yaml": ("tiny", 2),
+    "tiny_credit_cpu.yaml": ("tiny", 2),
 }
 
 

@@ -36,7 +36,7 @@ ALLOWED_FILE_USES = {
 
 def test_examples_link_to_the_packaged_configs():
     """examples/tiny_*.yaml are symlinks to the package's copies (one file each, no drift)."""
-    for name in ("tiny_cpu.yaml", "tiny_chain_cpu.yaml"):
+    for name in ("tiny_cpu.yaml", "tiny_chain_cpu.yaml", "tiny_credit_cpu.yaml"):
         link = REPO / "examples" / name
         assert link.is_symlink(), f"{link}: expected a symlink to megatron_oar/resources/{name}"
         assert link.resolve() == resources.path(name).resolve()

@@ -114,12 +114,12 @@ def _oracle_job(argv: list[str], work: str) -> None:
         (Path(work) / "rc.json").write_text(json.dumps(rc))
 
 
-def _oracle(model: Path, work: Path, nproc: int = 1) -> Done:
+def _oracle(model: Path, work: Path, nproc: int = 1, control: bool = False) -> Done:
     """`oar analyze oracle` on the tiny config, one rank or ``nproc`` (DP), as jobs of the warm
     world pool (tests/distributed.py: a fresh world with torchrun's environment in each)."""
     argv = ["--config", str(ROOT / "examples/tiny_cpu.yaml"), "--model", str(model), "--trajectories", "6",
             "--samples-per-prompt", "4", "--k-percents", "10,20,50", "--out", str(work / "oracle"),
-            "parallel.tp=1", f"run_dir={work / 'run'}"]
+            *(["--control"] if control else []), "parallel.tp=1", f"run_dir={work / 'run'}"]
     launch(_oracle_job, nproc, argv, str(work))
     return Done(work)
 
@@ -127,7 +127,7 @@ def _oracle(model: Path, work: Path, nproc: int = 1) -> Done:
 @pytest.fixture(scope="module")
 def single(warm_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("oracle1")
-    return work, _oracle(warm_model, work)
+    return work, _oracle(warm_model, work, control=True)  # with the control decode (--control)
 
 
 @pytest.mark.slow
@@ -155,11 +155,16 @@ def test_oracle_end_to_end(warm_model, single):
             assert all(0 <= v <= 1 for v in micro) and micro == sorted(micro)
     assert (out / "recall.png").stat().st_size > 1000 and (out / "recall.md").is_file()
     _labels_are_real_flips(warm_model, records)
+    for r in records:  # --control: 0/1 on every token, the verdict of the unsubstituted decode
+        assert r.kept_correct is not None and set(r.kept_correct) <= {0, 1}
+    _labels_are_real_flips(warm_model, records, kept=True)
 
 
-def _labels_are_real_flips(model_dir: Path, records) -> None:
+def _labels_are_real_flips(model_dir: Path, records, kept: bool = False) -> None:
     """Re-decode some substituted prefixes greedily with transformers: a label of 1 gives a wrong
-    answer, a label of 0 a right one; the substitute is the model's best token other than y_t."""
+    answer, a label of 0 a right one; the substitute is the model's best token other than y_t.
+    ``kept``: the control decode instead: the prefix up to and with y_t itself, whose verdict is
+    ``kept_correct`` (1: right)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -172,7 +177,8 @@ def _labels_are_real_flips(model_dir: Path, records) -> None:
     texts, refs, expect = [], [], []
     for r in records:
         prompt = tok(render_prompt(r.prompt, "raw", tok), add_special_tokens=False)["input_ids"]
-        for t, (on, label, alt) in enumerate(zip(r.scored_mask, r.oracle, r.substitutes)):
+        labels = [1 - k for k in r.kept_correct] if kept else r.oracle  # 1: decodes to a wrong answer
+        for t, (on, label, alt) in enumerate(zip(r.scored_mask, labels, r.substitutes)):
             if not on or checked[label] >= 3:
                 continue
             checked[label] += 1
@@ -181,6 +187,8 @@ def _labels_are_real_flips(model_dir: Path, records) -> None:
                 logits = model(torch.tensor([prefix])).logits[0, -1]
             best = logits.topk(2).indices.tolist()
             assert alt == (best[1] if best[0] == r.token_ids[t] else best[0])
+            if kept:
+                alt = r.token_ids[t]
             ids = torch.tensor([prefix + [alt]])
             budget = 24 - t - 1  # tiny_cpu.yaml: rollout.max_new_tokens
             gen = model.generate(ids, max_new_tokens=budget, do_sample=False,
@@ -189,7 +197,8 @@ def _labels_are_real_flips(model_dir: Path, records) -> None:
             texts.append(tok.decode(gen[len(prompt):].tolist(), skip_special_tokens=True))
             refs.append(r.reference)
             expect.append(label)
-    assert checked[1] > 0, "no pivot found to check"
+    assert checked[1] > 0 or kept, "no pivot found to check"
+    assert checked[0] > 0 or not kept, "no control decode that verifies"
     acc = score_batch(texts, refs, RewardConfig(timeout_s=5)).accuracy.tolist()
     assert [int(a <= 0) for a in acc] == expect
 

@@ -2,11 +2,13 @@
 
 The runs themselves are ``megatron_oar.commands.train`` (tested in test_trainer.py); here synthetic run
 directories stand in for them, so the report's arithmetic is checked against values written by
-hand. The end-to-end harness on a tiny budget is the slow test at the end: the SFT start (20
-steps, here), its conversion, 6 training runs and 2 oracle runs, 2 at a time, each a process
+hand. The end-to-end harness on a tiny budget is the slow test at the end, on the credit testbed
+(``--grid tiny-credit``): the SFT start (20
+steps, here), its conversion, 4 training runs and 1 oracle run, 2 at a time, each a process
 forked from the harness's one warm interpreter (``repro/warm_start.py``: one import of torch,
-megatron-core, transformers and vLLM instead of 9); about 90 s on 2 busy cores, and about 40 s of
-CPU less than when every run started Python anew (the file: 178 -> 139 s of CPU).
+megatron-core, transformers and vLLM instead of 9). About 90 s on 2 busy cores for the chain
+testbed's tiny grid (6 runs, 2 oracle runs) when it was the end-to-end test; at a load average of
+about 10 (three agents on 2 cores) the chain's tiny grid took 263 s and this one 251 s.
 """
 
 from __future__ import annotations
@@ -122,6 +124,17 @@ def test_report_from_runs(tmp_path):
         "k_percents": [10, 20], "trajectories": 5, "with_pivots": 4, "pivots": 12,
         "scored_tokens": 100, "recall": {"oar_p": {"micro": [0.3, 0.5], "macro": [0.3, 0.5]},
                                           "random": {"micro": [0.1, 0.2], "macro": [0.1, 0.2]}}}))
+    from megatron_oar.eval.records import TokenRecord, write_records
+
+    # the oracle's records, with its control decode: " Take 14. Then plus 5 is 19." (the answer
+    # span unscored); pivots 1, 4, plus, 5, 1, 9 (6 of 14); labels on 1, 4 and "Then"; the control
+    # fails after "4", so 2 of the 3 labels are caused
+    tokens = [" Take", " ", "1", "4", ".", " Then", " plus", " ", "5", " is", " ", "1", "9", ".",
+              " <answer>", "19", "</answer>"]
+    write_records([TokenRecord(
+        id="a", prompt="Compute 14 plus 5.", reference="19", correct=True, token_ids=list(range(17)),
+        tokens=tokens, scored=[True] * 14 + [False] * 3, oracle=[0, 0, 1, 1, 0, 1] + [0] * 11,
+        kept_correct=[1, 1, 1, 0] + [1] * 10 + [0] * 3)], tmp_path / "oracle" / "answer_mean" / "records.jsonl")
     aliases = [dict(a.__dict__) for a in runner._baselines(runner.grid(g), g)]
     rep = report.build(tmp_path, {"pass_k": 8}, aliases=aliases)
     t1 = rep["table1"]
@@ -143,10 +156,70 @@ def test_report_from_runs(tmp_path):
     assert losses["oar_g / cispo"]["accuracy_vs_ppo_clip"]["mean"] == pytest.approx(0.05)  # (0.10 + 0) / 2
     assert losses["oar_g / cispo"]["pass_at_k_vs_ppo_clip"]["mean"] == pytest.approx(0.05)
     assert "accuracy_vs_ppo_clip" not in losses["oar_g / ppo_clip"]
+    # the learning curve, threshold 0.5: grpo's seeds end at 0.40 (never: its last step, 4) and
+    # 0.50 (step 4); areas (0.3 + final) / 2
+    learn = report.learning(report.load_runs(tmp_path), 0.5)["rows"]
+    assert learn["grpo"]["auc"]["mean"] == pytest.approx((0.35 + 0.40) / 2)
+    assert learn["oar_g"]["auc_vs_grpo"]["mean"] == pytest.approx(0.125 / 2)
+    assert learn["grpo"]["reached"] == 1 and learn["oar_g"]["reached"] == 2
+    assert learn["grpo"]["steps_to_threshold"]["mean"] == 4.0 and learn["oar_g"]["steps_vs_grpo"]["mean"] == 0.0
+    assert rep["learning"]["threshold"] == 0.6  # settings without one: the Grid's default
     text = report.render(rep)
     assert "| oar_g / cispo | 2 | 62.5 ± 31.8 | 5.0 ± 63.5 | 95.0 ± 0.0 | 5.0 ± 0.0 |" in text
+    assert "| grpo | 2 | 37.5 ± 31.8 | - | 4.0 ± 0.0 | 0 | - |" in text  # neither seed reached 60%
     assert "| oar_g | 2 | 30.0 ± 0.0 | 57.5 ± 31.8 | 12.5 ± 31.8 |" in text
     assert "pivot share 12.0%" in text and "| oar_p | 30.0 | 50.0 |" in text
+    # built-in pivots 6/14 = 42.9%, oracle 3/14; flips on pivots 2/6, on others 1/8; 2/3 built-in
+    assert "| answer_mean | 1 | 14 | 42.9% | 21.4% | 33.3% | 12.5% | 66.7% |" in text
+    # control verifies 13/14; caused 2/14; on pivots 1/5 (the "4" is not kept), others 1/8
+    assert "| answer_mean | 92.9% | 14.3% | 20.0% | 12.5% | 50.0% |" in text
+
+
+def test_learning_curve_measures_by_hand():
+    pts = [(0, 0.3), (5, 0.5), (10, 0.5)]
+    assert report.area_under_curve(pts) == pytest.approx((5 * 0.4 + 5 * 0.5) / 10)
+    assert report.area_under_curve([(0, 0.7)]) == 0.7
+    assert report.steps_to(pts, 0.5) == (5, True) and report.steps_to(pts, 0.9) == (10, False)
+    with pytest.raises(ValueError, match="eval/accuracy"):
+        report.area_under_curve([])
+
+
+def test_credit_grid_runs_validate():
+    """The credit grids run the credit testbed's config (asides on), every method with the same
+    settings, no ablation or loss axis; each run is a config the trainer accepts."""
+    from megatron_oar.config import load_config, validate
+
+    assert runner.GRIDS["tiny-credit"].config().name == "tiny_credit_cpu.yaml"  # run end to end below
+    for name in ("credit",):
+        g = runner.GRIDS[name]
+        assert g.config().name == "tiny_credit_cpu.yaml"
+        specs = runner.grid(g)
+        assert {s.group for s in specs} == {"main"} and len(specs) == 5 * 12
+        for spec in {s.method: s for s in specs}.values():  # one run per method (seeds alike)
+            cfg = load_config(g.config(), runner.run_overrides(spec, Path("sft"), Path("run"), g))
+            validate(cfg, world_size=1)
+            assert cfg.credit == spec.method and cfg.data.synthetic.chain.asides_max > 0
+    assert {s.overrides for s in runner.grid(runner.GRIDS["credit"])} == {()}
+    assert runner.GRIDS["default"].config() == runner.CONFIG
+    with pytest.raises(ValueError, match="testbed must be one of"):
+        runner.Grid(testbed="nope").config()
+
+
+def test_publish_keeps_the_hand_written_part(tmp_path):
+    out, docs = tmp_path / "out", tmp_path / "docs"
+    out.mkdir()
+    docs.mkdir()
+    (out / "repro.md").write_text("## Table 1\n")
+    (out / "report.json").write_text(json.dumps({
+        "runs": 2, "figures": {}, "settings": {"config": "/x/tiny_credit_cpu.yaml", "wall_seconds": 60.0,
+                                               "jobs": 2, "methods": ["grpo"], "seeds": 2, "steps": 3,
+                                               "testbed": "credit"}}))
+    (docs / "repro-credit.md").write_text(f"# by hand\n\nthe pilot\n{runner.KEEP}\nold tables\n")
+    runner.publish(out, docs, "oar repro --grid credit --publish docs", name="repro-credit")
+    text = (docs / "repro-credit.md").read_text()
+    assert text.startswith("# by hand\n\nthe pilot\n" + runner.KEEP) and "old tables" not in text
+    assert "Made by `oar repro --grid credit --publish docs` in 1 min" in text and text.endswith("## Table 1\n")
+    assert (docs / "repro-credit" / "report.json").is_file()
 
 
 def test_publish_names_files_relative_to_docs(tmp_path):
@@ -206,18 +279,23 @@ def test_pass_at_k_scored_in_threads_matches_one_at_a_time(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_grid_end_to_end(tmp_path):
-    """The whole harness on a tiny budget: SFT start, 2 methods x 2 seeds x 2 steps, the oracle
-    with two probes, the report; then a second call redoes nothing."""
+    """The whole harness on a tiny budget, on the credit testbed (``--grid tiny-credit``: the
+    chain testbed's config differs only in its data knobs and lengths): SFT start, 2 methods x 2
+    seeds x 2 steps, the oracle, the report; then a second call redoes nothing. (The ablations'
+    aliases and tables are checked on hand-written runs above.)"""
     from transformers.modeling_utils import PreTrainedModel
 
+    g = runner.GRIDS["tiny-credit"]
     intact = (PreTrainedModel.init_weights, PreTrainedModel.tie_weights)
-    rep = runner.run(tmp_path, runner.GRIDS["tiny"], jobs=2)
+    rep = runner.run(tmp_path, g, jobs=2)
     assert (PreTrainedModel.init_weights, PreTrainedModel.tie_weights) == intact  # see above
-    assert set(rep["table1"]) == {"grpo", "oar_g"} and rep["runs"] == 6
-    assert set(rep["oracle"]) == {"answer_mean", "last_token"}
+    assert set(rep["table1"]) == {"grpo", "oar_g"} and rep["runs"] == 4
+    assert rep["settings"]["config"].endswith("tiny_credit_cpu.yaml")
+    assert set(rep["oracle"]) == {"answer_mean"} == set(rep["oracle_confirmation"])
+    assert set(rep["learning"]["rows"]) == {"grpo", "oar_g"}
     assert (tmp_path / "repro.md").read_text().startswith("## Table 1")
     stamps = {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/result.json")}
-    runner.run(tmp_path, runner.GRIDS["tiny"], jobs=2)
+    runner.run(tmp_path, g, jobs=2)
     assert stamps == {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/result.json")}
 
 

@@ -48,6 +48,14 @@ CONNECTIVE_EXTRAS = (" we do", " we take", " after that", " again")          # o
 VERBS = (" gives", " is", " makes", " =", " equals", " leaves", " comes to")
 VERB_EXTRAS = (" us", " now", " in all", " a total of")                     # optional, filler_rate
 CLOSINGS = (" Done.", " That is all.", " We are done.", " Finished.")       # optional, filler_rate
+# the credit testbed's filler (asides_min..asides_max after each step): sentences with no digit
+# and no operator word, so ``answer_from_solution`` and ``pivot_spans`` never read them
+ASIDES = (" This step only uses numbers from the prompt.", " Nothing else changes here.",
+          " We keep the running total in mind.", " It is good to go slowly and carefully.",
+          " Let us check that this step is right.", " Yes, that looks right to me.",
+          " We move on to the next part of the sum.", " There is no need to rush this.",
+          " The order of the steps is kept as given.", " So far the work is simple.",
+          " We write the new total down and go on.", " Each step changes the total once.")
 OP_WORDS = {"+": "plus", "-": "minus"}
 WORD_OPS = {w: op for op, w in OP_WORDS.items()}
 
@@ -63,6 +71,8 @@ class ChainConfig:
     max_total: int = 99         # running totals stay in [0, max_total] (the other operator otherwise)
     operators: str = "+-"       # any of "+-"
     filler_rate: float = 0.5    # chance of each optional filler phrase (opener, extras, closing)
+    asides_min: int = 0         # filler sentences (ASIDES) after each step: the credit testbed
+    asides_max: int = 0         # draws asides_min..asides_max of them (0, 0: none)
     heldout_every: int = 4      # one prompt in heldout_every (by crc32) is on the held-out side
     prefix: str = "Compute "    # the prompt is prefix + "a + b - c ..." + "."
 
@@ -78,6 +88,9 @@ class ChainConfig:
                              f"{self.max_operand}, {self.max_total}")
         if not 0.0 <= self.filler_rate <= 1.0:
             raise ValueError(f"data.synthetic.chain.filler_rate must be in [0, 1], got {self.filler_rate}")
+        if not 0 <= self.asides_min <= self.asides_max:
+            raise ValueError("data.synthetic.chain needs 0 <= asides_min <= asides_max, got "
+                             f"{self.asides_min}, {self.asides_max}")
         if self.heldout_every < 2:
             raise ValueError(f"data.synthetic.chain.heldout_every must be >= 2, got {self.heldout_every}")
 
@@ -173,6 +186,9 @@ def chain_segments(prompt: str, rng: random.Random, cfg: ChainConfig, *,
         seg.append((rng.choice(VERBS), "filler"))
         maybe(VERB_EXTRAS)
         number(total)
+        for _ in range(rng.randint(cfg.asides_min, cfg.asides_max) if cfg.asides_max else 0):
+            seg.append((".", "format"))
+            seg.append((rng.choice(ASIDES).rstrip("."), "filler"))
     seg.append((".", "format"))
     maybe(CLOSINGS)
     seg.append((f" <answer>{total}</answer>", "format"))
@@ -199,6 +215,32 @@ def answer_from_solution(solution: str) -> int | None:
     for word, num in _STEP.findall(body[first.end():]):
         total = _apply(total, WORD_OPS[word], int(num))
     return total
+
+
+_PIVOT = re.compile(r"\b(?:plus|minus)\b|\d+")
+
+
+def pivot_spans(solution: str) -> list[tuple[int, int]]:
+    """``[start, end)`` character spans of the pivots of any chain solution (a teacher's or a
+    model's): every operator word and every number before the ``<answer>`` tag. On a teacher's
+    solution these are exactly the ``pivot`` pieces of ``chain_segments`` (no filler phrase or
+    aside holds a digit or an operator word)."""
+    body = solution.split("<answer>")[0]
+    return [m.span() for m in _PIVOT.finditer(body)]
+
+
+def token_pivots(tokens: Sequence[str]) -> list[bool]:
+    """Per token (the decoded pieces of a response, in order), whether it overlaps a pivot span
+    of their concatenation (``pivot_spans``): the pivots by construction, token by token."""
+    spans = pivot_spans("".join(tokens))
+    out, pos, k = [], 0, 0
+    for tok in tokens:
+        start, end = pos, pos + len(tok)
+        while k < len(spans) and spans[k][1] <= start:
+            k += 1
+        out.append(k < len(spans) and spans[k][0] < end and start < end)
+        pos = end
+    return out
 
 
 class ChainStream(Sequence):

@@ -25,6 +25,13 @@ process or under torchrun:
 
 Only the tokens the outcome probe scores (before the answer span) are labelled and ranked: the
 answer's own tokens trivially flip it and no method reweights them.
+
+``--control`` also decodes greedily after each scored token *itself* (no substitution) and
+records whether that continuation verifies (``kept_correct``). The paper's label compares the
+substituted continuation with the sampled trajectory, which was correct; where the model's own
+greedy continuation from the same prefix is wrong too, a "flip" is not caused by the substitution
+(:mod:`megatron_oar.eval.pivots` counts pivots with and without that control). It doubles the
+decoding.
 """
 
 from __future__ import annotations
@@ -178,36 +185,44 @@ def score_tokens(model, trajs: list[Trajectory], ids: list[int], cfg, methods, t
 # ------------------------------------------------------------------------------ 3. oracle labels
 
 def oracle_labels(engine, scorer, tokenizer, trajs: list[Trajectory], scored: list[dict], *,
-                  max_new_tokens: int, group) -> tuple[list[list[int]], list[bool]]:
+                  max_new_tokens: int, group, control: bool = False
+                  ) -> tuple[list[list[int]], list[bool], list[list[int]] | None]:
     """Collective: per trajectory, 1 where the substitution flips correctness (scored tokens
-    only), and whether the trajectory itself verifies as correct through the same decoding."""
+    only), whether the trajectory itself verifies as correct through the same decoding, and with
+    ``control`` per trajectory 1 where greedy decoding after the token itself verifies (None
+    without)."""
     from megatron_oar.training.collect import Sample, group_share, score_samples
 
     stop_ids = {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None}
-    requests = []  # (trajectory, position, prefix ids, budget)
+    requests = []  # (trajectory, position, prefix ids, budget, substituted)
     for k, (t, s) in enumerate(zip(trajs, scored)):
         for r, (on, alt) in enumerate(zip(s["scored"], s["alt"])):
             if on:
-                prefix = t.response_ids[:r] + [alt]
-                budget = 0 if alt in stop_ids else max_new_tokens - r - 1
-                requests.append((k, r, prefix, budget))
+                for sub, last in ((True, alt), (False, t.response_ids[r]))[:2 if control else 1]:
+                    prefix = t.response_ids[:r] + [last]
+                    budget = 0 if last in stop_ids else max_new_tokens - r - 1
+                    requests.append((k, r, prefix, budget, sub))
     gen = [q for q in requests if q[3] > 0]
     mine = [gen[i] for i in group_share(engine, len(gen))]
-    batch = engine.gather(engine.generate([trajs[k].prompt_ids + pre for k, _, pre, _ in mine], n=1,
-                                          temperature=0.0, max_new_tokens=[b for *_, b in mine] or 1,
+    batch = engine.gather(engine.generate([trajs[k].prompt_ids + pre for k, _, pre, *_ in mine], n=1,
+                                          temperature=0.0, max_new_tokens=[q[3] for q in mine] or 1,
                                           seeds=[0] * len(mine)))
-    suffix = {(k, r): ids[0] for (k, r, _, _), ids in zip(gen, batch.response_ids)}
+    suffix = {(k, r, sub): ids[0] for (k, r, _, _, sub), ids in zip(gen, batch.response_ids)}
     texts = [tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in trajs]
-    texts += [tokenizer.decode(pre + suffix.get((k, r), []), skip_special_tokens=True)
-              for k, r, pre, _ in requests]
+    texts += [tokenizer.decode(pre + suffix.get((k, r, sub), []), skip_special_tokens=True)
+              for k, r, pre, _, sub in requests]
     refs = [t.reference for t in trajs] + [trajs[k].reference for k, *_ in requests]
     samples = [Sample([], [], [], "stop", text, ref, 0) for text, ref in zip(texts, refs)]
     score_samples(samples, scorer, group)
     correct = [s.accuracy > 0 for s in samples[:len(trajs)]]
     labels = [[0] * len(t.response_ids) for t in trajs]
-    for (k, r, _, _), s in zip(requests, samples[len(trajs):]):
-        labels[k][r] = int(correct[k] and s.accuracy <= 0)
-    return labels, correct
+    kept = [[0] * len(t.response_ids) for t in trajs] if control else None
+    for (k, r, _, _, sub), s in zip(requests, samples[len(trajs):]):
+        if sub:
+            labels[k][r] = int(correct[k] and s.accuracy <= 0)
+        else:
+            kept[k][r] = int(s.accuracy > 0)
+    return labels, correct, kept
 
 
 # ------------------------------------------------------------------------------ the command
@@ -224,7 +239,7 @@ def _examples(cfg, tokenizer, split: str):
 
 
 def run(cfg, *, trajectories: int, per_prompt: int, methods: list[str], k_percents: list[float],
-        split: str, out: Path, seed: int) -> dict | None:
+        split: str, out: Path, seed: int, control_decode: bool = False) -> dict | None:
     """Collective: the whole analysis; rank 0 returns the recall table (others None)."""
     from megatron.core import parallel_state as ps
 
@@ -267,8 +282,9 @@ def run(cfg, *, trajectories: int, per_prompt: int, methods: list[str], k_percen
             if p is not None:
                 for i, s in zip(*p):
                     scored[i] = s
-        labels, correct = oracle_labels(engine, scorer, tok, trajs, scored,
-                                        max_new_tokens=cfg.rollout.max_new_tokens, group=control)
+        labels, correct, kept = oracle_labels(engine, scorer, tok, trajs, scored,
+                                              max_new_tokens=cfg.rollout.max_new_tokens, group=control,
+                                              control=control_decode)
     finally:
         scorer.close()
         engine.shutdown()
@@ -278,8 +294,9 @@ def run(cfg, *, trajectories: int, per_prompt: int, methods: list[str], k_percen
                            token_ids=t.response_ids,
                            tokens=[tok.decode([i]) for i in t.response_ids], scores=s["scores"],
                            scored=s["scored"], oracle=lab if c else None,
-                           substitutes=s["alt"] if c else None)
-               for t, s, lab, c in zip(trajs, scored, labels, correct)]
+                           substitutes=s["alt"] if c else None,
+                           kept_correct=kept[i] if kept is not None and c else None)
+               for i, (t, s, lab, c) in enumerate(zip(trajs, scored, labels, correct))]
     write_records(records, out / "records.jsonl")
     table = recall_table(records, methods, k_percents)
     write_outputs(table, out)
@@ -303,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k-percents", default=",".join(str(k) for k in K_PERCENTS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("oracle_out"))
+    p.add_argument("--control", action="store_true",
+                   help="also decode greedily after each token itself (no substitution) and record "
+                        "whether that verifies (kept_correct): flips it does not cause show up")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -331,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(int(os.environ.get("RANK", "0")), cfg.log.level)
     try:
         table = run(cfg, trajectories=args.trajectories, per_prompt=args.samples_per_prompt,
-                    methods=methods, k_percents=ks, split=args.split, out=args.out, seed=args.seed)
+                    methods=methods, k_percents=ks, split=args.split, out=args.out, seed=args.seed,
+                    control_decode=args.control)
     finally:
         destroy_runtime()
     if table is not None:

@@ -8,7 +8,9 @@ response's tokens and, per method, one score per response token::
      "scores": {"oar_p": [...], "oar_g": [...], "entropy": [...], "random": [...]},
      "scored": [true, ...],   # tokens the probe scores (before the answer span); others are not ranked
      "oracle": [0, 1, ...],   # 1: replacing the token flips correctness (a causal pivot); null: not run
-     "substitutes": [...]}    # the token the oracle put in its place (null: not run)
+     "substitutes": [...],    # the token the oracle put in its place (null: not run)
+     "kept_correct": [...]}   # --control: 1 where greedy decoding after the token itself (no
+                              # substitution) still verifies correct (null: not run)
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class TokenRecord:
     scored: list[bool] | None = None
     oracle: list[int] | None = None
     substitutes: list[int] | None = None
+    kept_correct: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -48,7 +51,7 @@ class TokenRecord:
             if len(values) != n:
                 raise ValueError(f"record {self.id}: scores[{name!r}] has {len(values)} values "
                                  f"for {n} tokens")
-        for name in ("scored", "oracle", "substitutes"):
+        for name in ("scored", "oracle", "substitutes", "kept_correct"):
             values = getattr(self, name)
             if values is not None and len(values) != n:
                 raise ValueError(f"record {self.id}: {name} has {len(values)} values for {n} tokens")

@@ -135,23 +135,31 @@ def _tmp_dir(dst: Path) -> Path:
     return tmp
 
 
+def make_task_tokenizer(out: Path, *, task: ArithmeticConfig = DEMO_TASK, seed: int = 0,
+                        vocab_size: int = 512) -> Path:
+    """The demo models' tokenizer, saved to ``out``: byte-level BPE trained on 4000 of ``task``'s
+    prompts with their target responses, drawn from both splits, so that it has seen every
+    number, operator and filler phrase."""
+    from megatron_oar.models.tiny import make_tokenizer
+
+    rng = random.Random(seed)
+    corpus = [ex.prompt + response_for(ex, task, rng)
+              for ex in make_arithmetic(4000, seed=12345, cfg=task, **_all(task))]
+    make_tokenizer(Path(out), vocab_size=vocab_size, corpus=corpus)
+    return Path(out)
+
+
 def make_demo_model(out: Path, *, seed: int = 0, task: ArithmeticConfig = DEMO_TASK,
                     vocab_size: int = 512, **arch) -> Path:
     """Writes the untrained demo model (HF Qwen2, safetensors, tokenizer trained on ``task``'s
     prompts and responses) to ``out``; replaces it. ``arch``: ``DEMO_ARCH`` overrides."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from megatron_oar.models.tiny import make_tokenizer
-
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_dir(out)
     try:
-        # problems from both splits: the tokenizer sees every number, operator and filler phrase
-        rng = random.Random(seed)
-        corpus = [ex.prompt + response_for(ex, task, rng)
-                  for ex in make_arithmetic(4000, seed=12345, cfg=task, **_all(task))]
-        make_tokenizer(tmp, vocab_size=vocab_size, corpus=corpus)
+        make_task_tokenizer(tmp, task=task, seed=seed, vocab_size=vocab_size)
         tok = AutoTokenizer.from_pretrained(str(tmp))
         cfg = Qwen2Config(**{**DEMO_ARCH, **arch}, vocab_size=len(tok), tie_word_embeddings=False,
                           bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,

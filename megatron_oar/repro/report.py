@@ -5,6 +5,13 @@ and the oracle's ``recall.json``; computes nothing that a run did not measure:
 
 * **Table 1**: final held-out greedy accuracy (the last ``eval/accuracy``) and pass@k per method,
   mean and 95% t-interval over seeds, and each method's paired difference to GRPO (same seeds).
+* **Learning curve** (:func:`learning`): the area under the held-out accuracy curve, as the mean
+  accuracy over the run (trapezoids between evaluations, divided by the steps they span), and the
+  steps to a threshold accuracy (the first evaluation at or above it; a run that never reaches it
+  counts as its last evaluated step, a lower bound), with paired differences to GRPO.
+* **Oracle confirmation** (:func:`megatron_oar.eval.pivots.confirmation`): per probe, how the
+  oracle's pivots fall on the pivots built into the task (the chain tasks' operator words and
+  numbers).
 * **Figures 3 / 6**: reward, held-out accuracy, policy entropy, ESS ratio and top-10% mass over
   steps; mean line and 95% band over seeds.
 * **Figure 5a / 5b**: oracle recall at top-K% per signal, per probe; the pivot share.
@@ -92,6 +99,51 @@ def table1(runs: list[dict], baseline: str = "grpo") -> dict:
             row["pass_at_k_vs_grpo"] = _interval_dict(paired_diff_ci(passk[m], passk[baseline]))
         rows[m] = row
     return rows
+
+
+def _evals(records: list[dict]) -> list[tuple[int, float]]:
+    return [(r["step"], r["eval/accuracy"]) for r in records if r.get("eval/accuracy") is not None]
+
+
+def area_under_curve(points: list[tuple[int, float]]) -> float:
+    """Mean held-out accuracy over the run: the trapezoid area under ``(step, accuracy)`` divided
+    by the steps it spans (one evaluation: its accuracy)."""
+    if not points:
+        raise ValueError("no eval/accuracy in the run's metrics")
+    if len(points) == 1:
+        return points[0][1]
+    area = sum((s1 - s0) * (a0 + a1) / 2 for (s0, a0), (s1, a1) in zip(points, points[1:]))
+    return area / (points[-1][0] - points[0][0])
+
+
+def steps_to(points: list[tuple[int, float]], threshold: float) -> tuple[int, bool]:
+    """``(step, reached)``: the first evaluated step at or above ``threshold``; the last evaluated
+    step and False when none is."""
+    for step, acc in points:
+        if acc >= threshold:
+            return step, True
+    return points[-1][0], False
+
+
+def learning(runs: list[dict], threshold: float, baseline: str = "grpo") -> dict:
+    """Per method of the main runs: the area under the held-out curve and the steps to
+    ``threshold`` (see the module's docstring), means with 95% intervals and paired
+    differences to ``baseline``; ``reached``: how many seeds reached the threshold."""
+    main = _by(runs, "main")
+    auc = {m: {s: area_under_curve(_evals(r["records"])) for s, r in seeds.items()} for m, seeds in main.items()}
+    to = {m: {s: steps_to(_evals(r["records"]), threshold) for s, r in seeds.items()} for m, seeds in main.items()}
+    rows = {}
+    for m in main:
+        steps = {s: float(v[0]) for s, v in to[m].items()}
+        row = {"seeds": sorted(main[m]), "auc": _interval_dict(mean_ci(list(auc[m].values()))),
+               "steps_to_threshold": _interval_dict(mean_ci(list(steps.values()))),
+               "reached": sum(v[1] for v in to[m].values())}
+        if m != baseline and baseline in main:
+            row["auc_vs_grpo"] = _interval_dict(paired_diff_ci(auc[m], auc[baseline]))
+            row["steps_vs_grpo"] = _interval_dict(paired_diff_ci(
+                steps, {s: float(v[0]) for s, v in to[baseline].items()}))
+        rows[m] = row
+    return {"threshold": threshold, "rows": rows}
 
 
 def ablation(runs: list[dict], group: str) -> dict:
@@ -227,11 +279,11 @@ def plot_recall(tables: dict[str, dict], path: Path) -> Path:
     return _save(fig, path)
 
 
-def _cell(d: dict | None, digits: int = 1) -> str:
+def _cell(d: dict | None, digits: int = 1, scale: float = 100.0) -> str:
     if d is None:
         return "-"
     return fmt(Interval(d["mean"], float("nan") if d["half95"] is None else d["half95"], d["n"]),
-               digits=digits)
+               scale=scale, digits=digits)
 
 
 def render(report: dict) -> str:
@@ -244,6 +296,19 @@ def render(report: dict) -> str:
         lines.append(f"| {m} | {len(row['seeds'])} | {_cell(row['start_accuracy'])} | "
                      f"{_cell(row['accuracy'])} | {_cell(row.get('accuracy_vs_grpo'))} | "
                      f"{_cell(row['pass_at_k'])} | {_cell(row.get('pass_at_k_vs_grpo'))} |")
+    if report.get("learning", {}).get("rows"):
+        thr = report["learning"]["threshold"]
+        lines += ["", "## Learning curve: area under the held-out curve, steps to "
+                  f"{thr * 100:g}% held-out accuracy", "",
+                  "Area: the mean held-out greedy accuracy over the run (%, trapezoids between "
+                  "evaluations). Steps: the first evaluation at or above the threshold; a seed "
+                  "that never reaches it counts as its last evaluated step (a lower bound).", "",
+                  "| method | seeds | area under the curve | vs GRPO (paired) | steps to threshold | "
+                  "seeds that reached it | vs GRPO (paired) |", "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {m} | {len(r['seeds'])} | {_cell(r['auc'])} | {_cell(r.get('auc_vs_grpo'))} | "
+                  f"{_cell(r['steps_to_threshold'], scale=1.0)} | {r['reached']} | "
+                  f"{_cell(r.get('steps_vs_grpo'), scale=1.0)} |"
+                  for m, r in report["learning"]["rows"].items()]
     for group, title in (("tau", "Table 3: tau (OAR-G)"), ("probe", "Table 4: outcome probe (OAR-G)"),
                          ("floor", "Suppression floor (OAR-G)")):
         rows = report["ablations"].get(group) or {}
@@ -272,6 +337,26 @@ def render(report: dict) -> str:
             lines += [f"| {m} | " + " | ".join(f"{v * 100:.1f}" for v in rec["micro"]) + " |"
                       for m, rec in t["recall"].items()]
             lines.append("")
+    if report.get("oracle_confirmation"):
+        lines += ["## The oracle against the pivots built into the task", "",
+                  "Scored tokens of the oracle's correct trajectories; built-in pivots: operator "
+                  "words and numbers before the answer tag (`data/chain.py: token_pivots`).", "",
+                  "| probe | trajectories | scored tokens | built-in pivot share | oracle pivot share | "
+                  "oracle flips on built-in pivots | on other tokens | oracle pivots that are built-in |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {p} | {c['trajectories']} | {c['scored_tokens']} | {_pct(c['pivot_share'])} | "
+                  f"{_pct(c['oracle_share'])} | {_pct(c['flip_rate_pivots'])} | {_pct(c['flip_rate_other'])} | "
+                  f"{_pct(c['oracle_on_pivots'])} |" for p, c in report["oracle_confirmation"].items()]
+        controlled = {p: c for p, c in report["oracle_confirmation"].items() if c.get("controlled_tokens")}
+        if controlled:
+            lines += ["", "With the control decode (`--control`): a label counts as caused only where "
+                      "greedy decoding after the token itself, unsubstituted, still verifies.", "",
+                      "| probe | control verifies | caused pivot share | caused flips on built-in pivots | "
+                      "on other tokens | caused pivots that are built-in |", "|---|---:|---:|---:|---:|---:|"]
+            lines += [f"| {p} | {_pct(c['kept_share'])} | {_pct(c['caused_share'])} | "
+                      f"{_pct(c['caused_flip_rate_pivots'])} | {_pct(c['caused_flip_rate_other'])} | "
+                      f"{_pct(c['caused_on_pivots'])} |" for p, c in controlled.items()]
+        lines.append("")
     if report.get("cost"):
         lines += ["## Figure 7: cost per action token, ratio to GRPO (median over steps and seeds)",
                   "", "| method | sweep s/token | sweep ratio | step s/token | step ratio |",
@@ -282,16 +367,26 @@ def render(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _pct(x: float) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x * 100:.1f}%"
+
+
 def build(out: Path, settings: dict, aliases: list[dict] = ()) -> dict:
     """Everything above from ``out``; writes ``report.json`` and the PNGs, returns the dict."""
+    from megatron_oar.eval.pivots import confirmation
+    from megatron_oar.eval.records import read_records
+
     runs = load_runs(out, aliases)
     report = {"settings": settings, "runs": len({r["spec"]["name"] for r in runs}),
               "table1": table1(runs),
+              "learning": learning(runs, settings.get("threshold", 0.6)),
               "ablations": {g: ablation(runs, g) for g in ("tau", "probe", "floor")},
               "losses": loss_table(runs),
               "cost": cost(runs), "curves": curves(runs), "oracle": {}}
     for d in sorted((out / "oracle").glob("*/recall.json")):
         report["oracle"][d.parent.name] = json.loads(d.read_text())
+    report["oracle_confirmation"] = {
+        d.parent.name: confirmation(read_records(d)) for d in sorted((out / "oracle").glob("*/records.jsonl"))}
     report["figures"] = {"curves": str(plot_curves(report["curves"], out / "curves.png",
                                                    "mean and 95% band over seeds"))}
     if report["oracle"]:

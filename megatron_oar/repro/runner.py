@@ -4,6 +4,7 @@
     oar repro --out repro_out --grid full       # the paper-style grid (5 seeds, every ablation)
     oar repro --out repro_out --report-only     # tables and figures again from what is there
     oar repro --out losses_out --grid losses    # the loss axis alone (GRPO and OAR-G x losses)
+    oar repro --out credit_out --grid credit    # the credit testbed (tiny_credit_cpu.yaml)
 
 1. One SFT start: a tiny Qwen2 warmed up on the chain task (``demo_model``), shared by every run
    and converted to a Megatron checkpoint once (``sft_megatron``), which every run starts from.
@@ -41,6 +42,7 @@ from megatron_oar.methods import CREDIT_METHODS
 from megatron_oar.repro.report import loss_label
 
 CONFIG = resources.path("tiny_chain_cpu.yaml")  # the testbed config, shipped in the package
+TESTBEDS = {"chain": "tiny_chain_cpu.yaml", "credit": "tiny_credit_cpu.yaml"}  # shipped configs
 METHODS = CREDIT_METHODS
 
 
@@ -67,8 +69,17 @@ class Grid:
     pass_k: int = 8
     pass_k_problems: int = 100
     oracle_trajectories: int = 40
+    oracle_control: bool = False                       # the oracle's control decode (--control)
     sft_steps: int | None = None                       # the warm-up; None: the demo's (CHAIN_SFT)
+    sft_carry_slip: float | None = None                # its teacher's slip rate; None: CHAIN_SFT's
+    testbed: str = "chain"                             # the config (TESTBEDS) when none is given
+    threshold: float = 0.6                             # steps to this held-out accuracy (report)
     overrides: list[str] = field(default_factory=list)  # for every run
+
+    def config(self) -> Path:
+        if self.testbed not in TESTBEDS:
+            raise ValueError(f"testbed must be one of {sorted(TESTBEDS)}, got {self.testbed!r}")
+        return resources.path(TESTBEDS[self.testbed])
 
 
 GRIDS = {"default": Grid(),
@@ -83,7 +94,23 @@ GRIDS = {"default": Grid(),
                       oracle_trajectories=2, sft_steps=20,
                       # 48 held-out problems, not 200: the runs' evaluations, and the oracle's
                       # search for correct trajectories (all of them, for a 20-step SFT start)
-                      overrides=["data.synthetic.eval_n=48"])}
+                      overrides=["data.synthetic.eval_n=48"]),
+         # the credit testbed (tiny_credit_cpu.yaml, docs/repro-credit.md): every credit method
+         # but exact OAR-P (about 4x GRPO's step: out of the 90-minute budget), the same settings
+         # for all, no ablations or loss axis. Fixed from a pilot of GRPO runs only (the reasons:
+         # docs/repro-credit.md): the demo's warm-up (CHAIN_SFT, start 42.5%), 10 steps (GRPO
+         # 76.6% there), evaluations every 2 steps, 12 seeds (+/- 2 points from the pilot's
+         # spread), the threshold 70% (GRPO's seeds passed it between steps 4 and 10)
+         "credit": Grid(methods=("grpo", "random", "entropy", "oar_g", "oar_p_screened"), seeds=12,
+                        steps=10, eval_interval=2, taus=(), probes=(), floors=(), losses=(),
+                        corrections=(), loss_seeds=0, pass_k=4, pass_k_problems=50,
+                        oracle_trajectories=40, oracle_control=True, threshold=0.7, testbed="credit"),
+         # the test suite's credit grid (tests/test_repro.py): tiny's main runs on the credit
+         # testbed, no ablations (tiny has them), the oracle with the default probe only
+         "tiny-credit": Grid(methods=("grpo", "oar_g"), seeds=2, steps=2, eval_interval=1, taus=(),
+                             probes=(), floors=(), losses=(), corrections=(), pass_k=2,
+                             pass_k_problems=4, oracle_trajectories=2, sft_steps=20, testbed="credit",
+                             overrides=["data.synthetic.eval_n=48"])}
 
 
 @dataclass(frozen=True)
@@ -131,18 +158,27 @@ def _baselines(runs: list[RunSpec], g: Grid) -> list[RunSpec]:
 
 # ------------------------------------------------------------------------------ the work
 
-def sft_start(out: Path, config: Path, steps: int | None) -> Path:
+def sft_start(out: Path, config: Path, steps: int | None, carry_slip: float | None = None) -> Path:
     """The shared start (made once): the demo's tiny Qwen2 warmed up on the config's chain task
-    (``demo_model.CHAIN_ARCH``, ``CHAIN_SFT``; ``steps`` overrides the warm-up's length)."""
+    (``demo_model.CHAIN_ARCH``, ``CHAIN_SFT``; ``steps`` and ``carry_slip`` override the warm-up's
+    length and its teacher's slip rate). Its position table covers the config's prompt and
+    response budget (``data.max_prompt_tokens + rollout.max_new_tokens``, rounded up to 32; the
+    chain config's 112 fits CHAIN_ARCH's 160)."""
+    from megatron_oar.config import load_config
     from megatron_oar.repro import demo_model
 
     hf = out / "sft"
     if (hf / "sft.json").is_file():
         return hf
-    task = _task(config)
-    demo_model.make_demo_model(hf, task=task, **demo_model.CHAIN_ARCH)
-    stats = demo_model.sft_warmup(hf, task=task, **{**demo_model.CHAIN_SFT,
-                                                    **({"steps": steps} if steps else {})})
+    cfg = load_config(config)
+    task = cfg.data.synthetic
+    needed = -(-(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens) // 32) * 32
+    arch = {**demo_model.CHAIN_ARCH,
+            "max_position_embeddings": max(demo_model.CHAIN_ARCH["max_position_embeddings"], needed)}
+    demo_model.make_demo_model(hf, task=task, **arch)
+    sft = {**demo_model.CHAIN_SFT, **({"steps": steps} if steps else {}),
+           **({"carry_slip": carry_slip} if carry_slip is not None else {})}
+    stats = demo_model.sft_warmup(hf, task=task, **sft)
     atomic_write_text(hf / "sft.json", json.dumps(stats))
     return hf
 
@@ -162,12 +198,6 @@ def sft_checkpoint(out: Path, sft: Path, config: Path, overrides: list[str], sta
     _run_one_process(hf_to_megatron_command(sft, ckpt, dtype), out / "sft_convert.log",
                      "converting the SFT start", starter)
     return ckpt
-
-
-def _task(config: Path):
-    from megatron_oar.config import load_config
-
-    return load_config(config).data.synthetic
 
 
 def pass_at_k(hf_dir: Path, task, *, k: int, n_problems: int, max_new_tokens: int, seed: int = 0) -> float:
@@ -234,6 +264,7 @@ def oracle_run(probe: str, out: Path, sft: Path, config: Path, g: Grid, starter=
         return dst
     cmd = [sys.executable, "-m", "megatron_oar.eval.oracle", "--config", str(config),
            "--model", str(sft), "--trajectories", str(g.oracle_trajectories), "--out", str(dst),
+           *(["--control"] if g.oracle_control else []),
            "parallel.tp=1", "rollout.tp=1", *g.overrides, f"attribution.probe.kind={probe}",
            f"run_dir={dst / 'run'}"]
     dst.mkdir(parents=True, exist_ok=True)
@@ -268,7 +299,7 @@ def _run_grid(out: Path, g: Grid, config: Path, jobs: int, starter, console, t_a
     """The SFT start, its conversion, the runs and the oracle, ``jobs`` at a time (what is done
     is skipped)."""
     console.rule("[bold]oar repro: SFT start")
-    sft = sft_start(out, config, g.sft_steps)
+    sft = sft_start(out, config, g.sft_steps, g.sft_carry_slip)
     console.print(f"SFT start: {sft} ({json.loads((sft / 'sft.json').read_text())})")
     start = sft_checkpoint(out, sft, config, g.overrides, starter)
     specs = grid(g)
@@ -299,13 +330,15 @@ def _run_grid(out: Path, g: Grid, config: Path, jobs: int, starter, console, t_a
         list(pool.map(lambda job: job(), work))  # re-raises the first failure
 
 
-def run(out: Path, g: Grid, *, config: Path = CONFIG, jobs: int = 2, report_only: bool = False) -> dict:
+def run(out: Path, g: Grid, *, config: Path | None = None, jobs: int = 2, report_only: bool = False) -> dict:
+    """The grid ``g`` in ``out`` (with ``config``; default: the grid's testbed's), then its report."""
     from rich.console import Console
 
     from megatron_oar.repro import report
     from megatron_oar.repro.warm_start import WarmStarter
 
     console = Console()
+    config = config or g.config()
     out.mkdir(parents=True, exist_ok=True)
     before = json.loads((out / "settings.json").read_text()) if (out / "settings.json").is_file() else {}
     settings = {"config": str(config), "jobs": jobs, **asdict(g),
@@ -342,55 +375,70 @@ def _axes(s: dict) -> str:
     return out
 
 
-def publish(out: Path, docs: Path, command: str) -> Path:
-    """``docs/repro.md`` (how it was made, then the tables) with the figures and report.json
-    under ``docs/repro/``; written to temp files and renamed."""
+KEEP = "<!-- oar repro --publish writes everything below this line -->"
+TITLES = {"chain": "the paper in miniature on the chain testbed",
+          "credit": "the credit testbed (few pivots among much filler)"}
+
+
+def publish(out: Path, docs: Path, command: str, name: str = "repro") -> Path:
+    """``docs/<name>.md`` (how it was made, then the tables) with the figures and report.json
+    under ``docs/<name>/``; written to temp files and renamed. Where ``docs/<name>.md`` holds the
+    line :data:`KEEP`, the text above it (written by hand: the design, the pilot) is kept."""
     import shutil
 
     rep = json.loads((out / "report.json").read_text())
     # the published copy names files relative to docs/, not where this machine kept them
-    rep["figures"] = {k: f"repro/{Path(v).name}" for k, v in rep.get("figures", {}).items()}
+    rep["figures"] = {k: f"{name}/{Path(v).name}" for k, v in rep.get("figures", {}).items()}
     rep["settings"]["config"] = Path(rep["settings"]["config"]).name
-    assets = docs / "repro"
+    assets = docs / name
     assets.mkdir(parents=True, exist_ok=True)
-    for name in ("curves.png", "recall.png"):
-        if (out / name).is_file():
-            shutil.copyfile(out / name, assets / f".{name}.tmp")
-            (assets / f".{name}.tmp").replace(assets / name)
+    for fig in ("curves.png", "recall.png"):
+        if (out / fig).is_file():
+            shutil.copyfile(out / fig, assets / f".{fig}.tmp")
+            (assets / f".{fig}.tmp").replace(assets / fig)
     atomic_write_text(assets / "report.json", json.dumps(rep, indent=1))
     s = rep["settings"]
-    head = ["# `oar repro`: the paper in miniature on the chain testbed", "",
-            f"Made by `{command}` in {s['wall_seconds'] / 60:.0f} min of wall time on a 2-core CPU "
-            f"machine ({s['jobs']} runs at a time). {rep['runs']} runs of {s['steps']} RL steps from "
-            f"one SFT start: {', '.join(s['methods'])} x {s['seeds']} seeds{_axes(s)}. "
-            f"Intervals are 95% Student-t intervals over seeds; with {s['seeds']} seeds they are wide, "
-            "and a difference whose interval contains 0 is not a finding.", "",
-            "![curves](repro/curves.png)", ""]
+    doc = docs / f"{name}.md"
+    kept = doc.read_text().split(KEEP)[0] + KEEP + "\n\n" if doc.is_file() and KEEP in doc.read_text() else ""
+    title = TITLES.get(s.get("testbed", "chain"), s.get("testbed", ""))
+    head = [f"# `oar repro`: {title}", ""] if not kept else []
+    head += [f"Made by `{command}` in {s['wall_seconds'] / 60:.0f} min of wall time on a 2-core CPU "
+             f"machine ({s['jobs']} runs at a time). {rep['runs']} runs of {s['steps']} RL steps from "
+             f"one SFT start: {', '.join(s['methods'])} x {s['seeds']} seeds{_axes(s)}. "
+             f"Intervals are 95% Student-t intervals over seeds; with {s['seeds']} seeds they are wide, "
+             "and a difference whose interval contains 0 is not a finding.", "",
+             f"![curves]({name}/curves.png)", ""]
     if (assets / "recall.png").is_file():
-        head += ["![recall](repro/recall.png)", ""]
-    return atomic_write_text(docs / "repro.md", "\n".join(head) + (out / "repro.md").read_text())
+        head += [f"![recall]({name}/recall.png)", ""]
+    return atomic_write_text(doc, kept + "\n".join(head) + (out / "repro.md").read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="oar repro", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("repro_out"))
-    p.add_argument("--config", type=Path, default=CONFIG, help="the testbed config (chain task)")
+    p.add_argument("--config", type=Path, help="the testbed config (default: the grid's testbed's)")
     p.add_argument("--grid", choices=sorted(GRIDS), default="default")
+    p.add_argument("--testbed", choices=sorted(TESTBEDS),
+                   help="the grid's runs on this testbed's config (default: the grid's: credit for "
+                        "--grid credit and tiny-credit, chain for the others)")
     p.add_argument("--seeds", type=int, help="seeds per method, the loss axis's too (default: the grid's)")
     p.add_argument("--steps", type=int, help="RL steps per run (default: the grid's)")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each)")
     p.add_argument("--report-only", action="store_true", help="tables and figures from what is there")
     p.add_argument("--publish", type=Path, metavar="DOCS",
-                   help="also write DOCS/repro.md and DOCS/repro/ (figures, report.json)")
+                   help="also write DOCS/repro.md and DOCS/repro/ (figures, report.json); "
+                        "DOCS/repro-credit.md and DOCS/repro-credit/ for the credit testbed")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = p.parse_args(argv)
     g = GRIDS[args.grid]
     g = Grid(**{**asdict(g), **{k: v for k, v in (("seeds", args.seeds), ("loss_seeds", args.seeds),
-                                                  ("steps", args.steps)) if v is not None},
+                                                  ("steps", args.steps), ("testbed", args.testbed))
+                            if v is not None},
                 "overrides": list(args.overrides)})
     run(args.out, g, config=args.config, jobs=args.jobs, report_only=args.report_only)
     if args.publish:
-        publish(args.out, args.publish, "oar repro " + " ".join(argv if argv is not None else sys.argv[1:]))
+        publish(args.out, args.publish, "oar repro " + " ".join(argv if argv is not None else sys.argv[1:]),
+                name="repro" if g.testbed == "chain" else f"repro-{g.testbed}")
     return 0
 
 

@@ -5,11 +5,13 @@ installed copy (``pip install .``, a wheel) finds them from any directory:
 
 * ``tiny_cpu.yaml``: the CPU config of ``oar bench attribution`` (its default ``--config``);
 * ``tiny_chain_cpu.yaml``: the chain-task CPU config of ``oar demo`` and ``oar repro``;
+* ``tiny_credit_cpu.yaml``: the credit testbed's config (the chain task with filler sentences,
+  ``oar repro --grid credit``);
 * ``env.sh``: the launch environment's defaults, read by ``oar launch``
   (:func:`megatron_oar.commands.launch.parse_env_sh`) and sourced by the bash launch scripts.
 
 These are the only copies: in a checkout, ``examples/tiny_cpu.yaml``,
-``examples/tiny_chain_cpu.yaml`` and ``launch_scripts/env.sh`` are symlinks to them
+``examples/tiny_chain_cpu.yaml``, ``examples/tiny_credit_cpu.yaml`` and ``launch_scripts/env.sh`` are symlinks to them
 (``tests/test_install.py`` checks that they resolve here).
 """
 
@@ -20,7 +22,7 @@ import contextlib
 from importlib.resources import as_file, files
 from pathlib import Path
 
-NAMES = ("tiny_cpu.yaml", "tiny_chain_cpu.yaml", "env.sh")
+NAMES = ("tiny_cpu.yaml", "tiny_chain_cpu.yaml", "tiny_credit_cpu.yaml", "env.sh")
 
 _extracted = contextlib.ExitStack()  # temporary copies, for a package imported from a zip
 atexit.register(_extracted.close)
