@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def console_main() -> NoReturn:
     """The ``oar`` console script (``setup.py``) and ``python -m megatron_oar.cli``: :func:`main`,
-    the process then ending as :func:`megatron_oar.commands.process_exit.exit_after` ends it."""
-    from megatron_oar.commands.process_exit import exit_after
+    the process then ending as :func:`megatron_oar.process_exit.exit_after` ends it."""
+    from megatron_oar.process_exit import exit_after
 
     exit_after(main)
 

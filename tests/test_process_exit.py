@@ -1,4 +1,4 @@
-"""How a command's process ends (``megatron_oar/commands/process_exit.py``): ``exit_after``
+"""How a command's process ends (``megatron_oar/process_exit.py``): ``exit_after``
 keeps ``main``'s exit status (an exception's too) and still runs ``atexit`` handlers, with the
 heap frozen (so CPython's finalisation does not walk it) and nanobind's leak report (which the
 frozen heap sets off) filtered out of stderr, every other line kept;
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
     import atexit, gc, os, sys
-    from megatron_oar.commands.process_exit import exit_after
+    from megatron_oar.process_exit import exit_after
 
     out = open(sys.argv[1], "w")
 

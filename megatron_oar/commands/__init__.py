@@ -6,9 +6,8 @@ the subpackages beside this one.
 - :mod:`.launch`  ``oar launch``: validate a config for its cluster, start it via nemo-run
 - :mod:`.plot`    ``oar plot``: training curves from a run's metrics
 - :mod:`.demo`    ``oar demo``: the tiny end-to-end demo (SFT warm-up, then OAR-G GRPO)
-- :mod:`.process_exit`  how a command's process ends (its exit status, no full-heap collections at
-  shutdown, no nanobind leak report)
 
 ``oar eval`` / ``oar analyze`` / ``oar viz`` are :mod:`megatron_oar.eval`'s entry points,
-``oar repro`` is :mod:`megatron_oar.repro`'s and ``oar bench`` runs ``benchmarks/``.
+``oar repro`` is :mod:`megatron_oar.repro`'s and ``oar bench`` runs ``benchmarks/``. How every
+entry point's process ends is :mod:`megatron_oar.process_exit` (below all of them).
 """

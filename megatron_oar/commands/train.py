@@ -128,6 +128,6 @@ def _serve_rollouts_here(cfg) -> bool:
 
 
 if __name__ == "__main__":
-    from megatron_oar.commands.process_exit import exit_after
+    from megatron_oar.process_exit import exit_after
 
     exit_after(main)

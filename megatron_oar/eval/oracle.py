@@ -362,6 +362,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from megatron_oar.commands.process_exit import exit_after
+    from megatron_oar.process_exit import exit_after
 
     exit_after(main)

@@ -90,7 +90,7 @@ def _writer_manager_init() -> None:
     run this, torch and megatron-core among them) so that its exit skips CPython's full
     collections of it: the rank's own exit waits for that exit (multiprocessing's ``atexit``
     hook shuts the manager down and joins it), 0.4 s of each rank's end before (see
-    ``megatron_oar/commands/process_exit.py``)."""
+    ``megatron_oar/process_exit.py``)."""
     import gc
 
     _die_with_parent()
