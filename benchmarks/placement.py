@@ -35,10 +35,10 @@ import time
 from pathlib import Path
 
 from benchmarks import common
+from megatron_oar import resources
 
 SUITE = "placement"
 PROG = "oar bench placement"
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_cpu.yaml"
 RUNS = {  # name -> (processes, overrides)
     "colocated": (2, []),
     "separate, staleness 0": (3, ["rollout.placement=separate", "rollout.ranks=1", "rollout.max_staleness=0"]),
@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, (procs, overrides) in RUNS.items():
         run_dir = out / name.replace(", ", "_").replace(" ", "_")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs),
-               "-m", "megatron_oar.commands.train", "--config", str(EXAMPLE), f"model.path={model}",
+               "-m", "megatron_oar.commands.train", "--config", str(resources.path("tiny_cpu.yaml")),
+               f"model.path={model}",
                f"run_dir={run_dir}", f"train.steps={args.steps}", f"train.prompts_per_step={args.prompts}",
                f"train.group_size={args.group_size}", f"rollout.max_new_tokens={args.max_new_tokens}",
                "train.eval_interval=0", "checkpoint.export_hf_at_end=false", "checkpoint.resume=none",
