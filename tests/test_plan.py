@@ -141,16 +141,23 @@ def test_total_params_match_model_cards():
         assert round(a.num_layers * P.layer_params(a) / 1e9, digits) == body, key
 
 
-def _tiny_model_dir(tmp_path: Path) -> Path:
+def _tiny_model_dir(tmp_path: Path, positions: int = 0) -> Path:
+    """A stand-in tiny model's config.json, with at least ``positions`` positions."""
     d = tmp_path / "tiny"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps(TINY))
+    config = {**TINY, "max_position_embeddings": max(TINY["max_position_embeddings"], positions)}
+    (d / "config.json").write_text(json.dumps(config))
     return d
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_every_example_validates_for_its_cluster(path, tmp_path):
-    overrides = [f"model.path={_tiny_model_dir(tmp_path)}"] if path.stem.startswith("tiny") else []
+    overrides = []
+    if path.stem.startswith("tiny"):  # the tiny model each runs with: `oar repro` sizes its
+        # position table to the config's prompt + response budget
+        from megatron_oar.repro.runner import positions_for
+
+        overrides = [f"model.path={_tiny_model_dir(tmp_path, positions_for(load_config(path)))}"]
     cfg = load_config(path, overrides)
     hf, _ = resolve_hf_config(cfg.model.path)
     validate(cfg, world_size=cfg.launch.world_size, hf_config=hf)

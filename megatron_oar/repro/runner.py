@@ -158,6 +158,12 @@ def _baselines(runs: list[RunSpec], g: Grid) -> list[RunSpec]:
 
 # ------------------------------------------------------------------------------ the work
 
+def positions_for(cfg) -> int:
+    """The position table a config's runs need: its prompt and response budget
+    (``data.max_prompt_tokens + rollout.max_new_tokens``), rounded up to 32."""
+    return -(-(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens) // 32) * 32
+
+
 def sft_start(out: Path, config: Path, steps: int | None, carry_slip: float | None = None) -> Path:
     """The shared start (made once): the demo's tiny Qwen2 warmed up on the config's chain task
     (``demo_model.CHAIN_ARCH``, ``CHAIN_SFT``; ``steps`` and ``carry_slip`` override the warm-up's
@@ -172,9 +178,8 @@ def sft_start(out: Path, config: Path, steps: int | None, carry_slip: float | No
         return hf
     cfg = load_config(config)
     task = cfg.data.synthetic
-    needed = -(-(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens) // 32) * 32
     arch = {**demo_model.CHAIN_ARCH,
-            "max_position_embeddings": max(demo_model.CHAIN_ARCH["max_position_embeddings"], needed)}
+            "max_position_embeddings": max(demo_model.CHAIN_ARCH["max_position_embeddings"], positions_for(cfg))}
     demo_model.make_demo_model(hf, task=task, **arch)
     sft = {**demo_model.CHAIN_SFT, **({"steps": steps} if steps else {}),
            **({"carry_slip": carry_slip} if carry_slip is not None else {})}
