@@ -235,3 +235,29 @@ def test_local_norm_is_built_where_megatron_builds_its_layers(monkeypatch, cpu_i
                              use_cpu_initialization=cpu_init)
     norm = TorchRMSNorm(config, 16)
     assert norm.weight.device.type == ("cpu" if cpu_init else "meta")
+
+
+def test_a_model_built_for_cuda_is_on_the_device_as_a_whole(monkeypatch, tmp_path):
+    """megatron-core 0.16 creates the MoE router's weight on the CPU and leaves the move to its
+    caller (Megatron-LM's ``get_model`` calls ``model.cuda()``); the trainer wraps the model as it
+    is built, and megatron's Float16Module refused the CPU router (seen on an H200 under R3).
+    Built for CUDA, every parameter must be on the device. CUDA is faked: megatron's layers go to
+    the CPU (``current_device``) and ``Module.cuda`` moves to the meta device, which stands for it."""
+    from megatron_oar.models import build_gpt_model, read_hf_config
+    from megatron_oar.models.tiny import make_tiny_qwen3_moe
+    from megatron_oar.runtime import destroy_runtime, init_runtime
+
+    hf = read_hf_config(make_tiny_qwen3_moe(tmp_path / "hf", tokenizer=False))
+    init_runtime()
+    try:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
+        monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, device=None: self.to("meta"))
+        model = build_gpt_model(hf, ModelOptions(spec="local", moe_dispatcher="allgather"))
+    finally:
+        monkeypatch.undo()
+        destroy_runtime()
+    left = [n for n, p in model.named_parameters() if p.device.type != "meta"]
+    # before the fix every parameter here (the fake builds megatron's layers on the CPU); on CUDA,
+    # decoder.layers.{0,1}.mlp.router.weight
+    assert not left, left

@@ -410,6 +410,11 @@ def build_gpt_model(hf_config: dict[str, Any] | QwenArch, opts: ModelOptions | N
         # megatron's torch-norm fallback ignores params_dtype; cast every parameter, as
         # Megatron-LM's Float16Module does, so checkpoints carry one dtype throughout.
         model.to(config.params_dtype)
+    if not config.use_cpu_initialization and torch.cuda.is_available():
+        # megatron builds its layers on the current CUDA device except a few parameters it leaves
+        # to its caller's model.cuda() (Megatron-LM's get_model): megatron-core 0.16's MoE router
+        # weight is created on the CPU (found on an H200: DDP's Float16Module refused it)
+        model.cuda(torch.cuda.current_device())
     if arch.is_moe and opts.freeze_router:
         freeze_routers(model)
     return model
