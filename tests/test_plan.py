@@ -629,3 +629,17 @@ def test_separate_placement_plans_each_role():
     too_much = make_plan(load_config(path, [*sep, "rollout.gpu_memory_utilization=1.0"]), hf, nodes=2,
                          gpus_per_node=8, hw=Hardware())
     assert not too_much.fits and "lower rollout.gpu_memory_utilization" in " ".join(too_much.reasons)
+
+
+def test_longest_response_of_a_model_shorter_than_one_search_step(tmp_path, capsys):
+    """The tiny configs' models hold fewer positions after the prompt than one search step
+    (LENGTH_STEP): `oar plan` said "longest response that fits: 0 tokens" while the config fit.
+    The search goes token by token there and reaches the model's last position."""
+    model = _tiny_model_dir(tmp_path)
+    path = str(ROOT / "examples/tiny_cpu.yaml")
+    assert P.main(["--config", path, f"model.path={model}", "parallel.tp=1", "launch.gpus_per_node=1"]) == 0
+    out = capsys.readouterr().out
+    cfg = load_config(path, [f"model.path={model}"])
+    positions = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    assert "FITS: peak" in out
+    assert f"longest response that fits: {positions - cfg.data.max_prompt_tokens:,} tokens" in out, out[-600:]

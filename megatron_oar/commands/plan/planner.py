@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from megatron_oar.commands.plan import moe as plan_moe
 from megatron_oar.commands.plan.activations import _activation_memory, _train_microbatches
-from megatron_oar.commands.plan.budget_search import at_length, longest_true, with_budgets
+from megatron_oar.commands.plan.budget_search import LENGTH_STEP, at_length, longest_true, with_budgets
 from megatron_oar.commands.plan.budgets import choose_token_budgets
 from megatron_oar.commands.plan.hardware import GIB, Hardware
 from megatron_oar.commands.plan.memory import (
@@ -179,10 +179,12 @@ def plan_config(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Har
 def longest_response(cfg, hf_config: dict, **kw) -> int:
     """The longest response (a multiple of ``LENGTH_STEP`` tokens, up to the model's positions)
     for which ``cfg`` at that length (:func:`at_length`, token budgets chosen per length) fits;
-    0 when not even ``LENGTH_STEP`` tokens do."""
+    0 when not even ``LENGTH_STEP`` tokens do. A model with fewer positions after the prompt than
+    ``LENGTH_STEP`` (the tiny configs) is searched token by token up to them."""
     a = parse_arch(hf_config, source=kw.get("source", "config.json"))
     hi = a.max_position_embeddings - cfg.data.max_prompt_tokens
-    return longest_true(lambda n: make_plan(at_length(cfg, n), hf_config, **kw).fits, hi)
+    step = LENGTH_STEP if hi >= LENGTH_STEP else 1
+    return longest_true(lambda n: make_plan(at_length(cfg, n), hf_config, **kw).fits, hi, step)
 
 
 def with_credit(cfg, credit: str):
