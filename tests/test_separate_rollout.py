@@ -8,8 +8,8 @@ ranks in one torchrun world.
   exactly; a send posted without waiting does not block the sender's next receive.
 * slow, one job of 2 ranks (1 training + 1 rollout, a vLLM engine on each: the colocated run's
   and the rollout rank's), 110-200 s on 2 busy cores (10 s of it a deliberate stall), shared
-  by five tests: the colocated run, the separate runs at ``max_staleness`` 0 (and its resume)
-  and 1, partial rollouts, the sync check after broadcasts.
+  by six tests: the colocated run, the separate runs at ``max_staleness`` 0 and 1 (and a
+  resume of each), partial rollouts, the sync check after broadcasts.
 * a rollout rank killed, or hung, mid-generation stops the trainer with ``RolloutRankError``
   (fresh processes, no vLLM, 20-60 s each).
 * partial rollouts' segments joined with a fake engine (no processes, milliseconds after the
@@ -139,6 +139,16 @@ def _end_to_end_worker(ckpt: str, root: str, out: str) -> None:
     run(_config(ckpt, f"{root}/straight", *common, *SEPARATE, "train.steps=3"), remote, "straight")
     sep1 = _config(ckpt, f"{root}/sep1", *common, *SEPARATE, "rollout.max_staleness=1", "train.steps=3")
     trainer = run(sep1, remote, "staleness1")
+    # the same run stopped after step 2 (a stop signal there: step 2 is finished and saved, with
+    # step 3's batch, generated from step 1's weights) and resumed by a fresh handle, as a
+    # restarted run's: it must train step 3 on that batch, as the uninterrupted run did
+    sep1r = _config(ckpt, f"{root}/sep1r", *common, *SEPARATE, "rollout.max_staleness=1", "train.steps=3")
+    stopped = Trainer(sep1r, engine=remote)
+    stopped.preemption.requested = lambda group: stopped.step >= 2
+    stopped.run()
+    remote.shutdown(stop=False)  # what the handle holds is gone, as in a new process
+    remote = RemoteRollout(sep1r, roles, remote.arch)
+    run(sep1r, remote, "resumed1")
 
     # the sync check after each broadcast: the engine's log-probs are Megatron's
     model = trainer.policy.model
@@ -222,6 +232,18 @@ def test_staleness_one_lags_one_update(end_to_end):
     assert all(r["rollout/logprob_mismatch"] < 0.5 for r in recs)
     # the last step's batch was generated while step 2 trained (timing: only its range checked)
     assert 0.0 <= recs[-1]["rollout/overlap"] <= 1.0 and recs[-1]["rollout/generation_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_staleness_one_resumes_bit_exact(end_to_end):
+    """Stopped after step 2 of 3 and resumed: step 3 trains on the batch the stopped run had
+    generated ahead from step 1's weights (lag 1, kept in the checkpoint), so its metrics and the
+    weights are the uninterrupted run's, bit for bit."""
+    resumed, straight = end_to_end["resumed1"], end_to_end["staleness1"]
+    assert [r["step"] for r in resumed["records"]] == [1, 2, 3]
+    assert [r["rollout/staleness_max"] for r in resumed["records"]] == [0.0, 1.0, 1.0]
+    assert _comparable(resumed["records"][-1]) == _comparable(straight["records"][-1])
+    assert resumed["weights"] == straight["weights"]
 
 
 @pytest.mark.slow

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 SYNCS_ANNOUNCED = "oar/syncs_announced"
 
 
+# in a checkpoint of the separate placement: the rollouts generated ahead of it, not trained on yet
+AHEAD_FILE = "rollouts_ahead.pt"
+
 TRAINER, ROLLOUT_LEADER = 0, 1  # members of the `weights` group: training rank 0, rollout rank 0
 RESULTS_SENDER = 0  # the `results` group: [rollout rank 0, training rank 0]
 
@@ -287,6 +290,22 @@ class RemoteRollout:
         self._timing["wait"] += time.perf_counter() - t0
         self._timing["generation"] += batch.gen_seconds
         return batch
+
+    def results_ahead(self) -> list[tuple[tuple, object]]:
+        """Collective over the training world: waits for every request in flight and returns the
+        results not handed out yet, ``(key, batch)`` in request order. A checkpoint keeps them
+        (:data:`AHEAD_FILE`) so that a resumed run trains the next steps on the samples this run
+        would have: at ``rollout.max_staleness`` >= 1 they were generated from weights older than
+        the checkpoint's, which the resumed run no longer has."""
+        while self._outstanding:
+            self._receive_next()
+        return list(self._stash.items())
+
+    def restore_ahead(self, items: list[tuple[tuple, object]]) -> None:
+        """The results a checkpoint kept (:meth:`results_ahead`): a later :meth:`generate` or
+        :meth:`prefetch` with the same arguments takes them instead of asking the rollout ranks."""
+        for key, batch in items:
+            self._stash[tuple(key)] = batch
 
     def take_timing(self) -> dict[str, float]:
         """Since the last call: the rollout ranks' generation seconds for the batches handed out,

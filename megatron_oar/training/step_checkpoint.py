@@ -461,9 +461,11 @@ def _save_optimizer(policy, tmp: Path, sharding: str) -> None:
 
 
 def _save_rng_and_side_files(tmp: Path, meta: CheckpointMeta, hf_files_from: str | Path,
-                             layout: dict, rng: dict | None) -> None:
+                             layout: dict, rng: dict | None, extra: dict[str, bytes] | None) -> None:
     torch.save(rng_state() if rng is None else rng, tmp / RNG_DIR / f"rank_{rank():05d}.pt")
     if rank() == 0:
+        for name, data in (extra or {}).items():
+            (tmp / name).write_bytes(data)
         copy_hf_side_files(hf_files_from, tmp / HF_DIR)
         replace(meta, written_tp=layout["tp"], written_pp=layout["pp"], written_ep=layout["ep"],
                 written_etp=layout["etp"]).write(tmp)
@@ -512,9 +514,12 @@ def _publish(root: Path, final: Path, step: int, keep_last: int) -> None:
 
 def save_checkpoint(root: str | Path, step: int, policy, trainer_state: dict, meta: CheckpointMeta,
                     hf_files_from: str | Path, keep_last: int = 0,
-                    optim_sharding: str = OPTIM_SHARDINGS[0], rng: dict | None = None) -> Path:
+                    optim_sharding: str = OPTIM_SHARDINGS[0], rng: dict | None = None,
+                    extra: dict[str, bytes] | None = None) -> Path:
     """Collective: writes ``step_{step}`` under ``root`` with its manifest, atomically; returns its path.
     ``rng``: this rank's RNG states to save (:func:`rng_state` taken earlier), instead of now's.
+    ``extra``: more files for rank 0 to write at the checkpoint's top level (name -> bytes), in
+    the manifest like the rest.
 
     Either every rank returns, with the checkpoint complete and ``latest`` naming it, or every
     rank raises :class:`CheckpointWriteError` with the temp directory removed and ``latest`` and
@@ -535,7 +540,7 @@ def save_checkpoint(root: str | Path, step: int, policy, trainer_state: dict, me
     phase("model shards", lambda: _save_model(policy, tmp, step))
     phase("optimizer shards", lambda: _save_optimizer(policy, tmp, optim_sharding))
     phase("RNG state and side files",
-          lambda: _save_rng_and_side_files(tmp, meta, hf_files_from, layout, rng))
+          lambda: _save_rng_and_side_files(tmp, meta, hf_files_from, layout, rng, extra))
     files = phase("listing the files", lambda: _list_files(tmp) if rank() == 0 else None)[0]
     parts = phase("checksums", lambda: _checksums(tmp, files[rank()::_world()]))
     manifest = {rel: part[rel] for part in parts for rel in part}

@@ -30,6 +30,7 @@ under the hang watchdog (``train.phase_timeout_s``); docs/running-for-days.md ha
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import time
@@ -150,6 +151,8 @@ class Trainer:
 
             engine = RemoteRollout(cfg, current_roles(), self.arch)
         self.engine = engine or RolloutEngine(hf_dir, cfg.rollout, tokenizer=cfg.model.tokenizer_dir())
+        if resume is not None:
+            self._restore_rollouts_ahead(Path(resume))
         self.engine.sleep()  # asleep between generations; the loop wakes it (wake_rollout)
         self.scorer = RewardScorer(cfg.rewards)
         self.logger = MetricsLogger(cfg.log, run_name=Path(cfg.run_dir).name, total_steps=t.steps,
@@ -383,11 +386,43 @@ class Trainer:
                  "loss_scale_overflows": self.loss_scale_overflows, "credit": self.cfg.credit,
                  "policy_version": self.step}  # updates in these weights (the rollouts' versions count them)
         with self.phase("checkpoint", self.step):
+            extra = {}
+            # separate placement at max_staleness >= 1: the rollouts generated ahead, from weights
+            # older than these, go with the checkpoint (a resumed run trains on them)
+            ahead = self.engine.results_ahead() if hasattr(self.engine, "results_ahead") else []
+            if ahead:
+                from megatron_oar.rollout.remote import AHEAD_FILE
+
+                state["rollouts_ahead"] = len(ahead)
+                if self.rank == 0:
+                    buffer = io.BytesIO()
+                    torch.save(ahead, buffer)
+                    extra[AHEAD_FILE] = buffer.getvalue()
             self.last_checkpoint = ckpt.save_checkpoint(
                 self.cfg.checkpoint.dir, self.step, self.policy, state, self.meta, self.hf_files,
                 keep_last=self.cfg.checkpoint.keep_last, optim_sharding=self.cfg.checkpoint.optim_sharding,
-                rng=rng)
+                rng=rng, extra=extra)
         return self.last_checkpoint
+
+    def _restore_rollouts_ahead(self, checkpoint: Path) -> None:
+        """The rollouts a checkpoint of the separate placement kept (:meth:`save`), handed to the
+        engine; a run in another placement or at ``max_staleness=0`` generates its own."""
+        from megatron_oar.rollout.remote import AHEAD_FILE
+
+        path = checkpoint / AHEAD_FILE
+        if not path.is_file():
+            return
+        r = self.cfg.rollout
+        if not (r.separate and r.max_staleness > 0 and hasattr(self.engine, "restore_ahead")):
+            if self.rank == 0:
+                log.warning("%s holds rollouts generated ahead of it from older weights; this run "
+                            "(rollout.placement=%s, rollout.max_staleness=%d) generates its own",
+                            path, r.placement, r.max_staleness)
+            return
+        items = torch.load(path, weights_only=False)
+        self.engine.restore_ahead(items)
+        if self.rank == 0:
+            log.info("resumed with %d rollout batch(es) generated ahead of %s", len(items), checkpoint.name)
 
     def export_hf(self, checkpoint: Path) -> Path:
         """Rank 0 writes ``{run_dir}/hf/<step dir>`` (HF safetensors) with the converter, while the
