@@ -139,18 +139,6 @@ def _shutdown_core(core) -> None:
             log.debug("vLLM engine shutdown: %s", e)
 
 
-class _QuietRotaryReload(logging.Filter):
-    """vLLM's in-place reload warns "RotaryEmbedding: Failed to load weights" on every sync: the
-    rotary layer has a computed cos/sin cache and no checkpoint weights, so nothing is sent for
-    it and vLLM keeps its cache. Drop exactly that record; other missing layers still warn."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
-
-
-_QUIET_ROTARY = _QuietRotaryReload()
-
-
 SLEEP_TAGS = frozenset({"weights", "kv_cache"})  # what vLLM's sleep frees and wake_up(tags) restores
 
 
@@ -266,9 +254,6 @@ class RolloutEngine:
             kwargs["enable_return_routed_experts"] = True
         with _preserve_process_state():
             llm = LLM(**kwargs)
-        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-        if _QUIET_ROTARY not in reload_log.filters:
-            reload_log.addFilter(_QUIET_ROTARY)
         # vLLM's own finaliser would destroy the default process group at exit; use ours.
         client = llm.llm_engine.engine_core
         finalizer = getattr(client, "_finalizer", None)
