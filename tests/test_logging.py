@@ -337,6 +337,7 @@ def test_vllm_expected_notices_only_at_debug(monkeypatch):
         "vllm.platforms.cpu": "Triton is not installed. triton-cpu is expected on x86 CPUs.",
         "vllm.triton_utils.importing": "Triton is installed, but doesn't include CPU backend. Disabling Triton.",
         "vllm.v1.worker.cpu_worker": "libtcmalloc is not found in LD_PRELOAD. For best performance, ...",
+        "vllm.model_executor.model_loader.reload.layerwise": "RotaryEmbedding: Failed to load weights",
     }
     for level, shown in (("info", False), ("debug", True)):
         log_setup.setup_logging(0, level)
