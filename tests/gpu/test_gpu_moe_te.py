@@ -19,7 +19,6 @@ one `oar train` run building vLLM).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.gpu.figures import record
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,12 +43,6 @@ MOE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_d
 TOL = {"fp32": 2e-3, "bf16": 0.15}  # TF32 may be on in fp32; bf16 keeps ~3 digits of O(1) logits
 
 
-def _record(name: str, value) -> None:
-    print(f"GPU-FIGURE {name} = {json.dumps(value)}", flush=True)
-    out = os.environ.get("OAR_GPU_FIGURES")
-    if out:
-        with open(out, "a") as f:
-            f.write(json.dumps({name: value}) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +109,7 @@ def test_te_grouped_gemm_moe_matches_transformers_and_local(converted, dtype):
         a, b = (te_logits, local_logits) if got is None else (got, ref)
         figures[name] = dict(max_abs=round(float((a - b).abs().max()), 6),
                              top1=round(float((a.argmax(-1) == b.argmax(-1)).float().mean()), 4))
-    _record(f"moe_te_{dtype}", dict(te=info, local=local_info, **figures))
+    record(f"moe_te_{dtype}", dict(te=info, local=local_info, **figures))
     assert info["experts"] == ["TEGroupedMLP"] and info["grouped_gemm"], info
     assert info["dispatcher"] == "alltoall", info
     assert local_info["experts"] == ["SequentialMLP"], local_info
@@ -130,7 +125,7 @@ def test_te_grouped_gemm_backward_reaches_every_expert(converted):
     _, ckpt, tokens = converted
     _, info = _megatron_logits(ckpt, "te", "bf16", tokens, backward=True)
     grads = info.pop("expert_grads_max_abs")
-    _record("moe_te_backward", dict(info, expert_params=len(grads),
+    record("moe_te_backward", dict(info, expert_params=len(grads),
                                     min_grad=min((g for g in grads.values() if g is not None), default=None)))
     assert grads and all(g is not None and g > 0 for g in grads.values()), grads
 
@@ -158,7 +153,7 @@ def test_r3_oar_train_under_te_with_vllm_routing(converted, tmp_path):
     records = read_metrics(run) if (run / "logs").exists() else []
     keys = ("routing/agree_rollout_old", "routing/agree_rollout_update", "routing/load_max_mean",
             "rollout/logprob_mismatch", "attribution/scored_sequences", "loss/loss")
-    _record("moe_r3_e2e", dict(rc=proc.returncode, steps=[r.get("step") for r in records],
+    record("moe_r3_e2e", dict(rc=proc.returncode, steps=[r.get("step") for r in records],
                                **{k: [r.get(k) for r in records if k in r] for k in keys}))
     assert proc.returncode == 0, text[-4000:]
     steps = [r for r in records if r.get("step") is not None and "routing/agree_rollout_old" in r]

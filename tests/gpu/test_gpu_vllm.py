@@ -13,12 +13,13 @@ Cost on one H100: ~1-2 min (engine builds with CUDA-graph capture).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.gpu.figures import record
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,12 +35,6 @@ def _used_gib() -> float:
     return (total - free) / 2**30
 
 
-def _record(name: str, value) -> None:
-    print(f"GPU-FIGURE {name} = {json.dumps(value)}", flush=True)
-    out = os.environ.get("OAR_GPU_FIGURES")
-    if out:
-        with open(out, "a") as f:
-            f.write(json.dumps({name: value}) + "\n")
 
 
 def _megatron(hf: Path, root: Path):
@@ -87,22 +82,22 @@ def test_vllm_cuda_sleep_wake_sync(tmp_path, runtime):
     try:
         import vllm
 
-        _record("vllm_version", vllm.__version__)
-        _record("vllm_v2_runner_env", os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
+        record("vllm_version", vllm.__version__)
+        record("vllm_v2_runner_env", os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
         assert engine.sleep_supported, "CUDA vLLM reports no sleep mode"
         awake = _used_gib()
-        _record("mem_used_gib", dict(before_engine=round(base, 3), engine_awake=round(awake, 3)))
+        record("mem_used_gib", dict(before_engine=round(base, 3), engine_awake=round(awake, 3)))
         stats = engine.sync_weights(model)
-        _record("sync_first", dict(seconds=round(stats.seconds, 4), bytes=stats.bytes))
+        record("sync_first", dict(seconds=round(stats.seconds, 4), bytes=stats.bytes))
         batch = engine.generate(PROMPTS)
         agree = engine.check_sync(model, batch)
-        _record("check_sync_first", agree.__dict__)
+        record("check_sync_first", agree.__dict__)
         assert agree.max_abs_diff < BF16_TOL, agree
 
         engine.sleep()
         free_torch_cache()
         asleep = _used_gib()
-        _record("mem_asleep_gib", round(asleep, 3))
+        record("mem_asleep_gib", round(asleep, 3))
         assert asleep - base < 0.25 * (awake - base), (base, awake, asleep)
 
         # partial wakes, then sleep: back to the asleep level (fix 6a)
@@ -112,7 +107,7 @@ def test_vllm_cuda_sleep_wake_sync(tmp_path, runtime):
             engine.sleep()
             free_torch_cache()
             again = _used_gib()
-            _record(f"partial_wake_{tags[0]}", dict(awake_gib=round(woke, 3), after_sleep_gib=round(again, 3)))
+            record(f"partial_wake_{tags[0]}", dict(awake_gib=round(woke, 3), after_sleep_gib=round(again, 3)))
             assert again - asleep < 0.05, (tags, asleep, again)
 
         # the trainer's handover: wake weights -> sync -> wake KV cache -> generate -> sleep
@@ -122,12 +117,12 @@ def test_vllm_cuda_sleep_wake_sync(tmp_path, runtime):
         engine.wake_up(["kv_cache"])
         batch2 = engine.generate(PROMPTS, seeds=batch.seeds)
         agree2 = engine.check_sync(model, batch2)
-        _record("check_sync_after_wake", agree2.__dict__)
+        record("check_sync_after_wake", agree2.__dict__)
         assert agree2.max_abs_diff < BF16_TOL, agree2
         assert batch2.response_ids != batch.response_ids  # the new weights sample differently
         many = [[(13 * i + j) % 400 + 1 for j in range(16)] for i in range(32)]
         tput = engine.generate(many, n=4, max_new_tokens=128, stop=[], stop_token_ids=[])
-        _record("generate_tokens_per_s", dict(tokens=tput.num_response_tokens,
+        record("generate_tokens_per_s", dict(tokens=tput.num_response_tokens,
                                               seconds=round(tput.gen_seconds, 4)))
         engine.sleep()
     finally:
@@ -149,12 +144,12 @@ def test_vllm_cuda_moe_sync_and_returned_routing(tmp_path, runtime):
             engine.sync_weights(model)
             batch = engine.generate(PROMPTS)
             agree = engine.check_sync(model, batch)
-            _record(f"moe_check_sync_routed_{routed}", agree.__dict__)
+            record(f"moe_check_sync_routed_{routed}", agree.__dict__)
             assert agree.max_abs_diff < BF16_TOL, agree
             if routed:
                 routing = getattr(batch, "routed_experts", None)
                 first = None if routing is None else routing[0][0]
-                _record("moe_routed_experts_shape", None if first is None else list(first.shape))
+                record("moe_routed_experts_shape", None if first is None else list(first.shape))
                 assert first is not None and first.shape[-1] == 2  # top-k of the tiny MoE
         finally:
             engine.shutdown()
