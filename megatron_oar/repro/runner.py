@@ -435,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
                         "DOCS/repro-credit.md and DOCS/repro-credit/ for the credit testbed")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = p.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the SFT start's save / load bars: instant, noise in a log
     g = GRIDS[args.grid]
     g = Grid(**{**asdict(g), **{k: v for k, v in (("seeds", args.seeds), ("loss_seeds", args.seeds),
                                                   ("steps", args.steps), ("testbed", args.testbed))
