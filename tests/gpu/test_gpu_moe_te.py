@@ -67,7 +67,7 @@ def _megatron_logits(ckpt: Path, spec: str, dtype: str, tokens: torch.Tensor, ba
     init_runtime(ParallelConfig())
     try:
         opts = ModelOptions(spec=spec, dtype=dtype)
-        model = build_gpt_model(read_hf_config(ckpt / "hf"), opts).cuda()
+        model = build_gpt_model(read_hf_config(ckpt / "hf"), opts)  # on the device as built
         meta = load_model(model, ckpt)
         experts = {type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts")}
         info = dict(experts=sorted(experts), dispatcher=resolve_moe_dispatcher(opts),

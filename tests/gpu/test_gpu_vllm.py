@@ -35,15 +35,15 @@ def _used_gib() -> float:
     return (total - free) / 2**30
 
 
-
-
 def _megatron(hf: Path, root: Path):
     from checkpoints_convert.convert import hf_to_megatron
     from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
     from megatron_oar.models.model_checkpoint import load_model
 
     hf_to_megatron(hf, root / "ckpt", progress=False)
-    model = build_gpt_model(read_hf_config(hf), ModelOptions(spec="local", dtype="bf16")).cuda()
+    # no .cuda(): the model is on the device as built, as the trainer uses it (an explicit .cuda()
+    # here hid megatron-core's CPU-built MoE router until 2026-11-27)
+    model = build_gpt_model(read_hf_config(hf), ModelOptions(spec="local", dtype="bf16"))
     load_model(model, root / "ckpt")
     return model
 
@@ -123,7 +123,7 @@ def test_vllm_cuda_sleep_wake_sync(tmp_path, runtime):
         many = [[(13 * i + j) % 400 + 1 for j in range(16)] for i in range(32)]
         tput = engine.generate(many, n=4, max_new_tokens=128, stop=[], stop_token_ids=[])
         record("generate_tokens_per_s", dict(tokens=tput.num_response_tokens,
-                                              seconds=round(tput.gen_seconds, 4)))
+                                             seconds=round(tput.gen_seconds, 4)))
         engine.sleep()
     finally:
         engine.shutdown()
