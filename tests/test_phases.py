@@ -271,35 +271,46 @@ def test_wake_up_frees_torch_cache_first(monkeypatch):
     assert calls == ["sleep(2)", "free", "wake_up(['weights'])", "free", "wake_up(['kv_cache'])"]
 
 
+@pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize("vllm_release", ["0.24", "0.32"])
-def test_sleep_frees_what_a_partial_wake_left_awake(monkeypatch, vllm_release):
+def test_sleep_frees_what_a_partial_wake_left_awake(monkeypatch, vllm_release, level):
     """A sync wakes the weights and may fail before the KV cache wakes; sleep() must still free
     them. The fake follows vLLM: its allocator sleeps what is awake and skips what sleeps, and
     its executor ignores a sleep ("Executor is already sleeping") while anything sleeps (0.24,
     `abstract.py`: `if self.is_sleeping`; seen on an H100, where woken weights stayed awake) or
-    while the weights sleep (0.32: `if "weights" in self.sleeping_tags`)."""
+    while the weights sleep (0.32: `if "weights" in self.sleeping_tags`). After a level-2 sleep
+    0.24's worker restores the buffers it saved on the first wake, whatever the tags (into
+    unmapped weights when only the KV cache woke: CUDA "invalid argument" on an H200), 0.32's
+    only with the weights: at level 2 the weights wake with the KV cache."""
     from megatron_oar.rollout import engine as engine_mod
     from megatron_oar.rollout.config import RolloutConfig
 
     class LLM:
         def __init__(self):
             self.asleep: set[str] = set()
+            self.saved_buffers = False
 
         def sleep(self, level):
             ignored = bool(self.asleep) if vllm_release == "0.24" else "weights" in self.asleep
             if not ignored:
                 self.asleep = {"weights", "kv_cache"}
+                self.saved_buffers = level == 2
 
         def wake_up(self, tags):
             self.asleep -= set(tags)
+            if self.saved_buffers and (vllm_release == "0.24" or "weights" in tags):
+                if "weights" in self.asleep:
+                    raise RuntimeError("CUDA error: invalid argument (buffers into asleep weights)")
+                self.saved_buffers = False
 
     eng = engine_mod.RolloutEngine.__new__(engine_mod.RolloutEngine)
-    eng.config, eng.sleep_supported, eng._asleep, eng._llm = RolloutConfig(), True, set(), LLM()
+    eng.config, eng.sleep_supported, eng._asleep, eng._llm = RolloutConfig(sleep_level=level), True, set(), LLM()
     eng._weights_loaded = True
     monkeypatch.setattr(engine_mod, "free_torch_cache", lambda: None)
     for woken in (["weights"], ["kv_cache"], ["weights", "kv_cache"]):
         eng.sleep()
         eng.wake_up(woken)
-        assert eng.llm.asleep == {"weights", "kv_cache"} - set(woken)
+        awake = set(woken) | ({"weights"} if level == 2 else set())
+        assert eng.llm.asleep == eng._asleep == {"weights", "kv_cache"} - awake, woken
         eng.sleep()
         assert eng.llm.asleep == {"weights", "kv_cache"} and eng._asleep == {"weights", "kv_cache"}, woken

@@ -336,10 +336,18 @@ class RolloutEngine:
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Re-allocate ``tags`` (``weights``, ``kv_cache``; default all). PyTorch's cached
         blocks are freed first: vLLM maps its memory outside PyTorch's caching allocator, so
-        memory Megatron's passes left in the cache would otherwise be out of vLLM's reach."""
+        memory Megatron's passes left in the cache would otherwise be out of vLLM's reach.
+
+        After a level-2 sleep the weights wake with anything: vLLM 0.24's worker copies the
+        buffers it saved at that sleep (the rotary cos/sin caches) back into the model on the
+        first wake whatever its tags, so the KV cache woken alone wrote into the weights'
+        unmapped memory (CUDA "invalid argument", seen on an H200). 0.32 restores them only
+        with the weights; waking them early costs their memory a moment sooner, nothing else."""
         if self._sleep_noop("wake_up") or not self._asleep:
             return
         wanted = set(tags) if tags else set(self._asleep)
+        if self.config.sleep_level >= 2 and "weights" in self._asleep:
+            wanted.add("weights")
         todo = sorted(wanted & self._asleep)
         if todo:
             free_torch_cache()
