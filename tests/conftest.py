@@ -38,8 +38,8 @@ def trainer_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def warm_demo_model(tmp_path_factory):
     """The demo's tiny Qwen2 (``make_demo_model``) after a 300-step SFT warm-up: right on some
-    held-out sums and wrong on others. Built once per run for the eval and oracle tests, which
-    only read it."""
+    held-out sums and wrong on others. Built once per run for the end-to-end eval, oracle and
+    bench tests (``make test-e2e``), which only read it."""
     from megatron_oar.repro.demo_model import make_demo_model, sft_warmup
 
     hf = make_demo_model(tmp_path_factory.mktemp("warm_demo_model") / "hf")

@@ -237,6 +237,7 @@ def test_repository_benchmarks_md_has_both_sections_and_the_converter():
 # ------------------------------------------------------------------ end to end (slow)
 
 @pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_attribution_suite_end_to_end(tmp_path, warm_demo_model):
     """grpo and oar_g, 2 steps each (the first dropped), on the warmed-up demo model (conftest,

@@ -89,6 +89,7 @@ def test_sft_warmup_prints_progress_by_the_clock(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_demo_runs_end_to_end(tmp_path, capsys):
     from transformers import AutoConfig
 

@@ -492,6 +492,7 @@ def first_run(trained, e2e_config, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_results_shape_and_consistency(first_run):
     out, r = first_run
     res = json.loads((out / "results.json").read_text())
@@ -533,6 +534,7 @@ def test_results_shape_and_consistency(first_run):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_rerun_reads_back_and_other_settings_are_refused(trained, e2e_config, first_run):
     hf, data = trained
     out, _ = first_run
@@ -553,6 +555,7 @@ def test_rerun_reads_back_and_other_settings_are_refused(trained, e2e_config, fi
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_megatron_checkpoint_on_two_ranks_samples_the_same(trained, e2e_config, first_run, tmp_path):
     """A converted checkpoint is exported once, 2 ranks split the prompts, and the per-problem
     seeds make every completion equal to the single-process run's."""

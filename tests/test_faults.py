@@ -56,7 +56,7 @@ COMMON = ["parallel.tp=1", "optim.use_distributed_optimizer=true", f"train.steps
           "rollout.max_new_tokens=12", "attribution.probe.warmup_steps=0", "checkpoint.keep_last=2",
           "checkpoint.export_hf_at_end=true", "log.tensorboard=false", "rewards.format_weight=1.0",
           "rewards.accuracy_weight=0.0", "rewards.format_pattern=.*[0-9].*"]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 
 RUN_ID = "OAR_TEST_RUN_ID"  # in the environment of a command and everything it starts

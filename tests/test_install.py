@@ -108,6 +108,7 @@ def _oar(installed: dict, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_sdist_and_install_ship_the_resources(installed):
     for name in resources.NAMES:
         assert any(m.endswith(f"/megatron_oar/resources/{name}") for m in installed["sdist"]), name
@@ -115,6 +116,7 @@ def test_sdist_and_install_ship_the_resources(installed):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_installed_copy_reads_its_own_files(installed):
     """From an empty directory, the installed copy is what is imported, and every formerly
     repo-relative read finds its file inside it."""
@@ -135,12 +137,14 @@ def test_installed_copy_reads_its_own_files(installed):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_installed_oar_demo_help(installed):
     r = _oar(installed, "demo", "--help")
     assert r.stdout.startswith("usage: oar demo") and "--sft-steps" in r.stdout
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_installed_oar_plan(installed):
     config = installed["site"] / "megatron_oar" / "resources" / "tiny_cpu.yaml"
     r = _oar(installed, "plan", "--config", str(config), "--arch", "qwen2.5-0.5b")
@@ -148,6 +152,7 @@ def test_installed_oar_plan(installed):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_installed_oar_launch_dryrun(installed):
     """The env.sh defaults come from the installed package; nothing is written anywhere."""
     config = installed["site"] / "megatron_oar" / "resources" / "tiny_cpu.yaml"

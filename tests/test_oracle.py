@@ -131,6 +131,7 @@ def single(warm_model, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_oracle_end_to_end(warm_model, single):
     work, done = single
     out = work / "oracle"
@@ -221,6 +222,7 @@ def test_oracle_eval_split_needs_an_eval_set(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_oracle_data_parallel_equals_one_process(warm_model, single, tmp_path):
     """Two torchrun ranks (DP2: each scores half the trajectories, the rollout groups share the
     counterfactual decodes) give the same trajectories, substitutes, labels and scores. They start

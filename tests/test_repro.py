@@ -278,6 +278,7 @@ def test_pass_at_k_scored_in_threads_matches_one_at_a_time(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_tiny_grid_end_to_end(tmp_path):
     """The whole harness on a tiny budget, on the credit testbed (``--grid tiny-credit``: the
     chain testbed's config differs only in its data knobs and lengths): SFT start, 2 methods x 2
