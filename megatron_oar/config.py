@@ -17,6 +17,7 @@ Errors are :class:`ConfigError` (a ``ValueError``) naming the key and where it c
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Sequence
@@ -353,10 +354,17 @@ def _read_yaml(path: Path) -> DictConfig:
     return node
 
 
+@functools.cache
+def _schema() -> DictConfig:
+    """The schema's defaults as a node, built once per process: ``OmegaConf.structured`` walks
+    every section's dataclass, most of a load's time. Never changed: a merge returns a copy."""
+    return OmegaConf.structured(Config)
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """The YAML file ``path`` merged onto the schema's defaults, then the ``key=value``
     ``overrides`` in order; returns a :class:`Config` of plain dataclass instances."""
-    node = OmegaConf.structured(Config)
+    node = _schema()
     source = str(path) if path is not None else "<defaults>"
     if path is not None:
         raw = _read_yaml(Path(path))
