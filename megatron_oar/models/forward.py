@@ -26,8 +26,9 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from megatron_oar.models import context_parallel as cpx
 from megatron_oar.models import equal_calls
-from megatron_oar.models.chunked_logits import full_hidden, hidden_states_out
+from megatron_oar.models.chunked_logits import full_hidden, hidden_states_out, token_stats
 from megatron_oar.models.packing import pack, packed_seq_params, unpack
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 from megatron_oar.models.parallel import unwrap
@@ -55,28 +56,57 @@ class MicroInput:
     """A micro-batch ``tokens [m, s]`` as the model runs it: right-padded to ``multiple``, or,
     given the rows' ``lengths`` (``batching=packed``), packed into one sequence ``[1, T]`` with
     megatron's THD ``packed_seq_params``. ``restore`` maps the last stage's logits back to
-    ``[m, s, ...]`` (trimmed, or unpacked with zeros past each row's length)."""
+    ``[m, s, ...]`` (trimmed, or unpacked with zeros past each row's length).
+
+    Under context parallelism (CP > 1; ``multiple`` then includes ``2 x CP``) the model runs
+    this CP rank's two chunks of the padded rows (``local_tokens``, with their global
+    ``local_positions``: ``models.context_parallel``), and ``restore`` first gathers the ranks'
+    outputs back into sample order (the backward keeps this rank's part: every CP rank computes
+    the same loss from the gathered output). ``tokens`` stays the whole padded micro-batch (the
+    schedule's shapes are of whole sequences; megatron divides them by CP)."""
 
     def __init__(self, tokens: torch.Tensor, multiple: int, lengths: list[int] | None = None):
         self.width = tokens.shape[1]
         self.packed = None if lengths is None else pack(tokens, lengths, multiple)
+        self.cp = cpx.cp_size()
         if self.packed is None:
             self.tokens = pad_to(tokens, padded_length(self.width, multiple))
             self.position_ids = position_ids_for(self.tokens)
         else:
+            if self.cp > 1:
+                raise ValueError("packed (THD) micro-batches are not split over parallel.cp > 1 yet")
             self.tokens, self.position_ids = self.packed.tokens, self.packed.position_ids
+        self.local_tokens, self.local_positions = (cpx.split(t, 1) for t in (self.tokens, self.position_ids))
 
     def __call__(self, chunk) -> torch.Tensor:
         extra = {} if self.packed is None else {"packed_seq_params": packed_seq_params(self.packed)}
-        return chunk(self.tokens, self.position_ids, attention_mask=None, **extra)
+        return chunk(self.local_tokens, self.local_positions, attention_mask=None, **extra)
 
     def restore(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = cpx.gather(logits, 1, replicated=True)  # [m, s, ...] in sample order (CP > 1)
         return trim(logits, self.width) if self.packed is None else unpack(logits, self.packed, self.width)
 
     def restore_hidden(self, gpt, hidden: torch.Tensor) -> torch.Tensor:
         """The last stage's ``[s, b, h]`` hidden states (``hidden_states_out``) as ``[m, s, h]``
-        rows, gathered over the sequence (``chunked_logits.full_hidden``) and restored alike."""
+        rows, gathered over the sequence (``chunked_logits.full_hidden``; and over CP) and
+        restored alike."""
         return self.restore(full_hidden(gpt, hidden))
+
+    def local_token_stats(self, gpt, hidden: torch.Tensor, vocab_size: int, chunk: int,
+                          entropy: bool, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under CP, ``(log p, entropy)`` ``[m, width - 1]`` of tokens ``1..width-1`` (as
+        ``chunked_logits.token_stats`` of the restored hidden states), computed from this rank's
+        own ``[s/CP, b, h]`` hidden states (``chunk`` positions at a time) against its share of
+        the next tokens, then gathered into sample order. Only per-token values cross the CP
+        group, and the output layer sees this rank's positions only: with the hidden states
+        gathered instead, every CP rank would add the whole sequence's output-weight gradient."""
+        if self.packed is not None:
+            raise ValueError("packed (THD) micro-batches are not split over parallel.cp > 1 yet")
+        targets = torch.cat([self.tokens[:, 1:], self.tokens[:, :1]], dim=1)  # the last: never read
+        lp, ent = token_stats(gpt, full_hidden(gpt, hidden), cpx.split(targets, 1), vocab_size, chunk,
+                              entropy, temperature)
+        lp, ent = (cpx.gather(t, 1, replicated=True)[:, :self.width - 1] for t in (lp, ent))
+        return lp, ent
 
 
 # the statistics a filler call returns to megatron's schedule: run_schedule drops them

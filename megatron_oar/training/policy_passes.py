@@ -279,9 +279,14 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
 
         def loss_func(out):
             # the padding to the sequence multiple never enters the loss
-            out = inp.restore_hidden(gpt, out) if logits_chunk else inp.restore(out)
-            lp, ent = _next_token_stats(gpt, out, micro.tokens, vocab_size, logits_chunk, want_entropy,
-                                        temperature)
+            if logits_chunk and inp.cp > 1:  # this CP rank's positions through the output layer
+                lp, ent = inp.local_token_stats(gpt, out, vocab_size, logits_chunk, want_entropy,
+                                                temperature)
+                ent = ent if want_entropy else None
+            else:
+                out = inp.restore_hidden(gpt, out) if logits_chunk else inp.restore(out)
+                lp, ent = _next_token_stats(gpt, out, micro.tokens, vocab_size, logits_chunk, want_entropy,
+                                            temperature)
             lp, ent = _shifted(lp), None if ent is None else _shifted(ent)
             loss, stats = policy_loss(
                 lp, micro.old_logprobs.to(lp.dtype), micro.advantages, micro.loss_mask, loss_cfg,
@@ -366,7 +371,8 @@ def _reduce_stats(records: list[dict], loss_sum: torch.Tensor, device) -> dict[s
     values = torch.zeros(len(keys) + 2, dtype=torch.float64, device=device)
     peak = torch.zeros(max(len(keys), 1), dtype=torch.float64, device=device)
     last = ps.is_pipeline_last_stage()
-    if last and ps.get_tensor_model_parallel_rank() == 0:
+    # one rank of each TP (and CP: every CP rank computes the same loss) group counts its records
+    if last and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
         for rec in records:
             n = float(rec["num_tokens"])
             for i, k in enumerate(keys):

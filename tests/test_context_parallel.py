@@ -1,0 +1,106 @@
+"""Context parallelism (``parallel.cp``, ``models/context_parallel.py``): the trainer's Megatron
+passes at CP2 give what they give at CP1.
+
+The layout helpers on plain tensors (Megatron-LM's load-balanced chunks, sample order back);
+then, in one pooled world of 2 ranks, the old-logprob pass (with the probe teacher), the
+reference log-probs and one ``update_step`` (KL and entropy terms on, megatron's DDP and
+distributed optimizer) on the scaled tiny Qwen2 at DP2 (CP1) and at CP2 (DP1, both ranks on the
+same rows, each running two of the four chunks of every row), padded and token-budget
+micro-batches, chunked and whole logits. The test rows are 13..29 tokens, most not a multiple
+of 2 x CP = 4, so the padding to the CP multiple is exercised. Log-probs, entropies, reference
+log-probs, the teacher, the loss, the gradient norm, the gradients (the distributed optimizer
+shards them over the dp-cp group of 2 either way, so rank r holds the same shard) and the updated
+weights agree to fp32 rounding (``tests/test_micro_batches.py``'s bounds: 1e-5 relative, about
+100 float32 epsilons, for sums over at most a few thousand terms).
+
+Cost: one pooled 2-rank job (8 policy builds and their passes); measured on the 2 shared cores
+under other users' load: see the commit adding it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_oar.models import context_parallel as cpx
+from tests.distributed import launch_and_load, save_gathered
+from tests.test_micro_batches import LR, _passes, assert_same_update
+
+TOL = 1e-5
+LAYOUTS = [(1, 1, 1), (1, 1, 2)]  # (tp, pp, cp) in a world of 2: DP2, CP2
+GROUPINGS = [(b, chunk) for b in ("padded", "token_budget") for chunk in (None, 0)]
+
+
+def test_chunks_are_load_balanced_and_gather_back():
+    s, cp = 16, 2  # 4 chunks of 4: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert cpx.local_positions(s, cp, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert cpx.local_positions(s, cp, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    x = torch.arange(2 * s).reshape(2, s)
+    rank_major = torch.cat([cpx.split(x, 1, cp, r) for r in range(cp)], dim=1)
+    assert torch.equal(rank_major[:, cpx.global_order(cp, s // (2 * cp))], x)
+    for cp in (1, 3, 4):  # every position on exactly one rank, each rank the same causal work
+        pos = [cpx.local_positions(24, cp, r) for r in range(cp)]
+        assert sorted(torch.cat(pos).tolist()) == list(range(24))
+        assert len({int(p.sum()) for p in pos}) == 1
+    with pytest.raises(ValueError, match="does not split into 2 x parallel.cp = 4"):
+        cpx.split(torch.zeros(1, 10), 1, 2, 0)
+
+
+def _worker(ckpt: str, out: str) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+
+    results = {}
+    for tp, pp, cp in LAYOUTS:
+        init_runtime(ParallelConfig(tp=tp, pp=pp, cp=cp))
+        dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        rows = list(range(d, 5, dp))  # the trainer's split over DP; CP ranks share their rows
+        for batching, chunk in GROUPINGS:  # DDP all-reduces whole gradients: comparable grads
+            results[(tp, pp, cp, batching, chunk)] = {"rows": rows, **_passes(
+                ckpt, rows, batching, sharded_optimizer=False, logits_chunk=chunk)}
+        # megatron's distributed optimizer, sharded over the dp-cp group (this rank's own
+        # gradient shard is reduced, the rest of the buffer is its local part)
+        results[(tp, pp, cp, "sharded")] = _passes(ckpt, rows, "token_budget")
+    save_gathered(results, out)
+
+
+@pytest.fixture(scope="module")
+def runs(scaled_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("context_parallel") / "runs.pt"
+    return launch_and_load(_worker, 2, out, str(scaled_checkpoint))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.slow
+def test_cp2_passes_equal_cp1(runs):
+    for rank, res in enumerate(runs):
+        for batching, chunk in GROUPINGS:
+            want, got = res[(1, 1, 1, batching, chunk)], res[(1, 1, 2, batching, chunk)]
+            where = f"rank {rank} {batching} chunk={chunk}"
+            assert got["rows"] == [0, 1, 2, 3, 4]
+            mine = torch.tensor(want["rows"])  # CP2 scored every row; DP2 this rank's
+            valid = want["valid"]  # this rank's rows, as wide as the longest of them
+            for name in ("logprobs", "entropy", "ref_logprobs"):
+                assert got[name].shape[1] >= want[name].shape[1]
+                ours = got[name][mine][:, :valid.shape[1]]
+                assert _close(ours[valid], want[name][valid]), f"{where}: {name}"
+            assert_same_update(got, want, where)
+
+
+@pytest.mark.slow
+def test_cp2_distributed_optimizer_equals_cp1(runs):
+    for rank, res in enumerate(runs):
+        want, got = res[(1, 1, 1, "sharded")], res[(1, 1, 2, "sharded")]
+        where = f"rank {rank} distributed optimizer"
+        assert got["applied"] and want["applied"], where
+        assert got["loss"] == pytest.approx(want["loss"], rel=TOL), where
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL), where
+        # the updated weights, all-gathered from the shards (assert_same_update's bounds)
+        for g, w, grad in zip(got["weights"], want["weights"], res[(1, 1, 1, "padded", None)]["grads"]):
+            firm = grad.abs() > 1e-4 * grad.abs().max()
+            assert _close(g[firm], w[firm]), where
+            assert (g - w).abs().max() <= 2 * LR + TOL, where
