@@ -28,7 +28,12 @@ from tests.test_micro_batches import LR, _passes, assert_same_update
 
 TOL = 1e-5
 LAYOUTS = [(1, 1, 1), (1, 1, 2)]  # (tp, pp, cp) in a world of 2: DP2, CP2
-GROUPINGS = [(b, chunk) for b in ("padded", "token_budget") for chunk in (None, 0)]
+# both batchings, chunked (None: the passes' default) and whole logits; the sharded run below
+# adds token_budget with chunked logits
+GROUPINGS = [("padded", None), ("token_budget", 0)]
+# a world of 4: TP2 x DP2 against TP2 x CP2, PP2 x DP2 against PP2 x CP2
+LAYOUTS4 = [(2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2)]
+GROUPINGS4 = [("padded", 0), ("token_budget", None)]
 
 
 def test_chunks_are_load_balanced_and_gather_back():
@@ -46,41 +51,46 @@ def test_chunks_are_load_balanced_and_gather_back():
         cpx.split(torch.zeros(1, 10), 1, 2, 0)
 
 
-def _worker(ckpt: str, out: str) -> None:
+def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, out: str) -> None:
     from megatron.core import parallel_state as ps
 
     from megatron_oar.runtime import ParallelConfig, init_runtime
 
     results = {}
-    for tp, pp, cp in LAYOUTS:
+    for tp, pp, cp in layouts:
         init_runtime(ParallelConfig(tp=tp, pp=pp, cp=cp))
         dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         rows = list(range(d, 5, dp))  # the trainer's split over DP; CP ranks share their rows
-        for batching, chunk in GROUPINGS:  # DDP all-reduces whole gradients: comparable grads
+        for batching, chunk in groupings:  # DDP all-reduces whole gradients: comparable grads
             results[(tp, pp, cp, batching, chunk)] = {"rows": rows, **_passes(
                 ckpt, rows, batching, sharded_optimizer=False, logits_chunk=chunk)}
-        # megatron's distributed optimizer, sharded over the dp-cp group (this rank's own
-        # gradient shard is reduced, the rest of the buffer is its local part)
-        results[(tp, pp, cp, "sharded")] = _passes(ckpt, rows, "token_budget")
+        if sharded:  # megatron's distributed optimizer, sharded over the dp-cp group (this
+            # rank's own gradient shard is reduced, the rest of the buffer is its local part)
+            results[(tp, pp, cp, "sharded")] = _passes(ckpt, rows, "token_budget")
     save_gathered(results, out)
 
 
 @pytest.fixture(scope="module")
 def runs(scaled_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("context_parallel") / "runs.pt"
-    return launch_and_load(_worker, 2, out, str(scaled_checkpoint))
+    return launch_and_load(_worker, 2, out, str(scaled_checkpoint), LAYOUTS, GROUPINGS, True)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=TOL, atol=TOL)
 
 
-@pytest.mark.slow
-def test_cp2_passes_equal_cp1(runs):
+@pytest.fixture(scope="module")
+def runs4(scaled_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("context_parallel") / "runs4.pt"
+    return launch_and_load(_worker, 4, out, str(scaled_checkpoint), LAYOUTS4, GROUPINGS4, False)
+
+
+def _assert_cp_equals_dp(runs, groupings, tp: int, pp: int) -> None:
     for rank, res in enumerate(runs):
-        for batching, chunk in GROUPINGS:
-            want, got = res[(1, 1, 1, batching, chunk)], res[(1, 1, 2, batching, chunk)]
-            where = f"rank {rank} {batching} chunk={chunk}"
+        for batching, chunk in groupings:
+            want, got = res[(tp, pp, 1, batching, chunk)], res[(tp, pp, 2, batching, chunk)]
+            where = f"rank {rank} tp{tp} pp{pp} {batching} chunk={chunk}"
             assert got["rows"] == [0, 1, 2, 3, 4]
             mine = torch.tensor(want["rows"])  # CP2 scored every row; DP2 this rank's
             valid = want["valid"]  # this rank's rows, as wide as the longest of them
@@ -89,6 +99,17 @@ def test_cp2_passes_equal_cp1(runs):
                 ours = got[name][mine][:, :valid.shape[1]]
                 assert _close(ours[valid], want[name][valid]), f"{where}: {name}"
             assert_same_update(got, want, where)
+
+
+@pytest.mark.slow
+def test_cp2_passes_equal_cp1(runs):
+    _assert_cp_equals_dp(runs, GROUPINGS, 1, 1)
+
+
+@pytest.mark.slow
+def test_cp2_with_tp2_and_pp2_equals_cp1(runs4):
+    _assert_cp_equals_dp(runs4, GROUPINGS4, 2, 1)
+    _assert_cp_equals_dp(runs4, GROUPINGS4, 1, 2)
 
 
 @pytest.mark.slow
