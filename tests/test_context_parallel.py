@@ -51,6 +51,34 @@ def test_chunks_are_load_balanced_and_gather_back():
         cpx.split(torch.zeros(1, 10), 1, 2, 0)
 
 
+def _sync_check(ckpt: str) -> tuple[float, float, int]:
+    """The rollout sync check (``rollout/sync_check.logprob_agreement``) of the test rows with
+    "vLLM" log-probs 0: Megatron's own log-probs, over the world."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from megatron_oar.config import ModelConfig, OptimConfig
+    from megatron_oar.models import read_hf_config
+    from megatron_oar.rollout.batch import RolloutBatch
+    from megatron_oar.rollout.sync_check import logprob_agreement
+    from megatron_oar.training.policy import build_policy
+    from tests.test_attribution import TEXTS
+
+    hf = read_hf_config(Path(ckpt) / "hf")
+    policy = build_policy(hf, ModelConfig(path=ckpt, spec="local"), OptimConfig(), checkpoint=Path(ckpt),
+                          total_optimizer_steps=1)
+    tok = AutoTokenizer.from_pretrained(str(Path(ckpt) / "hf"))
+    rows = [(tok.encode(p), tok.encode(r)) for p, r in TEXTS]
+    n = len(rows)
+    batch = RolloutBatch(prompt_ids=[p for p, _ in rows], response_ids=[[r] for _, r in rows],
+                         logprobs=[[[0.0] * len(r)] for _, r in rows], finish_reasons=[["stop"]] * n,
+                         stop_reasons=[[None]] * n, texts=[[""]] * n, seeds=list(range(n)), n=1,
+                         temperature=1.0, top_p=1.0, top_k=-1, logprobs_mode="raw_logprobs")
+    check = logprob_agreement(policy.model, batch, hf["vocab_size"])
+    return check.mean_abs_diff, check.max_abs_diff, check.num_tokens
+
+
 def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, out: str) -> None:
     from megatron.core import parallel_state as ps
 
@@ -64,6 +92,8 @@ def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, out: str) 
         for batching, chunk in groupings:  # DDP all-reduces whole gradients: comparable grads
             results[(tp, pp, cp, batching, chunk)] = {"rows": rows, **_passes(
                 ckpt, rows, batching, sharded_optimizer=False, logits_chunk=chunk)}
+        if sharded:
+            results[(tp, pp, cp, "sync")] = _sync_check(ckpt)
         if sharded:  # megatron's distributed optimizer, sharded over the dp-cp group (this
             # rank's own gradient shard is reduced, the rest of the buffer is its local part)
             results[(tp, pp, cp, "sharded")] = _passes(ckpt, rows, "token_budget")
@@ -110,6 +140,14 @@ def test_cp2_passes_equal_cp1(runs):
 def test_cp2_with_tp2_and_pp2_equals_cp1(runs4):
     _assert_cp_equals_dp(runs4, GROUPINGS4, 2, 1)
     _assert_cp_equals_dp(runs4, GROUPINGS4, 1, 2)
+
+
+@pytest.mark.slow
+def test_cp2_sync_check_counts_each_token_once(runs):
+    """The sync check's forward pass gathers the logits over CP; one CP rank counts them."""
+    (mean1, max1, n1), (mean2, max2, n2) = runs[0][(1, 1, 1, "sync")], runs[0][(1, 1, 2, "sync")]
+    assert n2 == n1 > 0
+    assert mean2 == pytest.approx(mean1, rel=TOL) and max2 == pytest.approx(max1, rel=TOL)
 
 
 @pytest.mark.slow
