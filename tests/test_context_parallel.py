@@ -91,12 +91,12 @@ def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, out: str) 
         rows = list(range(d, 5, dp))  # the trainer's split over DP; CP ranks share their rows
         for batching, chunk in groupings:  # DDP all-reduces whole gradients: comparable grads
             results[(tp, pp, cp, batching, chunk)] = {"rows": rows, **_passes(
-                ckpt, rows, batching, sharded_optimizer=False, logits_chunk=chunk)}
+                ckpt, rows, batching, sharded_optimizer=False, logits_chunk=chunk, probe_sites=False)}
         if sharded:
             results[(tp, pp, cp, "sync")] = _sync_check(ckpt)
         if sharded:  # megatron's distributed optimizer, sharded over the dp-cp group (this
             # rank's own gradient shard is reduced, the rest of the buffer is its local part)
-            results[(tp, pp, cp, "sharded")] = _passes(ckpt, rows, "token_budget")
+            results[(tp, pp, cp, "sharded")] = {"rows": rows, **_passes(ckpt, rows, "token_budget")}
     save_gathered(results, out)
 
 
@@ -155,6 +155,14 @@ def test_cp2_distributed_optimizer_equals_cp1(runs):
     for rank, res in enumerate(runs):
         want, got = res[(1, 1, 1, "sharded")], res[(1, 1, 2, "sharded")]
         where = f"rank {rank} distributed optimizer"
+        # the old-logprob pass with the probe teacher (its sites read the output gathered over CP)
+        mine = torch.tensor(want["rows"])
+        for name in ("logprobs", "entropy"):
+            ours = got[name][mine][:, :want["valid"].shape[1]]
+            assert _close(ours[want["valid"]], want[name][want["valid"]]), f"{where}: {name}"
+        assert len(got["teacher"]) == len(want["teacher"]) == 2
+        for g, w in zip(got["teacher"], want["teacher"]):
+            assert _close(g[mine], w), f"{where}: teacher"
         assert got["applied"] and want["applied"], where
         assert got["loss"] == pytest.approx(want["loss"], rel=TOL), where
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL), where

@@ -70,11 +70,12 @@ def test_padding_fraction_drops_with_token_budgets():
 
 def _passes(ckpt: str, rows: list[int], batching: str, sharded_optimizer: bool = True, *,
             logits_chunk: int | None = None, sequence_parallel: bool = False,
-            attention: str = "auto") -> dict:
+            attention: str = "auto", probe_sites: bool = True) -> dict:
     """The trainer's Megatron passes on ``rows`` of the test batch; this rank's outputs
     (``sharded_optimizer=False``: DDP all-reduces whole gradients, so ``grads`` are global;
     ``logits_chunk``: ``train.logits_chunk_tokens``, None for the passes' default;
-    ``attention``: ``model.attention``)."""
+    ``attention``: ``model.attention``; ``probe_sites=False``: the old-logprob pass without
+    the probe teacher, as the trainer runs it for credit without attribution)."""
     from transformers import AutoTokenizer
 
     from megatron_oar.algorithms import PolicyLossConfig
@@ -104,7 +105,7 @@ def _passes(ckpt: str, rows: list[int], batching: str, sharded_optimizer: bool =
     shapes, key = {}, [""]
     hook = _record_lengths(policy.gpt, shapes, key)
     probe = ProbeConfig(kind="answer_mean")
-    sites = locate_probes(batch, probe, 3, SpanFinder(tok, probe.answer_pattern))
+    sites = locate_probes(batch, probe, 3, SpanFinder(tok, probe.answer_pattern)) if probe_sites else None
     out = {}
     key[0] = "old_logprob"
     batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(policy.model, batch, vocab, 1,
