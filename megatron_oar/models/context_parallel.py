@@ -15,7 +15,8 @@ model on its ``s / CP`` tokens and RoPE sees their global positions.
   every CP rank then processes identically into the same loss): the backward keeps this rank's
   part of the gradient, which is the whole of it for this rank's positions. ``replicated=False``
   (K/V inside attention, where each rank's queries read every rank's keys): the backward sums the
-  ranks' gradients and keeps this rank's part (a reduce-scatter).
+  ranks' gradients and keeps this rank's part (a reduce-scatter on NCCL; gloo, which has none, an
+  all-reduce of which each rank keeps its part).
 
 Everything here is a no-op at ``CP = 1``.
 """
@@ -101,9 +102,13 @@ class _Gather(torch.autograd.Function):
         rank_major = torch.empty_like(g)
         rank_major.index_copy_(0, order, g)  # back to rank-major (order is a permutation)
         rank_major = rank_major.contiguous()
-        if not ctx.replicated:  # every rank's share of the K/V gradient, summed
-            dist.all_reduce(rank_major, group=ctx.group)
-        mine = rank_major.narrow(0, dist.get_rank(ctx.group) * ctx.local, ctx.local)
+        if not ctx.replicated and dist.get_backend(ctx.group) == "nccl":  # every rank's share, summed
+            mine = rank_major.new_empty((ctx.local, *rank_major.shape[1:]))
+            dist.reduce_scatter_tensor(mine, rank_major, group=ctx.group)
+        else:
+            if not ctx.replicated:  # gloo has no reduce-scatter: all-reduce, keep this rank's part
+                dist.all_reduce(rank_major, group=ctx.group)
+            mine = rank_major.narrow(0, dist.get_rank(ctx.group) * ctx.local, ctx.local)
         return mine.movedim(0, ctx.dim).contiguous(), None, None, None
 
 

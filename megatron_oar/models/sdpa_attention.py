@@ -26,10 +26,12 @@ the math backend, which keeps one, only where a mask is given).
 - **Context parallelism** (``parallel.cp > 1``, :mod:`megatron_oar.models.context_parallel`): each
   rank holds two of the ``2 x CP`` chunks of every sequence. K and V are all-gathered over the CP
   group (the backward sums their gradients over the ranks and keeps this rank's part: a
-  reduce-scatter), put in sample order, and each local query chunk attends to the keys up to its
-  own global positions, with a boolean mask from those positions (exact; the mask makes SDPA use
-  its math kernel, ``[chunk, keys before it]`` per chunk: the TE spec's CP attention is the
-  fast path on GPUs). GQA keeps the gathered K/V small: ``2 x kv_heads x head_dim`` per token.
+  reduce-scatter), put in sample order, and each local query chunk ``j`` attends to the keys of
+  chunks ``0..j``, causal aligned to the bottom right (``torch.nn.attention.bias.causal_lower_right``:
+  query ``i`` of the chunk sees the keys up to its global position ``j x c + i``; no mask tensor,
+  which CUDA's SDPA kernels take as such, the CPU materialises). GQA keeps the gathered K/V
+  small: ``2 x kv_heads x head_dim`` per token. Exact; the TE spec's CP attention (ring exchange,
+  no whole-sequence K/V) is the path for long sequences on GPUs.
 
 ``model.attention`` picks the core attention (``models.builder.resolve_attention``); the backend SDPA chose is
 logged once per process at the first call (:func:`sdpa_backend`).
@@ -48,6 +50,7 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from torch.nn.attention.bias import causal_lower_right
 
 log = logging.getLogger(__name__)
 
@@ -170,13 +173,14 @@ class SDPAttention(DotProductAttention):
         sl, b = query.shape[:2]
         c = sl // 2
         keys, values = (cpx.gather(t, 0, replicated=False) for t in (key, value))  # [s, b, g, d]
-        q_pos = cpx.local_positions(sl * self.cp, self.cp, device=query.device)
         out = []
         for half, chunk in enumerate(cpx.chunk_ids(self.cp, cpx.cp_rank())):
             end = (chunk + 1) * c  # keys after this chunk are never visible to it
             q = query[half * c:(half + 1) * c].permute(1, 2, 0, 3)
             k, v = (t[:end].permute(1, 2, 0, 3) for t in (keys, values))
-            mask = torch.arange(end, device=query.device)[None, :] <= q_pos[half * c:(half + 1) * c, None]
+            # query i of the chunk (global chunk * c + i) sees keys 0..chunk * c + i: causal,
+            # aligned to the bottom right (no [c, end] mask tensor: on CUDA SDPA's kernels take it)
+            mask = causal_lower_right(c, end)
             out.append(self._sdpa(q, k, v, mask, False, dropout))  # [b, heads, c, dim]
         context = torch.cat(out, dim=2)
         return context.permute(2, 0, 1, 3).reshape(sl, b, self.hidden_size_per_partition)
