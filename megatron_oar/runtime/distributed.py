@@ -106,10 +106,9 @@ def validate_layout(world_size: int, parallel: ParallelConfig) -> int:
             raise ValueError(f"parallel.{name} must be >= 1, got {v}")
     mp = parallel.tp * parallel.pp * parallel.cp
     if world_size % mp != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by parallel.tp*parallel.pp*parallel.cp = "
-            f"{parallel.tp}*{parallel.pp}*{parallel.cp}"
-        )
+        keys = (f"tp*pp = {parallel.tp}*{parallel.pp}" if parallel.cp == 1 else
+                f"parallel.tp*parallel.pp*parallel.cp = {parallel.tp}*{parallel.pp}*{parallel.cp}")
+        raise ValueError(f"world size {world_size} is not divisible by {keys}")
     etp = parallel.tp if parallel.etp is None else parallel.etp
     if world_size % (etp * parallel.ep * parallel.pp):
         raise ValueError(
