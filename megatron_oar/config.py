@@ -490,7 +490,7 @@ def _check_model_and_layout(cfg: Config, world_size: int | None) -> int:
     _one_of("model.recompute", m.recompute, (None, "selective", "full"))
     _one_of("model.moe_dispatcher", m.moe_dispatcher, MOE_DISPATCHERS)
     _one_of("model.routing_replay", m.routing_replay, ROUTING_REPLAY_MODES)
-    _at_least(cfg, "model.vocab_multiple parallel.tp parallel.pp parallel.ep")
+    _at_least(cfg, "model.vocab_multiple parallel.tp parallel.pp parallel.cp parallel.ep")
     _need(p.etp is None or p.etp >= 1, f"parallel.etp={p.etp}: must be >= 1 (or null: parallel.tp)")
     _need(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel needs parallel.tp > 1")
     _check_spec(m)
@@ -500,13 +500,14 @@ def _check_model_and_layout(cfg: Config, world_size: int | None) -> int:
         train_world = r.training_world_size(world_size)
         which = (f"the world size {world_size}" if train_world == world_size else
                  f"the training ranks {train_world} (world size {world_size} - rollout.ranks={r.ranks})")
-        _need(train_world % (p.tp * p.pp) == 0,
-              f"parallel.tp*parallel.pp = {p.tp}*{p.pp} does not divide {which}")
+        mp, mp_keys = p.tp * p.pp * p.cp, (f"parallel.tp*parallel.pp = {p.tp}*{p.pp}" if p.cp == 1 else
+                                           f"parallel.tp*parallel.pp*parallel.cp = {p.tp}*{p.pp}*{p.cp}")
+        _need(train_world % mp == 0, f"{mp_keys} does not divide {which}")
         etp = p.tp if p.etp is None else p.etp
         _need(train_world % (etp * p.ep * p.pp) == 0,
               f"parallel.etp*parallel.ep*parallel.pp = {etp}*{p.ep}*{p.pp} does not divide "
               f"{which} (the experts' layout; parallel.etp defaults to parallel.tp)")
-        dp = train_world // (p.tp * p.pp)
+        dp = train_world // mp
     # TE's delayed-scaling amax reduction is a collective over TP x DP at every FP8 autocast exit
     # of a grad-enabled pass; DP ranks score different numbers of sequences (only A_i != 0), so
     # their counts of such exits differ and the reductions pair up wrongly or hang.
@@ -520,7 +521,34 @@ def _check_model_and_layout(cfg: Config, world_size: int | None) -> int:
           "model.routing_replay=rollout with rollout.placement=separate: vLLM's routed experts stay "
           "on the rollout ranks; use model.routing_replay=record (or the colocated placement)")
     _check_rollout_sampling(cfg)
+    _check_context_parallel(cfg)
     return dp
+
+
+# what parallel.cp > 1 does not run yet (docs/scaling.md, "Context parallelism"): key -> why
+def _cp_unsupported(cfg: Config) -> list[str]:
+    m, out = cfg.model, []
+    if cfg.uses_attribution:
+        out.append(f"credit={cfg.credit} (the attribution passes do not split sequences over CP yet)")
+    if cfg.train.batching == "packed":
+        out.append("train.batching=packed (THD sequences are not split over CP yet; use token_budget)")
+    if m.routing_replay != "none":
+        out.append(f"model.routing_replay={m.routing_replay} (mixture-of-experts models are not run "
+                   "under CP yet)")
+    spec = resolve_spec(m) if m.spec == "auto" else m.spec
+    if resolve_attention(m.attention, spec) == "unfused":
+        out.append("model.attention=unfused (megatron's unfused attention has no context "
+                   "parallelism; use model.attention=sdpa or the TE spec)")
+    return out
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """``parallel.cp > 1`` against what does not run under context parallelism yet: refused,
+    naming each key."""
+    if cfg.parallel.cp == 1:
+        return
+    for what in _cp_unsupported(cfg):
+        raise ConfigError(f"parallel.cp={cfg.parallel.cp} > 1 is not yet supported with {what}")
 
 
 def _check_rollout_sampling(cfg: Config) -> None:
@@ -621,6 +649,9 @@ def _check_model_shape(cfg: Config, hf_config: dict) -> None:
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
     _check_vllm_tp(arch, r.tp)
+    _need(p.cp == 1 or not arch.is_moe,
+          f"parallel.cp={p.cp} > 1 is not yet supported with a mixture-of-experts model "
+          f"({m.path or 'model'}/config.json): routing and expert dispatch under CP are untested")
     _need(m.routing_replay == "none" or arch.is_moe,
           f"model.routing_replay={m.routing_replay!r} needs a mixture-of-experts model; "
           f"{m.path or 'model'}/config.json is a dense {arch.family} model")

@@ -331,6 +331,30 @@ def test_world_size_layout():
         validate(example("qwen2.5-7b_oar_g.yaml", "rollout.tp=3"), world_size=8)
 
 
+def test_context_parallel_layout_and_refusals():
+    """parallel.cp: tp*pp*cp divides the world, DP is what is left (the batch checks use it), and
+    what CP does not run yet is refused naming the key."""
+    grpo = ("credit=grpo", "parallel.tp=2", "parallel.cp=2")
+    validate(example("qwen2.5-7b_oar_g.yaml", *grpo, "model.spec=local"), world_size=8)
+    with raises(r"parallel.tp\*parallel.pp\*parallel.cp = 2\*1\*2 does not divide the world size 6"):
+        validate(example("qwen2.5-7b_oar_g.yaml", *grpo, "model.spec=local"), world_size=6)
+    with raises(r"parallel.cp=0: must be >= 1"):
+        validate(example("qwen2.5-7b_oar_g.yaml", "parallel.cp=0"), world_size=8)
+    # DP = 8 / (2*2) = 2: 512 samples in micro-batches of 3 rows per DP rank do not divide
+    with raises(r"train.micro_batch_size\*DP = 3\*2"):
+        validate(example("qwen2.5-7b_oar_g.yaml", *grpo, "model.spec=local", "train.batching=padded",
+                         "train.micro_batch_size=3"), world_size=8)
+    for extra, key in ((("credit=oar_g",), "credit=oar_g"), (("credit=oar_p",), "credit=oar_p"),
+                       (("credit=oar_p_screened",), "credit=oar_p_screened"),
+                       (("train.batching=packed",), "train.batching=packed"),
+                       (("model.attention=unfused",), "model.attention=unfused")):
+        with raises(rf"parallel.cp=2 > 1 is not yet supported with {key}"):
+            validate(example("qwen2.5-7b_oar_g.yaml", *grpo, "model.spec=local", *extra), world_size=8)
+    with raises(r"parallel.cp=2 > 1 is not yet supported with a mixture-of-experts model"):
+        validate(example("qwen3-30b-a3b_oar_g.yaml", "credit=grpo", "parallel.cp=2",
+                         "model.routing_replay=none"), hf_config=HF["qwen3-30b-a3b"])
+
+
 def test_batch_must_divide():
     # rows per micro-batch divide each DP rank's rows under padded only; token budgets take any
     cfg = example("qwen2.5-7b_oar_g.yaml", "train.batching=padded", "train.micro_batch_size=3")

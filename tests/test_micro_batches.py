@@ -70,11 +70,13 @@ def test_padding_fraction_drops_with_token_budgets():
 
 def _passes(ckpt: str, rows: list[int], batching: str, sharded_optimizer: bool = True, *,
             logits_chunk: int | None = None, sequence_parallel: bool = False,
-            attention: str = "auto") -> dict:
+            attention: str = "auto", probe_sites: bool = True, temperature: float = 1.0) -> dict:
     """The trainer's Megatron passes on ``rows`` of the test batch; this rank's outputs
     (``sharded_optimizer=False``: DDP all-reduces whole gradients, so ``grads`` are global;
     ``logits_chunk``: ``train.logits_chunk_tokens``, None for the passes' default;
-    ``attention``: ``model.attention``)."""
+    ``attention``: ``model.attention``; ``probe_sites=False``: the old-logprob pass without
+    the probe teacher, as the trainer runs it for credit without attribution; ``temperature``:
+    ``rollout.temperature``, the passes' softmax(logits / T))."""
     from transformers import AutoTokenizer
 
     from megatron_oar.algorithms import PolicyLossConfig
@@ -100,11 +102,12 @@ def _passes(ckpt: str, rows: list[int], batching: str, sharded_optimizer: bool =
                       seq_adv=SEQ_ADV)
     batch = full.select(rows)
     grouping = {"batching": batching, "max_tokens": BUDGET,
-                **({} if logits_chunk is None else {"logits_chunk": logits_chunk})}
+                **({} if logits_chunk is None else {"logits_chunk": logits_chunk}),
+                **({} if temperature == 1.0 else {"temperature": temperature})}
     shapes, key = {}, [""]
     hook = _record_lengths(policy.gpt, shapes, key)
     probe = ProbeConfig(kind="answer_mean")
-    sites = locate_probes(batch, probe, 3, SpanFinder(tok, probe.answer_pattern))
+    sites = locate_probes(batch, probe, 3, SpanFinder(tok, probe.answer_pattern)) if probe_sites else None
     out = {}
     key[0] = "old_logprob"
     batch.old_logprobs, batch.entropy, teacher = old_logprob_pass(policy.model, batch, vocab, 1,

@@ -1,11 +1,14 @@
-"""Resuming a training checkpoint at another TP / PP (``megatron_oar/training/step_checkpoint.py``).
+"""Resuming a training checkpoint at another TP / PP / CP (``megatron_oar/training/step_checkpoint.py``).
 
-Slow (24 s run alone on 2 CPU cores, the rank pool's start included; it reuses the session's
-tiny Qwen2, ``trainer_checkpoint``): one 2-rank job trains it for one update at TP2 and at PP2,
-saves (``fully_reshardable``; at TP2 also ``dp_reshardable``) and runs two more updates; a 1-rank
-job loads each checkpoint at TP1 PP1 and runs the same two updates. Their losses must equal the
-uninterrupted runs' to fp32 rounding (the second one depends on the restored Adam moments); the
-``dp_reshardable`` one must be refused, naming what changed and what may.
+Slow (24 s run alone on 2 CPU cores before the CP2 layout was added, 30 s with it under other
+users' load, the rank pool's start included; it reuses the session's tiny Qwen2,
+``trainer_checkpoint``): one 2-rank job trains it for one update at TP2 and at PP2, saves
+(``fully_reshardable``; at TP2 also ``dp_reshardable``) and runs two more updates, and the same
+at CP2 (context parallel, saved ``dp_reshardable``: megatron's distributed optimizer shards over
+DP x CP, so a change of CP is one of DP x CP); a 1-rank job loads each checkpoint at TP1 PP1 CP1
+and runs the same two updates. Their losses must equal the uninterrupted runs' to fp32 rounding
+(the second one depends on the restored Adam moments); the TP2 ``dp_reshardable`` one must be
+refused, naming what changed and what may.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import torch
 
 from tests.distributed import launch, save_gathered
 
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}  # saved at; every resume is at TP1 PP1
+LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2)}  # saved at (tp, pp, cp); resumed at 1, 1, 1
+SHARDING = {"tp2": "fully_reshardable", "pp2": "fully_reshardable", "cp2": "dp_reshardable"}
 VOCAB = 256  # the tokens drawn (below the model's vocabulary)
 
 
@@ -29,13 +33,13 @@ def model(trainer_checkpoint) -> Path:
     return trainer_checkpoint
 
 
-def _policy(model: str, tp: int, pp: int):
+def _policy(model: str, tp: int, pp: int, cp: int = 1):
     from megatron_oar.config import ModelConfig, OptimConfig
     from megatron_oar.models import read_hf_config
     from megatron_oar.runtime import ParallelConfig, init_runtime
     from megatron_oar.training.policy import build_policy
 
-    init_runtime(ParallelConfig(tp=tp, pp=pp))
+    init_runtime(ParallelConfig(tp=tp, pp=pp, cp=cp))
     return build_policy(read_hf_config(Path(model) / "hf" / "config.json"),
                         ModelConfig(path=model, dtype="fp32", spec="local"), OptimConfig(lr=1e-2),
                         checkpoint=model, total_optimizer_steps=8)
@@ -74,10 +78,10 @@ def _save(policy, model: str, root: str, sharding: str) -> None:
 
 def _run_worker(model: str, root: str, out: str) -> None:
     losses = {}
-    for name, (tp, pp) in LAYOUTS.items():
-        policy = _policy(model, tp, pp)
+    for name, (tp, pp, cp) in LAYOUTS.items():
+        policy = _policy(model, tp, pp, cp)
         _update(policy, 1, _vocab(model))
-        _save(policy, model, f"{root}/{name}", "fully_reshardable")
+        _save(policy, model, f"{root}/{name}", SHARDING[name])
         if name == "tp2":
             _save(policy, model, f"{root}/tp2_dp_reshardable", "dp_reshardable")
         losses[name] = [_update(policy, 2, _vocab(model)), _update(policy, 3, _vocab(model))]
@@ -112,12 +116,15 @@ def test_resume_at_another_tp_and_pp(model, tmp_path):
     for name in LAYOUTS:  # the next two steps' losses: fp32 rounding apart
         assert resumed[name] == pytest.approx(run[name], rel=1e-5, abs=1e-6), name
     state = json.loads((tmp_path / "tp2" / "step_00000001" / "trainer_state.json").read_text())
-    assert state["layout"] == {"tp": 2, "pp": 1, "ep": 1, "etp": 2, "dp": 1, "world_size": 2,
+    assert state["layout"] == {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "etp": 2, "dp": 1, "world_size": 2,
                                "distributed_optimizer": True}
     assert state["optim_sharding"] == "fully_reshardable"
+    cp2 = json.loads((tmp_path / "cp2" / "step_00000001" / "trainer_state.json").read_text())
+    assert (cp2["layout"]["cp"], cp2["layout"]["dp"], cp2["optim_sharding"]) == (2, 1, "dp_reshardable")
     meta = json.loads((tmp_path / "pp2" / "step_00000001" / "oar_checkpoint.json").read_text())
     assert (meta["written_tp"], meta["written_pp"]) == (1, 2)
     assert any("RNG states are not restored" in m and "tp, world_size" in m for m in resumed["log"])
+    assert any("RNG states are not restored" in m and "cp, world_size" in m for m in resumed["log"])
     refused = resumed.get("refused", "")
     for needle in ("tp2_dp_reshardable/step_00000001", "tp 2 -> 1", "dp_reshardable",
                    "data-parallel and world sizes may change", "checkpoint.optim_sharding=fully_reshardable"):

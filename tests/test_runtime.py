@@ -31,7 +31,9 @@ from tests.distributed import launch, launch_fresh
     (4, ParallelConfig(tp=-2), ["parallel.tp", "got -2"]),
     (4, ParallelConfig(tp=1, sequence_parallel=True), ["parallel.sequence_parallel",
                                                          "parallel.tp > 1"]),
-], ids=["tp3_world4", "tp2pp3_world4", "tp0", "pp0", "tp_negative", "sp_tp1"])
+    (4, ParallelConfig(tp=2, cp=4), ["world size 4", "parallel.tp*parallel.pp*parallel.cp = 2*1*4"]),
+    (4, ParallelConfig(cp=0), ["parallel.cp", ">= 1", "got 0"]),
+], ids=["tp3_world4", "tp2pp3_world4", "tp0", "pp0", "tp_negative", "sp_tp1", "tp2cp4_world4", "cp0"])
 def test_validate_layout_errors_name_the_field(world, cfg, needles):
     with pytest.raises(ValueError) as exc:
         validate_layout(world, cfg)
@@ -43,6 +45,7 @@ def test_validate_layout_errors_name_the_field(world, cfg, needles):
     (1, ParallelConfig(), 1), (2, ParallelConfig(), 2), (2, ParallelConfig(tp=2), 1),
     (8, ParallelConfig(tp=2, pp=2), 2), (8, ParallelConfig(pp=4), 2),
     (4, ParallelConfig(tp=2, sequence_parallel=True), 2),
+    (8, ParallelConfig(tp=2, cp=2), 2), (4, ParallelConfig(cp=4), 1),
 ])
 def test_validate_layout_returns_dp(world, cfg, dp):
     assert validate_layout(world, cfg) == dp

@@ -180,9 +180,10 @@ def check_fp8_recipe_device(opts: ModelOptions) -> bool:
 def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
                        perform_initialization: bool = True,
                        use_cpu_initialization: bool | None = None,
-                       ep: int = 1, etp: int | None = None):
+                       ep: int = 1, etp: int | None = None, cp: int = 1):
     """The megatron ``TransformerConfig`` for this architecture and layout (``ep`` / ``etp``:
-    expert parallel and expert tensor parallel sizes, MoE models only).
+    expert parallel and expert tensor parallel sizes, MoE models only; ``cp``: context parallel
+    size, under which megatron hands TE's attention the CP group, ``cp_comm_type`` p2p).
 
     ``use_cpu_initialization`` (default: only without CUDA) makes megatron create parameters
     without an explicit device, so a ``torch.device("meta")`` context applies to them; with it
@@ -248,6 +249,7 @@ def transformer_config(arch: QwenArch, opts: ModelOptions, tp: int, pp: int, *,
         apply_query_key_layer_scaling=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         sequence_parallel=opts.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -388,7 +390,8 @@ def build_gpt_model(hf_config: dict[str, Any] | QwenArch, opts: ModelOptions | N
         moe = dict(ep=parallel_state.get_expert_model_parallel_world_size(),
                    etp=parallel_state.get_expert_tensor_parallel_world_size())
     config = transformer_config(arch, opts, tp, pp, perform_initialization=perform_initialization,
-                                use_cpu_initialization=use_cpu_initialization, **moe)
+                                use_cpu_initialization=use_cpu_initialization,
+                                cp=parallel_state.get_context_parallel_world_size(), **moe)
     spec = resolve_spec(opts)
     attention = resolve_attention(opts.attention, spec)
     log_model_kernels(config, spec, attention)

@@ -26,8 +26,10 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from megatron_oar.models import context_parallel as cpx
 from megatron_oar.models import equal_calls
-from megatron_oar.models.chunked_logits import full_hidden, hidden_states_out
+from megatron_oar.models import vocab_parallel as vp
+from megatron_oar.models.chunked_logits import full_hidden, hidden_states_out, token_stats
 from megatron_oar.models.packing import pack, packed_seq_params, unpack
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 from megatron_oar.models.parallel import unwrap
@@ -55,28 +57,65 @@ class MicroInput:
     """A micro-batch ``tokens [m, s]`` as the model runs it: right-padded to ``multiple``, or,
     given the rows' ``lengths`` (``batching=packed``), packed into one sequence ``[1, T]`` with
     megatron's THD ``packed_seq_params``. ``restore`` maps the last stage's logits back to
-    ``[m, s, ...]`` (trimmed, or unpacked with zeros past each row's length)."""
+    ``[m, s, ...]`` (trimmed, or unpacked with zeros past each row's length).
+
+    Under context parallelism (CP > 1; ``multiple`` then includes ``2 x CP``) the model runs
+    this CP rank's two chunks of the padded rows (``local_tokens``, with their global
+    ``local_positions``: ``models.context_parallel``), and ``restore`` first gathers the ranks'
+    outputs back into sample order (the backward keeps this rank's part: every CP rank computes
+    the same loss from the gathered output). ``tokens`` stays the whole padded micro-batch (the
+    schedule's shapes are of whole sequences; megatron divides them by CP)."""
 
     def __init__(self, tokens: torch.Tensor, multiple: int, lengths: list[int] | None = None):
         self.width = tokens.shape[1]
         self.packed = None if lengths is None else pack(tokens, lengths, multiple)
+        self.cp = cpx.cp_size()
         if self.packed is None:
             self.tokens = pad_to(tokens, padded_length(self.width, multiple))
             self.position_ids = position_ids_for(self.tokens)
         else:
+            if self.cp > 1:
+                raise ValueError("packed (THD) micro-batches are not split over parallel.cp > 1 yet")
             self.tokens, self.position_ids = self.packed.tokens, self.packed.position_ids
+        self.local_tokens, self.local_positions = (cpx.split(t, 1) for t in (self.tokens, self.position_ids))
 
     def __call__(self, chunk) -> torch.Tensor:
         extra = {} if self.packed is None else {"packed_seq_params": packed_seq_params(self.packed)}
-        return chunk(self.tokens, self.position_ids, attention_mask=None, **extra)
+        return chunk(self.local_tokens, self.local_positions, attention_mask=None, **extra)
 
     def restore(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = cpx.gather(logits, 1, replicated=True)  # [m, s, ...] in sample order (CP > 1)
         return trim(logits, self.width) if self.packed is None else unpack(logits, self.packed, self.width)
 
     def restore_hidden(self, gpt, hidden: torch.Tensor) -> torch.Tensor:
         """The last stage's ``[s, b, h]`` hidden states (``hidden_states_out``) as ``[m, s, h]``
-        rows, gathered over the sequence (``chunked_logits.full_hidden``) and restored alike."""
+        rows, gathered over the sequence (``chunked_logits.full_hidden``; and over CP) and
+        restored alike."""
         return self.restore(full_hidden(gpt, hidden))
+
+    def local_token_stats(self, gpt, out: torch.Tensor, vocab_size: int, chunk: int,
+                          entropy: bool, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(log p, entropy or None)`` ``[m, width - 1]`` of tokens ``1..width-1`` of
+        ``softmax(logits / temperature)``, computed from this rank's own output against its
+        share of the next tokens, then gathered into sample order (at CP 1 simply the whole
+        rows). ``out``: the model's output, the hidden states ``[s/CP, b, h]`` with ``chunk > 0``
+        (the output layer and the statistics ``chunk`` positions at a time,
+        ``chunked_logits.token_stats``), else the vocab-parallel logits ``[b, s/CP, V/TP]``.
+        Under CP only per-token values cross the CP group and the output layer sees this
+        rank's positions only (with the hidden states gathered instead, every CP rank would
+        run it on, and add the output-weight gradient of, the whole sequence)."""
+        if self.packed is not None:
+            raise ValueError("local_token_stats: packed (THD) micro-batches are not supported")
+        targets = cpx.split(torch.cat([self.tokens[:, 1:], self.tokens[:, :1]], dim=1), 1)  # last: unread
+        if chunk:
+            lp, ent = token_stats(gpt, full_hidden(gpt, out), targets, vocab_size, chunk, entropy, temperature)
+        else:
+            logits = out.float() / temperature if temperature != 1.0 else out
+            lp = vp.target_logprobs(logits, targets, vocab_size)
+            ent = vp.entropy(logits, vocab_size) if entropy else None
+        lp, ent = (None if t is None else cpx.gather(t, 1, replicated=True)[:, :self.width - 1]
+                   for t in (lp, ent))
+        return lp, ent if entropy else None
 
 
 # the statistics a filler call returns to megatron's schedule: run_schedule drops them
@@ -143,26 +182,28 @@ def _zero_loss(out: torch.Tensor):
 
 @torch.no_grad()
 def forward_map(model, tokens: torch.Tensor, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                micro_batch_size: int | None = None, hidden: bool = False) -> torch.Tensor | None:
+                micro_batch_size: int | None = None, hidden: bool = False,
+                raw: bool = False) -> torch.Tensor | None:
     """``cat(fn(logits, micro_tokens))`` over micro-batches of ``tokens [B, S]``, forward only.
 
     ``logits`` are the vocab-parallel ``[mbs, S, V/TP]`` logits of one micro-batch (the pass runs
     on tokens padded to the model's sequence multiple, trimmed back to ``S`` for ``fn``). Runs in
     eval mode (the previous mode is restored); the result is on the last pipeline stage, else None.
-    ``hidden``: ``fn`` gets the final hidden states ``[mbs, S, h]`` instead (:func:`forward_micros`).
+    ``hidden``: ``fn`` gets the final hidden states ``[mbs, S, h]`` instead; ``raw``: the
+    output unrestored, and the micro-batch's input (:func:`forward_micros`).
     """
     b = tokens.shape[0]
     mbs = micro_batch_size or b
     if b % mbs:
         raise ValueError(f"batch {b} is not divisible by micro_batch_size {mbs}")
-    outputs = forward_micros(model, list(torch.split(tokens, mbs)), fn, hidden=hidden)
+    outputs = forward_micros(model, list(torch.split(tokens, mbs)), fn, hidden=hidden, raw=raw)
     return None if outputs is None else torch.cat(outputs)
 
 
 @torch.no_grad()
 def forward_rows(model, tokens: torch.Tensor, lengths: list[int], groups: list[list[int]],
                  fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 packed: bool = False, hidden: bool = False) -> torch.Tensor | None:
+                 packed: bool = False, hidden: bool = False, raw: bool = False) -> torch.Tensor | None:
     """Like :func:`forward_map`, with micro-batches of the rows ``groups``
     (``models.micro_batches``), each cut to its own longest row (``packed``: run as one THD
     sequence): ``fn`` returns ``[m, ..., s]`` per micro-batch (the sequence last), and the result
@@ -170,7 +211,7 @@ def forward_rows(model, tokens: torch.Tensor, lengths: list[int], groups: list[l
     stage, else None."""
     micros = [tokens[g, :max(lengths[i] for i in g)] for g in groups]
     outputs = forward_micros(model, micros, fn, [[lengths[i] for i in g] for g in groups] if packed else None,
-                             hidden=hidden)
+                             hidden=hidden, raw=raw)
     if outputs is None:
         return None
     full = outputs[0].new_zeros((tokens.shape[0], *outputs[0].shape[1:-1], tokens.shape[1]))
@@ -180,13 +221,16 @@ def forward_rows(model, tokens: torch.Tensor, lengths: list[int], groups: list[l
 
 
 def forward_micros(model, micros: list[torch.Tensor], fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   lengths: list[list[int]] | None = None, hidden: bool = False) -> list[torch.Tensor] | None:
+                   lengths: list[list[int]] | None = None, hidden: bool = False,
+                   raw: bool = False) -> list[torch.Tensor] | None:
     """``[fn(logits, micro) for micro in micros]`` through megatron's schedule, forward only, in
     eval mode; each ``micro [m, s]`` runs padded to the sequence multiple (or, given its rows'
     ``lengths``, packed: :class:`MicroInput`), ``fn`` sees the logits ``[m, s, V/TP]``, or with
     ``hidden`` the final hidden states ``[m, s, h]`` (the output layer skipped: the caller applies
     it, e.g. chunk by chunk with ``models.chunked_logits``).
-    Micro-batches may differ in shape. The last pipeline stage gets the list, the others None."""
+    Micro-batches may differ in shape. The last pipeline stage gets the list, the others None.
+    ``raw``: ``fn(output, micro, input)`` gets the model's output as it is (this CP rank's
+    positions; ``MicroInput.local_token_stats``) and the micro-batch's :class:`MicroInput`."""
     multiple = sequence_multiple(model.config)
     inputs = [MicroInput(m, multiple, None if lengths is None else lengths[k]) for k, m in enumerate(micros)]
     outputs: list[torch.Tensor] = []
@@ -195,7 +239,10 @@ def forward_micros(model, micros: list[torch.Tensor], fn: Callable[[torch.Tensor
         micro, inp = next(data_iter)
 
         def collect(out):
-            outputs.append(fn(inp.restore_hidden(gpt, out) if hidden else inp.restore(out), micro))
+            if raw:
+                outputs.append(fn(out, micro, inp))
+            else:
+                outputs.append(fn(inp.restore_hidden(gpt, out) if hidden else inp.restore(out), micro))
             return torch.zeros((), device=out.device), {}
 
         return inp(m), collect

@@ -27,10 +27,16 @@ def sequence_multiple(config) -> int:
     """The multiple that sequence lengths are padded to for a megatron ``TransformerConfig``:
     TP with sequence parallelism, 16 with FP8, ``16 x TP`` with both (each rank's FP8 GEMMs
     run on its ``s / TP`` share, which must itself divide by 16), 1 otherwise (and its lcm with
-    :func:`force_multiple`'s value inside that context)."""
+    :func:`force_multiple`'s value inside that context). Under context parallelism
+    (``context_parallel_size`` CP > 1) that times ``2 x CP``: the sequence splits into ``2 x CP``
+    equal chunks (``models.context_parallel``), each rank's ``s / CP`` tokens still a multiple of
+    the above."""
     multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
     if config.fp8:
         multiple *= FP8_MULTIPLE
+    cp = getattr(config, "context_parallel_size", 1)
+    if cp > 1:
+        multiple *= 2 * cp
     return math.lcm(multiple, _forced)
 
 

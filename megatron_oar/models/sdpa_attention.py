@@ -23,6 +23,16 @@ the math backend, which keeps one, only where a mask is given).
   out the flash kernels, so it is not used. Pads attend as trailing tokens of their row (the
   lengths are the padded ones, as :mod:`megatron_oar.models.packing` passes them to TE too).
 
+- **Context parallelism** (``parallel.cp > 1``, :mod:`megatron_oar.models.context_parallel`): each
+  rank holds two of the ``2 x CP`` chunks of every sequence. K and V are all-gathered over the CP
+  group (the backward sums their gradients over the ranks and keeps this rank's part: a
+  reduce-scatter), put in sample order, and each local query chunk ``j`` attends to the keys of
+  chunks ``0..j``, causal aligned to the bottom right (``torch.nn.attention.bias.causal_lower_right``:
+  query ``i`` of the chunk sees the keys up to its global position ``j x c + i``; no mask tensor,
+  which CUDA's SDPA kernels take as such, the CPU materialises). GQA keeps the gathered K/V
+  small: ``2 x kv_heads x head_dim`` per token. Exact; the TE spec's CP attention (ring exchange,
+  no whole-sequence K/V) is the path for long sequences on GPUs.
+
 ``model.attention`` picks the core attention (``models.builder.resolve_attention``); the backend SDPA chose is
 logged once per process at the first call (:func:`sdpa_backend`).
 """
@@ -30,6 +40,7 @@ logged once per process at the first call (:func:`sdpa_backend`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import logging
@@ -39,6 +50,7 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from torch.nn.attention.bias import causal_lower_right
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +95,18 @@ def _varlen():
 class SDPAttention(DotProductAttention):
     """Megatron's local core attention computed by ``scaled_dot_product_attention`` (module doc)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, config, *args, **kwargs):
+        # megatron's local DotProductAttention asserts context_parallel_size == 1; this one
+        # gathers K/V over the CP group itself (_context_parallel)
+        cp = config.context_parallel_size
+        if cp > 1:
+            plain = copy.copy(config)  # no __post_init__: the same config but for the assert
+            plain.context_parallel_size = 1
+            super().__init__(plain, *args, **kwargs)
+            self.config = config
+        else:
+            super().__init__(config, *args, **kwargs)
+        self.cp = cp
         if self.config.softmax_type != "vanilla":
             raise ValueError(f"model.attention=sdpa: softmax_type={self.config.softmax_type!r} is "
                              "not supported (vanilla only); use model.attention=unfused")
@@ -101,6 +123,11 @@ class SDPAttention(DotProductAttention):
         causal = mask_type in _CAUSAL
         dropout = self.attention_dropout.p if self.training else 0.0
         with self._dropout_rng(dropout):
+            if self.cp > 1:
+                if packed_seq_params is not None or attention_mask is not None or not causal:
+                    raise ValueError("model.attention=sdpa with parallel.cp > 1: causal attention "
+                                     "without a mask or packed sequences only")
+                return self._context_parallel(query, key, value, dropout)
             if packed_seq_params is not None:
                 if attention_mask is not None:
                     raise ValueError("model.attention=sdpa: packed (THD) sequences take no "
@@ -137,6 +164,26 @@ class SDPAttention(DotProductAttention):
             causal = False  # megatron's causal mask is for sq > 1 only
         context = self._sdpa(q, k, v, mask, causal, dropout)
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _context_parallel(self, query, key, value, dropout: float):
+        """``[s/CP, b, heads, dim]`` in (this rank's two chunks), ``[s/CP, b, heads * dim]`` out:
+        causal attention over the whole sequence, K/V gathered from every CP rank."""
+        from megatron_oar.models import context_parallel as cpx
+
+        sl, b = query.shape[:2]
+        c = sl // 2
+        keys, values = (cpx.gather(t, 0, replicated=False) for t in (key, value))  # [s, b, g, d]
+        out = []
+        for half, chunk in enumerate(cpx.chunk_ids(self.cp, cpx.cp_rank())):
+            end = (chunk + 1) * c  # keys after this chunk are never visible to it
+            q = query[half * c:(half + 1) * c].permute(1, 2, 0, 3)
+            k, v = (t[:end].permute(1, 2, 0, 3) for t in (keys, values))
+            # query i of the chunk (global chunk * c + i) sees keys 0..chunk * c + i: causal,
+            # aligned to the bottom right (no [c, end] mask tensor: on CUDA SDPA's kernels take it)
+            mask = causal_lower_right(c, end)
+            out.append(self._sdpa(q, k, v, mask, False, dropout))  # [b, heads, c, dim]
+        context = torch.cat(out, dim=2)
+        return context.permute(2, 0, 1, 3).reshape(sl, b, self.hidden_size_per_partition)
 
     def _packed(self, query, key, value, p, causal: bool, dropout: float):
         """THD ``[T, heads, dim]`` in, ``[T, heads * dim]`` out: each row of

@@ -88,7 +88,9 @@ def logprob_agreement(model, batch: RolloutBatch, vocab_size: int, *,
         length = int(seqs.lengths[idx].max())
         tokens = seqs.tokens[idx, :length].to(_stats_device())
         ours = token_logprobs(model, tokens, vocab_size, micro_batch_size)
-        contributes = ours is not None and ps.get_tensor_model_parallel_rank() == 0 and not filler
+        # one rank per TP and CP group counts (the CP ranks of a DP rank score the same rows)
+        contributes = (ours is not None and ps.get_tensor_model_parallel_rank() == 0 and not filler
+                       and ps.get_context_parallel_rank() == 0)
         if contributes:
             n = len(rows)
             mask = seqs.response_mask()[idx[:n], 1:length].to(ours.device)

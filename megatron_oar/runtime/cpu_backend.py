@@ -9,13 +9,15 @@ megatron-core assumes CUDA in a handful of places (see DESIGN.md section 3):
   ``_set_cuda_rng_state``) reads and writes the CUDA generator;
 * the optimizers (mixed-precision, distributed, grad clipping) assert
   ``param.type() == 'torch.cuda.FloatTensor'`` (and the Half/BFloat16 names);
+* context parallelism's rotary slicing (``get_pos_emb_on_this_cp_rank``) builds its index with
+  ``pin_memory=True``, which a CPU-only torch refuses;
 * custom autograd functions allocate on ``torch.cuda.current_device()`` in their backward too
   (``tensor_parallel.mappings._gather_along_first_dim``, the backward of the reduce-scatter that
   the MoE ``allgather`` token dispatcher combines expert outputs with at EP > 1), and autograd
   runs a backward outside the Python function-mode stack the forward ran under.
 
 :func:`enable` redirects exactly these: a :class:`~torch.overrides.TorchFunctionMode`
-maps every CUDA device argument to CPU and answers ``Tensor.type()`` with the CUDA type
+maps every CUDA device argument to CPU, drops ``pin_memory=True``, and answers ``Tensor.type()`` with the CUDA type
 name (``torch.cuda.FloatTensor`` for a CPU float tensor), ``torch.cuda.current_device`` answers 0 (which
 the mode maps to CPU), ``synchronize`` is a no-op, and "the CUDA generator" becomes the
 CPU default generator, so megatron's RNG-tracker forks (dropout in TP regions) work and
@@ -64,6 +66,8 @@ class CudaToCpuMode(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": torch.device("cpu")}
+        if kwargs.get("pin_memory"):  # pinned memory is for host-to-GPU copies
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], torch.device("cpu"), *args[2:])
         return func(*args, **kwargs)

@@ -32,7 +32,11 @@ T = TypeVar("T")
 
 @dataclass
 class ParallelConfig:
-    """How the world is split. DP is whatever is left: world_size / (tp * pp).
+    """How the world is split. DP is whatever is left: world_size / (tp * pp * cp).
+
+    ``cp``: context parallelism (megatron's ``context_parallel_size``): every sequence is split
+    over ``cp`` ranks in ``2 x cp`` load-balanced chunks (``models.context_parallel``); the CP
+    ranks of one DP rank hold the same samples and the same weights.
 
     ``ep`` / ``etp``: a mixture-of-experts model's expert parallel and expert tensor parallel
     sizes (megatron's ``expert_model_parallel_size`` / ``expert_tensor_parallel_size``; etp null:
@@ -40,6 +44,7 @@ class ParallelConfig:
 
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     ep: int = 1
     etp: int | None = None
     sequence_parallel: bool = False
@@ -57,6 +62,7 @@ class RuntimeInfo:
     dp: int
     device: torch.device
     backend: str
+    cp: int = 1
 
 
 _SET_BY_US: set[str] = set()  # torchrun variables init_runtime set for a one-process world
@@ -91,18 +97,18 @@ def _env_int(name: str, default: int) -> int:
 
 def validate_layout(world_size: int, parallel: ParallelConfig) -> int:
     """Returns DP; raises naming the flag when the layout does not fit the world (megatron's
-    rules: tp*pp and etp*ep*pp divide the world size)."""
-    sizes = [("tp", parallel.tp), ("pp", parallel.pp), ("ep", parallel.ep)]
+    rules: tp*pp*cp and etp*ep*pp divide the world size)."""
+    sizes = [("tp", parallel.tp), ("pp", parallel.pp), ("cp", parallel.cp), ("ep", parallel.ep)]
     if parallel.etp is not None:
         sizes.append(("etp", parallel.etp))
     for name, v in sizes:
         if v < 1:
             raise ValueError(f"parallel.{name} must be >= 1, got {v}")
-    mp = parallel.tp * parallel.pp
+    mp = parallel.tp * parallel.pp * parallel.cp
     if world_size % mp != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tp*pp = {parallel.tp}*{parallel.pp}"
-        )
+        keys = (f"tp*pp = {parallel.tp}*{parallel.pp}" if parallel.cp == 1 else
+                f"parallel.tp*parallel.pp*parallel.cp = {parallel.tp}*{parallel.pp}*{parallel.cp}")
+        raise ValueError(f"world size {world_size} is not divisible by {keys}")
     etp = parallel.tp if parallel.etp is None else parallel.etp
     if world_size % (etp * parallel.ep * parallel.pp):
         raise ValueError(
@@ -160,6 +166,7 @@ def init_runtime(parallel: ParallelConfig | None = None) -> RuntimeInfo:
         same = (
             parallel_state.get_tensor_model_parallel_world_size() == parallel.tp
             and parallel_state.get_pipeline_model_parallel_world_size() == parallel.pp
+            and parallel_state.get_context_parallel_world_size() == parallel.cp
             and parallel_state.get_expert_model_parallel_world_size() == parallel.ep
             and parallel_state.get_expert_tensor_parallel_world_size()
             == (parallel.tp if parallel.etp is None else parallel.etp)
@@ -170,6 +177,7 @@ def init_runtime(parallel: ParallelConfig | None = None) -> RuntimeInfo:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tp,
             pipeline_model_parallel_size=parallel.pp,
+            context_parallel_size=parallel.cp,
             expert_model_parallel_size=parallel.ep,
             expert_tensor_parallel_size=parallel.etp,
             distributed_timeout_minutes=parallel.timeout_minutes,
@@ -195,6 +203,7 @@ def init_runtime(parallel: ParallelConfig | None = None) -> RuntimeInfo:
         tp=parallel.tp,
         pp=parallel.pp,
         dp=dp,
+        cp=parallel.cp,
         device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
         backend=backend,
     )

@@ -44,6 +44,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_oar.algorithms import PolicyLossConfig, policy_loss
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
+from megatron_oar.models import context_parallel as cpx
 from megatron_oar.models import vocab_parallel as vp
 from megatron_oar.models.chunked_logits import DEFAULT_CHUNK_TOKENS, hidden_states_out, output_weight, token_stats
 from megatron_oar.models.forward import MicroInput, forward_map, forward_rows, run_schedule, schedule_calls
@@ -164,8 +165,16 @@ def _old_logprobs(model, batch: TrainBatch, vocab_size: int, micro_batch_size: i
         lp, ent = _next_token_stats(gpt, out, tokens, vocab_size, chunk, temperature=temperature)
         return torch.stack([_shifted(lp.float()), _shifted(ent.float())], dim=1)
 
+    def per_micro_local(out: torch.Tensor, tokens: torch.Tensor, inp) -> torch.Tensor:
+        lp, ent = inp.local_token_stats(gpt, out, vocab_size, chunk, True, temperature)
+        return torch.stack([_shifted(lp.float()), _shifted(ent.float())], dim=1)
+
+    # under CP the statistics come from each rank's own positions (MicroInput.local_token_stats);
+    # the teacher's probe sites read the gathered output
+    local = cpx.cp_size() > 1 and sites is None
     with route or contextlib.nullcontext():
-        out = _run_grouped(model, batch, groups, batching, per_micro, hidden=chunk > 0)
+        out = _run_grouped(model, batch, groups, batching, per_micro_local if local else per_micro,
+                           hidden=chunk > 0, raw=local)
     if route is not None and route.record:
         batch.routed_experts = route.routed
     if out is None:  # not the last pipeline stage
@@ -190,11 +199,17 @@ def reference_logprobs(ref_model, batch: TrainBatch, vocab_size: int, micro_batc
     gpt = unwrap(ref_model)
     with _precision(ref_model, no_grad_fp8(ref_model, trained=False)):
         groups = _groups(ref_model, batch, micro_batch_size, batching, max_tokens)
-        out = _run_grouped(ref_model, batch, groups, batching,
-                           lambda out, tokens: _shifted(_next_token_stats(
-                               gpt, out, tokens, vocab_size, logits_chunk, entropy=False,
-                               temperature=temperature)[0].float()),
-                           hidden=logits_chunk > 0)
+        if cpx.cp_size() > 1:  # each CP rank's own positions (MicroInput.local_token_stats)
+            out = _run_grouped(ref_model, batch, groups, batching,
+                               lambda out, tokens, inp: _shifted(inp.local_token_stats(
+                                   gpt, out, vocab_size, logits_chunk, False, temperature)[0].float()),
+                               hidden=logits_chunk > 0, raw=True)
+        else:
+            out = _run_grouped(ref_model, batch, groups, batching,
+                               lambda out, tokens: _shifted(_next_token_stats(
+                                   gpt, out, tokens, vocab_size, logits_chunk, entropy=False,
+                                   temperature=temperature)[0].float()),
+                               hidden=logits_chunk > 0)
     if out is None:
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
     return broadcast_from_stage(out.contiguous(), first=False)
@@ -206,14 +221,16 @@ def _groups(model, batch: TrainBatch, micro_batch_size: int, batching: str,
                          max_tokens=max_tokens, multiple=sequence_multiple(model.config))
 
 
-def _run_grouped(model, batch: TrainBatch, groups: list[list[int]], batching: str, fn, hidden: bool = False):
+def _run_grouped(model, batch: TrainBatch, groups: list[list[int]], batching: str, fn, hidden: bool = False,
+                 raw: bool = False):
     """The forward pass over ``groups``: the padded path runs consecutive rows at the batch's
     full width (``forward_map``), token budgets each group at its own (``forward_rows``), packed
-    ones each group as one THD sequence. ``hidden``: ``fn`` gets the final hidden states."""
+    ones each group as one THD sequence. ``hidden``: ``fn`` gets the final hidden states;
+    ``raw``: the model's output unrestored and the ``MicroInput`` (``forward_micros``)."""
     if batching == "padded":
-        return forward_map(model, batch.tokens, fn, len(groups[0]), hidden=hidden)
+        return forward_map(model, batch.tokens, fn, len(groups[0]), hidden=hidden, raw=raw)
     return forward_rows(model, batch.tokens, batch.lengths.tolist(), groups, fn, packed=batching == "packed",
-                        hidden=hidden)
+                        hidden=hidden, raw=raw)
 
 
 @dataclass
@@ -279,9 +296,13 @@ def update_step(policy, batch: TrainBatch, loss_cfg: PolicyLossConfig, vocab_siz
 
         def loss_func(out):
             # the padding to the sequence multiple never enters the loss
-            out = inp.restore_hidden(gpt, out) if logits_chunk else inp.restore(out)
-            lp, ent = _next_token_stats(gpt, out, micro.tokens, vocab_size, logits_chunk, want_entropy,
-                                        temperature)
+            if inp.cp > 1:  # this CP rank's positions through the output layer, gathered after
+                lp, ent = inp.local_token_stats(gpt, out, vocab_size, logits_chunk, want_entropy,
+                                                temperature)
+            else:
+                out = inp.restore_hidden(gpt, out) if logits_chunk else inp.restore(out)
+                lp, ent = _next_token_stats(gpt, out, micro.tokens, vocab_size, logits_chunk, want_entropy,
+                                            temperature)
             lp, ent = _shifted(lp), None if ent is None else _shifted(ent)
             loss, stats = policy_loss(
                 lp, micro.old_logprobs.to(lp.dtype), micro.advantages, micro.loss_mask, loss_cfg,
@@ -366,7 +387,8 @@ def _reduce_stats(records: list[dict], loss_sum: torch.Tensor, device) -> dict[s
     values = torch.zeros(len(keys) + 2, dtype=torch.float64, device=device)
     peak = torch.zeros(max(len(keys), 1), dtype=torch.float64, device=device)
     last = ps.is_pipeline_last_stage()
-    if last and ps.get_tensor_model_parallel_rank() == 0:
+    # one rank of each TP (and CP: every CP rank computes the same loss) group counts its records
+    if last and ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0:
         for rec in records:
             n = float(rec["num_tokens"])
             for i, k in enumerate(keys):

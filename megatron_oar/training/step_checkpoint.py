@@ -333,7 +333,8 @@ def _set_rng_state(state: dict) -> None:
 # --------------------------------------------------------------------------------- layout
 
 # trainer_state.json's layout (ep / etp: expert parallel and expert TP sizes, 1 / tp for a dense model)
-LAYOUT_KEYS = ("tp", "pp", "ep", "etp", "dp", "world_size", "distributed_optimizer")
+# cp: context parallel size (the optimizer shards over DP x CP: a change of CP is one of DP x CP)
+LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "etp", "dp", "world_size", "distributed_optimizer")
 
 
 def _layout(policy) -> dict:
@@ -341,7 +342,7 @@ def _layout(policy) -> dict:
     from megatron.core import parallel_state as ps
 
     return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "ep": ps.get_expert_model_parallel_world_size(),
+            "cp": ps.get_context_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
             "etp": ps.get_expert_tensor_parallel_world_size(),
             "dp": ps.get_data_parallel_world_size(), "world_size": _world(),
             "distributed_optimizer": bool(policy.model.ddp_config.use_distributed_optimizer)}
@@ -635,7 +636,7 @@ def load_checkpoint(path: str | Path, policy) -> dict:
     policy.scheduler.load_state_dict(state["scheduler"])
     _restore_adam_steps(policy.optimizer, policy.scheduler.num_steps)
     rng = path / RNG_DIR / f"rank_{rank():05d}.pt"
-    differ = [k for k in ("tp", "pp", "dp", "world_size") if saved.get(k) != now[k]]
+    differ = [k for k in ("tp", "pp", "cp", "dp", "world_size") if saved.get(k, 1 if k == "cp" else None) != now[k]]
     if not differ and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=False))
     elif rank() == 0:
