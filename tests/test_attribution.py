@@ -74,8 +74,53 @@ CASES = {
 }
 
 
-def _worker(ckpt: str, tp: int, pp: int, out: str, names: tuple[str, ...] | None = None) -> None:
-    """The ``CASES`` ``names`` (all by default) at TP x PP, with the checks of the test below."""
+# OAR-G under model.recompute (models/recompute.py): the padded path and token budgets whose
+# micro-batches differ in rows and length
+RECOMPUTE_CASES = ("oar_g_answer_mean", "oar_g_budget90", "oar_g_padded")
+
+
+def _count_calls(model) -> dict:
+    """Forward calls of the model's transformer layers and of their core attention, counted from
+    now on (``counts["layer"]``, ``counts["core_attn"]``)."""
+    counts = {"layer": 0, "core_attn": 0}
+
+    def hook(key):
+        def count(*_):
+            counts[key] += 1
+        return count
+
+    for layer in model.decoder.layers:
+        layer.register_forward_hook(hook("layer"))
+        layer.self_attention.core_attention.register_forward_hook(hook("core_attn"))
+    return counts
+
+
+def _recompute_results(ckpt: str, batch, tok) -> dict:
+    """``RECOMPUTE_CASES``' importance of the model built without recompute, with full and with
+    selective recompute (``model.recompute``), the layer and core-attention calls each ran, and
+    whether each left the modules' train/eval flags as it found them."""
+    from megatron_oar.attribution import compute_importance
+    from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
+    from megatron_oar.models.model_checkpoint import load_model
+
+    out = {}
+    for recompute in (None, "full", "selective"):
+        model = build_gpt_model(read_hf_config(Path(ckpt) / "hf"), ModelOptions(recompute=recompute))
+        meta = load_model(model, ckpt)
+        model.train()
+        counts = _count_calls(model)
+        out[recompute] = {name: compute_importance(model, batch, CASES[name], vocab_size=meta.vocab_size,
+                                                   seq_adv=SEQ_ADV, step=3, tokenizer=tok).importance
+                          for name in RECOMPUTE_CASES}
+        out[recompute]["calls"] = dict(counts)
+        out[recompute]["modes_restored"] = all(m.training for m in model.modules())
+    return out
+
+
+def _worker(ckpt: str, tp: int, pp: int, out: str, names: tuple[str, ...] | None = None,
+            recompute: bool = False) -> None:
+    """The ``CASES`` ``names`` (all by default) at TP x PP, with the checks of the test below;
+    ``recompute``: also :func:`_recompute_results`."""
     from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
@@ -112,6 +157,8 @@ def _worker(ckpt: str, tp: int, pp: int, out: str, names: tuple[str, ...] | None
     results["grads_untouched"] = all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
     results["requires_grad_restored"] = all(p.requires_grad for p in model.parameters())
     results["outputs_unchanged"] = before is None or torch.equal(before, after)
+    if recompute:
+        results["recompute"] = _recompute_results(ckpt, batch, tok)
     save_gathered(results, out)
     del ps
 
@@ -169,8 +216,12 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_importance_matches_reference(setup, tp, pp):
     root, ckpt, refs = setup
     out = root / f"attr_tp{tp}pp{pp}.pt"
-    launch(_worker, tp * pp, str(ckpt), tp, pp, str(out))
+    recompute = "untied" in root.name  # OAR-G under recompute: on one of the two models
+    launch(_worker, tp * pp, str(ckpt), tp, pp, str(out), None, recompute)
     ranks = torch.load(out, weights_only=False)
+    if recompute:
+        for rank, results in enumerate(ranks):
+            check_recompute(results["recompute"], rank)
     for rank, results in enumerate(ranks):
         assert results["grads_untouched"], f"rank {rank}: attribution touched parameter gradients"
         assert results["requires_grad_restored"], f"rank {rank}"
@@ -196,3 +247,38 @@ def test_importance_matches_reference(setup, tp, pp):
                       ("oar_g_answer_mean", "oar_g_mbs1", 6e-5)]:
         assert rel_error(first[a][0], first[b][0]) <= tol, (a, b)
     assert first["oar_p_answer_mean"][3]["masked_forwards"] == float(mask.sum())
+
+
+def recompute_tolerance(reduction: int, layers: int) -> float:
+    """Relative bound on how far recomputed OAR-G scores may sit from the stored-activation ones.
+    The recomputed forward runs the same operations on the same inputs, so on one machine they
+    are equal; a kernel that blocks its sums differently on the rerun could at most change each
+    reduction by its length x fp32 eps (the worst-case bound of a sum of ``reduction`` terms, the
+    model's longest: FC2's), once per layer of the forward and of the backward."""
+    return 2 * layers * reduction * torch.finfo(torch.float32).eps
+
+
+def check_recompute(res: dict, rank: int) -> None:
+    """OAR-G under full and selective recompute equals OAR-G without (to :func:`recompute_tolerance`),
+    and really recomputed: full recompute re-ran every layer in the backward (the extra layer calls
+    are exactly the OAR-G forward's layer calls, which selective recompute re-runs as core
+    attention calls), selective only the core attention; the train/eval flags are restored."""
+    from tests.tiny import SMALL
+
+    tol = recompute_tolerance(max(SMALL["hidden_size"], SMALL["intermediate_size"]), SMALL["num_hidden_layers"])
+    none, full, sel = res[None], res["full"], res["selective"]
+    for name in RECOMPUTE_CASES:
+        assert none[name].abs().max() > 0, name
+        for mode in ("full", "selective"):
+            err = rel_error(res[mode][name], none[name])
+            print(f"rank {rank} {name} under {mode} recompute: rel err {err:.2e} (tolerance {tol:.2e})")
+            assert err <= tol, f"rank {rank}: {name} under {mode} recompute: rel err {err:.2e} > {tol:.2e}"
+    for mode in (None, "full", "selective"):
+        assert res[mode]["modes_restored"], f"rank {rank}: {mode} recompute left a module in eval mode"
+    extra = full["calls"]["layer"] - none["calls"]["layer"]
+    assert extra > 0, f"rank {rank}: full recompute re-ran no layer"
+    assert full["calls"]["core_attn"] == full["calls"]["layer"], f"rank {rank}"
+    assert sel["calls"]["layer"] == none["calls"]["layer"], f"rank {rank}: selective re-ran whole layers"
+    assert sel["calls"]["core_attn"] - none["calls"]["core_attn"] == extra, \
+        f"rank {rank}: selective recompute re-ran {sel['calls']['core_attn'] - none['calls']['core_attn']} " \
+        f"core attentions, expected the OAR-G forward's {extra}"
