@@ -5,7 +5,8 @@ micro-batches, ``train.batching`` / ``attribution.batching`` ``padded``, still p
 sequence at the longest length; token budgets at its own): Megatron passes as FLOPs
 (``models/flops.py``) at a stated MFU (forward 2 FLOPs per matmul parameter per token plus causal attention
 2*L*a*d*s; backward 2x forward; OAR-G's input-gradient-only backward 1x; full recompute one
-more forward in the update's and OAR-G's backward; OAR-P one forward per scored token; screened OAR-P OAR-G plus ``screen_fraction`` of OAR-P), generation by a roofline
+more forward in the update's and OAR-G's backward; OAR-P one forward per scored token;
+screened OAR-P OAR-G plus ``screen_fraction`` of OAR-P), generation by a roofline
 over decode steps (weights and KV cache read once per step at a stated fraction of HBM bandwidth,
 or compute-bound at the MFU).
 """
