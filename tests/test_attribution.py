@@ -74,19 +74,20 @@ CASES = {
 }
 
 
-# OAR-G under model.recompute (models/recompute.py): the padded path and token budgets whose
+# OAR-G under model.recompute (models/recompute.py): the padded path and a token budget whose
 # micro-batches differ in rows and length
-RECOMPUTE_CASES = ("oar_g_answer_mean", "oar_g_budget90", "oar_g_padded")
+RECOMPUTE_CASES = ("oar_g_budget90", "oar_g_padded")
 
 
-def _count_calls(model) -> dict:
-    """Forward calls of the model's transformer layers and of their core attention, counted from
-    now on (``counts["layer"]``, ``counts["core_attn"]``)."""
+def _count_backward_calls(model) -> dict:
+    """Forward calls of the model's transformer layers and of their core attention made inside a
+    backward (a recompute), counted from now on (``counts["layer"]``, ``counts["core_attn"]``)."""
     counts = {"layer": 0, "core_attn": 0}
 
     def hook(key):
         def count(*_):
-            counts[key] += 1
+            if torch._C._current_graph_task_id() != -1:  # inside autograd's backward
+                counts[key] += 1
         return count
 
     for layer in model.decoder.layers:
@@ -96,19 +97,19 @@ def _count_calls(model) -> dict:
 
 
 def _recompute_results(ckpt: str, batch, tok) -> dict:
-    """``RECOMPUTE_CASES``' importance of the model built without recompute, with full and with
-    selective recompute (``model.recompute``), the layer and core-attention calls each ran, and
-    whether each left the modules' train/eval flags as it found them."""
+    """``RECOMPUTE_CASES``' importance of the model built with full and with selective recompute
+    (``model.recompute``), the layer and core-attention calls each reran in its backwards, and
+    whether each left every module in train mode as it found it."""
     from megatron_oar.attribution import compute_importance
     from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
     from megatron_oar.models.model_checkpoint import load_model
 
     out = {}
-    for recompute in (None, "full", "selective"):
+    for recompute in ("full", "selective"):
         model = build_gpt_model(read_hf_config(Path(ckpt) / "hf"), ModelOptions(recompute=recompute))
         meta = load_model(model, ckpt)
         model.train()
-        counts = _count_calls(model)
+        counts = _count_backward_calls(model)
         out[recompute] = {name: compute_importance(model, batch, CASES[name], vocab_size=meta.vocab_size,
                                                    seq_adv=SEQ_ADV, step=3, tokenizer=tok).importance
                           for name in RECOMPUTE_CASES}
@@ -139,6 +140,7 @@ def _worker(ckpt: str, tp: int, pp: int, out: str, names: tuple[str, ...] | None
         p.grad = torch.full_like(p, 0.5)
     before = forward_logits(model, batch.tokens, vocab_size=meta.vocab_size)
     model.train()
+    rerun = _count_backward_calls(model)  # without recompute no layer reruns in a backward
     results = {}
     for name in CASES if names is None else names:
         attr = compute_importance(model, batch, CASES[name], vocab_size=meta.vocab_size, seq_adv=SEQ_ADV,
@@ -159,6 +161,8 @@ def _worker(ckpt: str, tp: int, pp: int, out: str, names: tuple[str, ...] | None
     results["outputs_unchanged"] = before is None or torch.equal(before, after)
     if recompute:
         results["recompute"] = _recompute_results(ckpt, batch, tok)
+        results["recompute"][None] = {**{name: results[name][0] for name in RECOMPUTE_CASES},
+                                      "calls": dict(rerun), "modes_restored": True}
     save_gathered(results, out)
     del ps
 
@@ -260,9 +264,9 @@ def recompute_tolerance(reduction: int, layers: int) -> float:
 
 def check_recompute(res: dict, rank: int) -> None:
     """OAR-G under full and selective recompute equals OAR-G without (to :func:`recompute_tolerance`),
-    and really recomputed: full recompute re-ran every layer in the backward (the extra layer calls
-    are exactly the OAR-G forward's layer calls, which selective recompute re-runs as core
-    attention calls), selective only the core attention; the train/eval flags are restored."""
+    and really recomputed: under full recompute layers reran in the backward (each with its core
+    attention), under selective only core attention, as many as full reran layers (the OAR-G
+    forwards' layer calls); without recompute nothing reran; train mode is restored."""
     from tests.tiny import SMALL
 
     tol = recompute_tolerance(max(SMALL["hidden_size"], SMALL["intermediate_size"]), SMALL["num_hidden_layers"])
@@ -273,12 +277,11 @@ def check_recompute(res: dict, rank: int) -> None:
             err = rel_error(res[mode][name], none[name])
             print(f"rank {rank} {name} under {mode} recompute: rel err {err:.2e} (tolerance {tol:.2e})")
             assert err <= tol, f"rank {rank}: {name} under {mode} recompute: rel err {err:.2e} > {tol:.2e}"
-    for mode in (None, "full", "selective"):
+    for mode in ("full", "selective"):
         assert res[mode]["modes_restored"], f"rank {rank}: {mode} recompute left a module in eval mode"
-    extra = full["calls"]["layer"] - none["calls"]["layer"]
-    assert extra > 0, f"rank {rank}: full recompute re-ran no layer"
-    assert full["calls"]["core_attn"] == full["calls"]["layer"], f"rank {rank}"
-    assert sel["calls"]["layer"] == none["calls"]["layer"], f"rank {rank}: selective re-ran whole layers"
-    assert sel["calls"]["core_attn"] - none["calls"]["core_attn"] == extra, \
-        f"rank {rank}: selective recompute re-ran {sel['calls']['core_attn'] - none['calls']['core_attn']} " \
-        f"core attentions, expected the OAR-G forward's {extra}"
+    assert none["calls"] == {"layer": 0, "core_attn": 0}, f"rank {rank}: {none['calls']} reran without recompute"
+    reran = full["calls"]["layer"]
+    assert reran > 0, f"rank {rank}: full recompute reran no layer in OAR-G's backward"
+    assert full["calls"]["core_attn"] == reran, f"rank {rank}: {full['calls']}"
+    assert sel["calls"] == {"layer": 0, "core_attn": reran}, \
+        f"rank {rank}: selective recompute reran {sel['calls']}, expected {reran} core attentions only"
