@@ -3,12 +3,17 @@
 OAR-G and OAR-P importance at TP1, TP2, PP2 and TP2xPP2 against single-process autograd /
 brute force (tests/attribution_reference.py) on tiny random Qwen2 models, tied and untied;
 batched OAR-P equals serial; micro-batch sizes, token budgets and the padded path do not change
-scores; parameter gradients and model outputs are untouched by attribution.
+scores; parameter gradients and model outputs are untouched by attribution; OAR-G under full and
+selective activation recompute (models/recompute.py) equals it without, and really reruns the
+layers (or core attentions) in its backward.
 
 Cost (2 cores): 8 jobs of the warm world pool (one per layout and model, 1 to 4 ranks) and the
 reference once per model in the pytest process: 110-140 s of wall time on a busy machine, about
 125 s of CPU. One job per layout running both models was tried: the same CPU time (the pool's
 per-job cost is well under a second; each job's first use of a rank's imports is most of it).
+OAR-G under full and selective recompute (the untied model at TP1, TP2 and PP2) adds two model
+builds and four OAR-G runs to each of those jobs: 17-32 s for one job at TP1 in one process at
+a load average of 23-60 on the 2 shared cores (measured on 2026-11-28; idle, a fraction of that).
 """
 
 from __future__ import annotations
@@ -220,7 +225,8 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_importance_matches_reference(setup, tp, pp):
     root, ckpt, refs = setup
     out = root / f"attr_tp{tp}pp{pp}.pt"
-    recompute = "untied" in root.name  # OAR-G under recompute: on one of the two models
+    # OAR-G under recompute: on one of the two models, at TP1, TP2 and PP2
+    recompute = "untied" in root.name and (tp, pp) != (2, 2)
     launch(_worker, tp * pp, str(ckpt), tp, pp, str(out), None, recompute)
     ranks = torch.load(out, weights_only=False)
     if recompute:
