@@ -10,7 +10,9 @@ A random Qwen2 of the shape (``--preset qwen2.5-1.5b``: hidden 1536, 28 layers, 
 8960, vocab 151,936, tied) is written as an HF checkpoint and converted as a user's model would
 be. Per batch and per variant of ours (``--ours``: the local spec with SDPA, its default, or
 with megatron's ``unfused`` attention; the Transformer Engine spec in bf16, ``te``, or with FP8,
-``te-fp8`` delayed and ``te-fp8-tensorwise``), the trainer's passes of one step run with token-budget
+``te-fp8`` delayed and ``te-fp8-tensorwise``; ``sdpa-recompute`` and ``te-recompute``, those
+under full activation recompute, ``model.recompute=full``, whose OAR-G the table compares with
+its base variant's: time and peak memory), the trainer's passes of one step run with token-budget
 micro-batches (``--max-tokens-per-micro-batch``, the trainer's ``train.max_tokens_per_micro_batch``):
 
 - **old-logprob**: ``old_logprob_pass`` (forward, log-probs and entropy of the response tokens);
@@ -59,7 +61,12 @@ VARIANTS = {
     "te": dict(spec="te"),
     "te-fp8": dict(spec="te", fp8="hybrid", fp8_recipe="delayed"),
     "te-fp8-tensorwise": dict(spec="te", fp8="hybrid", fp8_recipe="tensorwise"),
+    # full activation recompute (model.recompute=full): the update and OAR-G's input-gradient
+    # backward keep each layer's input only and rerun the layer (models/recompute.py)
+    "sdpa-recompute": dict(spec="local", attention="sdpa", recompute="full"),
+    "te-recompute": dict(spec="te", recompute="full"),
 }
+RECOMPUTE_SUFFIX = "-recompute"  # a variant and its base (the suffix dropped) differ only in it
 # --batch NAME: rows, median response, min, max (log-normal lengths, sigma --length-sigma)
 BATCHES = {"short": (16, 1024, 256, 2048), "long": (8, 4096, 2048, 8192)}
 
@@ -366,6 +373,42 @@ def _ratio(ours: dict, hf: dict) -> str:
     return f"{x:.2f}x" + (" (slower)" if x > 1 else " (faster)")
 
 
+def recompute_comparison(res: dict, args, name: str) -> dict[str, dict]:
+    """Per ``*-recompute`` variant run with its base: OAR-G's (and the update's) seconds under full
+    recompute over without (``time_ratio``), and both peaks (GiB, CUDA only)."""
+    out = {}
+    for a in args.ours:
+        base = a.removesuffix(RECOMPUTE_SUFFIX)
+        if a == base or base not in args.ours:
+            continue
+        cmp = {}
+        for pass_name in ("oar_g", "update"):
+            with_, without = res["ours"][a][name].get(pass_name), res["ours"][base][name].get(pass_name)
+            if with_ is None or without is None or with_["oom"] or without["oom"]:
+                cmp[pass_name] = None
+                continue
+            cmp[pass_name] = {"time_ratio": with_["seconds"] / without["seconds"],
+                              "peak_gib": with_.get("peak_gib"), "peak_gib_without": without.get("peak_gib")}
+        out[a] = cmp
+    return out
+
+
+def _recompute_lines(res: dict, args, name: str) -> list[str]:
+    lines = []
+    for a, cmp in recompute_comparison(res, args, name).items():
+        parts = []
+        for pass_name, label in (("oar_g", "OAR-G"), ("update", "update")):
+            c = cmp[pass_name]
+            if c is None:
+                parts.append(f"{label}: - (out of memory or not run)")
+                continue
+            peak = (f", peak {c['peak_gib']:.1f} against {c['peak_gib_without']:.1f} GiB"
+                    if c["peak_gib"] is not None else "")
+            parts.append(f"{label} {c['time_ratio']:.2f}x the time{peak}")
+        lines += ["", f"Full recompute ({a} against {a.removesuffix(RECOMPUTE_SUFFIX)}): " + "; ".join(parts) + "."]
+    return lines
+
+
 def render(res: dict, args) -> str:
     shape = (f"random Qwen2, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
              f"ffn {args.ffn}, vocab {args.vocab}, {'tied' if args.tied else 'untied'}, {args.dtype}")
@@ -395,6 +438,7 @@ def render(res: dict, args) -> str:
             else:
                 cells.append(f"{_cell(g)}; sweep {g['sweep_ratio']:.2f}x GRPO's, FLOP floor {g['flop_floor']:.2f}x")
         lines.append("| OAR-G attribution | " + " | ".join(cells) + " | - | " + " | ".join("-" for _ in cells) + " |")
+        lines += _recompute_lines(res, args, name)
         diffs = [f"{a} {res['ours'][a][name]['max_abs_logprob_diff_vs_hf']:.2e}" for a in args.ours
                  if "max_abs_logprob_diff_vs_hf" in res["ours"][a][name]]
         if diffs:

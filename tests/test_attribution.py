@@ -3,12 +3,17 @@
 OAR-G and OAR-P importance at TP1, TP2, PP2 and TP2xPP2 against single-process autograd /
 brute force (tests/attribution_reference.py) on tiny random Qwen2 models, tied and untied;
 batched OAR-P equals serial; micro-batch sizes, token budgets and the padded path do not change
-scores; parameter gradients and model outputs are untouched by attribution.
+scores; parameter gradients and model outputs are untouched by attribution; OAR-G under full and
+selective activation recompute (models/recompute.py) equals it without, and really reruns the
+layers (or core attentions) in its backward.
 
 Cost (2 cores): 8 jobs of the warm world pool (one per layout and model, 1 to 4 ranks) and the
 reference once per model in the pytest process: 110-140 s of wall time on a busy machine, about
 125 s of CPU. One job per layout running both models was tried: the same CPU time (the pool's
 per-job cost is well under a second; each job's first use of a rank's imports is most of it).
+OAR-G under full and selective recompute (the untied model at TP1, TP2 and PP2) adds two model
+builds and four OAR-G runs to each of those jobs: 17-32 s for one job at TP1 in one process at
+a load average of 23-60 on the 2 shared cores (measured on 2026-11-28; idle, a fraction of that).
 """
 
 from __future__ import annotations
@@ -74,8 +79,54 @@ CASES = {
 }
 
 
-def _worker(ckpt: str, tp: int, pp: int, out: str, names: tuple[str, ...] | None = None) -> None:
-    """The ``CASES`` ``names`` (all by default) at TP x PP, with the checks of the test below."""
+# OAR-G under model.recompute (models/recompute.py): the padded path and a token budget whose
+# micro-batches differ in rows and length
+RECOMPUTE_CASES = ("oar_g_budget90", "oar_g_padded")
+
+
+def _count_backward_calls(model) -> dict:
+    """Forward calls of the model's transformer layers and of their core attention made inside a
+    backward (a recompute), counted from now on (``counts["layer"]``, ``counts["core_attn"]``)."""
+    counts = {"layer": 0, "core_attn": 0}
+
+    def hook(key):
+        def count(*_):
+            if torch._C._current_graph_task_id() != -1:  # inside autograd's backward
+                counts[key] += 1
+        return count
+
+    for layer in model.decoder.layers:
+        layer.register_forward_hook(hook("layer"))
+        layer.self_attention.core_attention.register_forward_hook(hook("core_attn"))
+    return counts
+
+
+def _recompute_results(ckpt: str, batch, tok) -> dict:
+    """``RECOMPUTE_CASES``' importance of the model built with full and with selective recompute
+    (``model.recompute``), the layer and core-attention calls each reran in its backwards, and
+    whether each left every module in train mode as it found it."""
+    from megatron_oar.attribution import compute_importance
+    from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
+    from megatron_oar.models.model_checkpoint import load_model
+
+    out = {}
+    for recompute in ("full", "selective"):
+        model = build_gpt_model(read_hf_config(Path(ckpt) / "hf"), ModelOptions(recompute=recompute))
+        meta = load_model(model, ckpt)
+        model.train()
+        counts = _count_backward_calls(model)
+        out[recompute] = {name: compute_importance(model, batch, CASES[name], vocab_size=meta.vocab_size,
+                                                   seq_adv=SEQ_ADV, step=3, tokenizer=tok).importance
+                          for name in RECOMPUTE_CASES}
+        out[recompute]["calls"] = dict(counts)
+        out[recompute]["modes_restored"] = all(m.training for m in model.modules())
+    return out
+
+
+def _worker(ckpt: str, tp: int, pp: int, out: str, names: tuple[str, ...] | None = None,
+            recompute: bool = False) -> None:
+    """The ``CASES`` ``names`` (all by default) at TP x PP, with the checks of the test below;
+    ``recompute``: also :func:`_recompute_results`."""
     from megatron.core import parallel_state as ps
     from transformers import AutoTokenizer
 
@@ -94,6 +145,7 @@ def _worker(ckpt: str, tp: int, pp: int, out: str, names: tuple[str, ...] | None
         p.grad = torch.full_like(p, 0.5)
     before = forward_logits(model, batch.tokens, vocab_size=meta.vocab_size)
     model.train()
+    rerun = _count_backward_calls(model)  # without recompute no layer reruns in a backward
     results = {}
     for name in CASES if names is None else names:
         attr = compute_importance(model, batch, CASES[name], vocab_size=meta.vocab_size, seq_adv=SEQ_ADV,
@@ -112,6 +164,10 @@ def _worker(ckpt: str, tp: int, pp: int, out: str, names: tuple[str, ...] | None
     results["grads_untouched"] = all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
     results["requires_grad_restored"] = all(p.requires_grad for p in model.parameters())
     results["outputs_unchanged"] = before is None or torch.equal(before, after)
+    if recompute:
+        results["recompute"] = _recompute_results(ckpt, batch, tok)
+        results["recompute"][None] = {**{name: results[name][0] for name in RECOMPUTE_CASES},
+                                      "calls": dict(rerun), "modes_restored": True}
     save_gathered(results, out)
     del ps
 
@@ -169,8 +225,13 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_importance_matches_reference(setup, tp, pp):
     root, ckpt, refs = setup
     out = root / f"attr_tp{tp}pp{pp}.pt"
-    launch(_worker, tp * pp, str(ckpt), tp, pp, str(out))
+    # OAR-G under recompute: on one of the two models, at TP1, TP2 and PP2
+    recompute = "untied" in root.name and (tp, pp) != (2, 2)
+    launch(_worker, tp * pp, str(ckpt), tp, pp, str(out), None, recompute)
     ranks = torch.load(out, weights_only=False)
+    if recompute:
+        for rank, results in enumerate(ranks):
+            check_recompute(results["recompute"], rank)
     for rank, results in enumerate(ranks):
         assert results["grads_untouched"], f"rank {rank}: attribution touched parameter gradients"
         assert results["requires_grad_restored"], f"rank {rank}"
@@ -196,3 +257,37 @@ def test_importance_matches_reference(setup, tp, pp):
                       ("oar_g_answer_mean", "oar_g_mbs1", 6e-5)]:
         assert rel_error(first[a][0], first[b][0]) <= tol, (a, b)
     assert first["oar_p_answer_mean"][3]["masked_forwards"] == float(mask.sum())
+
+
+def recompute_tolerance(reduction: int, layers: int) -> float:
+    """Relative bound on how far recomputed OAR-G scores may sit from the stored-activation ones.
+    The recomputed forward runs the same operations on the same inputs, so on one machine they
+    are equal; a kernel that blocks its sums differently on the rerun could at most change each
+    reduction by its length x fp32 eps (the worst-case bound of a sum of ``reduction`` terms, the
+    model's longest: FC2's), once per layer of the forward and of the backward."""
+    return 2 * layers * reduction * torch.finfo(torch.float32).eps
+
+
+def check_recompute(res: dict, rank: int) -> None:
+    """OAR-G under full and selective recompute equals OAR-G without (to :func:`recompute_tolerance`),
+    and really recomputed: under full recompute layers reran in the backward (each with its core
+    attention), under selective only core attention, as many as full reran layers (the OAR-G
+    forwards' layer calls); without recompute nothing reran; train mode is restored."""
+    from tests.tiny import SMALL
+
+    tol = recompute_tolerance(max(SMALL["hidden_size"], SMALL["intermediate_size"]), SMALL["num_hidden_layers"])
+    none, full, sel = res[None], res["full"], res["selective"]
+    for name in RECOMPUTE_CASES:
+        assert none[name].abs().max() > 0, name
+        for mode in ("full", "selective"):
+            err = rel_error(res[mode][name], none[name])
+            print(f"rank {rank} {name} under {mode} recompute: rel err {err:.2e} (tolerance {tol:.2e})")
+            assert err <= tol, f"rank {rank}: {name} under {mode} recompute: rel err {err:.2e} > {tol:.2e}"
+    for mode in ("full", "selective"):
+        assert res[mode]["modes_restored"], f"rank {rank}: {mode} recompute left a module in eval mode"
+    assert none["calls"] == {"layer": 0, "core_attn": 0}, f"rank {rank}: {none['calls']} reran without recompute"
+    reran = full["calls"]["layer"]
+    assert reran > 0, f"rank {rank}: full recompute reran no layer in OAR-G's backward"
+    assert full["calls"]["core_attn"] == reran, f"rank {rank}: {full['calls']}"
+    assert sel["calls"] == {"layer": 0, "core_attn": reran}, \
+        f"rank {rank}: selective recompute reran {sel['calls']}, expected {reran} core attentions only"

@@ -401,17 +401,20 @@ def test_attribution_flops_suite_end_to_end(tmp_path):
 def test_vs_hf_suite_end_to_end(tmp_path):
     """`oar bench vs-hf` on a tiny model: ours with SDPA and with megatron's unfused attention and
     the plain transformers loop run every pass on the same batch; their old log-probs agree to
-    fp32 rounding (the same weights), and OAR-G's sweep and FLOP floor are counted."""
+    fp32 rounding (the same weights), and OAR-G's sweep and FLOP floor are counted. SDPA under
+    full recompute too (``sdpa-recompute``), compared with SDPA without: OAR-G's and the update's
+    time (and on a GPU their peaks) in the table."""
     from benchmarks import vs_hf
 
     out = tmp_path / "bench"
     assert vs_hf.main(["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
                        "--vocab", "512", "--tied", "--rows", "3", "--max-tokens-per-micro-batch", "200",
-                       "--hf-update-tokens", "100", "--out", str(out)]) == 0
+                       "--hf-update-tokens", "100", "--ours", "sdpa,unfused,sdpa-recompute",
+                       "--out", str(out)]) == 0
     res = json.loads((out / "vs_hf.json").read_text())["result"]
     b = res["batches"]["batch"]
     assert len(b["responses"]) == 3 and b["tokens"] == sum(32 + r for r in b["responses"])
-    for who in ("sdpa", "unfused"):
+    for who in ("sdpa", "unfused", "sdpa-recompute"):
         runs = res["ours"][who]["batch"]
         assert runs["max_abs_logprob_diff_vs_hf"] < 1e-5, who
         for name in ("logprob", "update", "oar_g"):
@@ -422,6 +425,11 @@ def test_vs_hf_suite_end_to_end(tmp_path):
     assert all(res["hf"]["batch"][n]["seconds"] > 0 for n in ("logprob", "update"))
     table = (out / "vs_hf.md").read_text()
     assert "| old-logprob | " in table and "| OAR-G attribution | " in table and "sdpa / HF" in table
+    args = type("Args", (), {"ours": ["sdpa", "unfused", "sdpa-recompute"]})
+    cmp = vs_hf.recompute_comparison(res, args, "batch")
+    assert list(cmp) == ["sdpa-recompute"]
+    assert all(c["time_ratio"] > 0 and c["peak_gib"] is None for c in cmp["sdpa-recompute"].values())
+    assert "Full recompute (sdpa-recompute against sdpa): OAR-G " in table
 
 
 def test_placement_summary_and_table():

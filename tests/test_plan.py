@@ -289,10 +289,14 @@ def test_weight_sync_bytes_per_rank_by_hand():
 
 
 def test_oar_p_costs_a_forward_per_scored_token():
-    g, p = _plan("qwen2.5-7b_oar_g"), _plan("qwen2.5-7b_oar_p")
+    g, p = _plan("qwen2.5-7b_oar_g", "model.recompute=null"), _plan("qwen2.5-7b_oar_p")
     assert p.flops["attribution"] == pytest.approx(g.flops["attribution"] / 2 * 1024)
+    # full recompute: one more forward in OAR-G's input-gradient backward, as in the update's
+    full = _plan("qwen2.5-7b_oar_g", "model.recompute=full")
+    assert full.flops["attribution"] == pytest.approx(g.flops["attribution"] * 3 / 2)
+    assert full.flops["update"] == pytest.approx(g.flops["update"] * 4 / 3)
     grpo = _plan("qwen2.5-7b_oar_g", "credit=grpo")
-    assert "attribution" not in grpo.time_s and grpo.flops["update"] == g.flops["update"]
+    assert "attribution" not in grpo.time_s and grpo.flops["update"] == full.flops["update"]
 
 
 def test_cli_refuses_bad_layouts(capsys):
@@ -500,20 +504,69 @@ def test_longest_response_is_monotone_and_matches_the_fits_line(capsys):
     not, shorter ones fit and longer ones do not; `oar plan --response-tokens` says the same."""
     from megatron_oar.commands.plan.budget_search import LENGTH_STEP
 
-    cfg, hf, kw = _cfg_hf("qwen2.5-7b_oar_g")
+    # without recompute, so that memory (not the model's positions) bounds the length
+    cfg, hf, kw = _cfg_hf("qwen2.5-7b_oar_g", "model.recompute=null")
     longest = P.longest_response(cfg, hf, **kw)
     assert 2048 < longest < 32768 and longest % LENGTH_STEP == 0
     fits = {n: P.make_plan(P.at_length(cfg, n), hf, **kw).fits
             for n in (1024, longest // 2, longest - LENGTH_STEP, longest, longest + LENGTH_STEP, 2 * longest)}
     assert fits == {**{n: True for n in fits if n <= longest}, **{n: False for n in fits if n > longest}}
     path = str(ROOT / "examples/qwen2.5-7b_oar_g.yaml")
-    assert P.main(["--config", path, "--response-tokens", str(longest)]) == 0
+    assert P.main(["--config", path, "--response-tokens", str(longest), "model.recompute=null"]) == 0
     out = capsys.readouterr().out
     assert "FITS: peak" in out and f"longest response that fits: {longest:,} tokens" in out
     assert f"sequences of {1024 + longest} tokens" in out
-    assert P.main(["--config", path, "--response-tokens", str(longest + LENGTH_STEP), "--json"]) == 1
+    assert P.main(["--config", path, "--response-tokens", str(longest + LENGTH_STEP), "--json",
+                   "model.recompute=null"]) == 1
     data = json.loads(capsys.readouterr().out)["qwen2.5-7b_oar_g"]
     assert not data["fits"] and data["longest_response_tokens"] == longest
+
+
+LONG_RESPONSE = 32768  # issue 50: every dense example trains 32k-token responses on its cluster
+MOE_RESPONSE = 8192    # and the MoE examples 8k
+
+
+def _arch(cfg):
+    hf, source = resolve_hf_config(cfg.model.path)
+    return parse_arch(hf, source=source)
+
+
+@pytest.mark.parametrize("path", GPU_EXAMPLES, ids=[p.stem for p in GPU_EXAMPLES])
+def test_examples_fit_long_responses_as_shipped(path):
+    """By the plan, with the knobs each example names in its own file: a dense example fits
+    32k-token responses on its cluster, a MoE example 8k; an example whose model has fewer
+    positions than its prompt and that (the Qwen2.5-Math models' 4,096) cannot run it at all, and
+    the plan's longest response stops at its positions."""
+    cfg, hf, kw = _cfg_hf(path.stem)
+    a = _arch(cfg)
+    n = MOE_RESPONSE if a.is_moe else LONG_RESPONSE
+    if cfg.data.max_prompt_tokens + n > a.max_position_embeddings:
+        assert P.longest_response(cfg, hf, **kw) <= a.max_position_embeddings - cfg.data.max_prompt_tokens
+        return
+    plan = P.make_plan(P.at_length(cfg, n), hf, **kw)
+    assert plan.fits, f"{path.name} at {n}-token responses: {plan.reasons}"
+
+
+@pytest.mark.parametrize("example", ["qwen2.5-7b_oar_g", "qwen2.5-72b_oar_g", "qwen3-30b-a3b_oar_g"])
+@pytest.mark.parametrize("recompute", [None, "selective", "full"])
+def test_oar_g_activations_no_larger_than_the_update(example, recompute):
+    """OAR-G's input-gradient backward runs under the update's recompute (models/recompute.py),
+    so at the same token budget and micro-batches in flight its activations are at most the
+    update's (they share the layers' terms; OAR-G's fp32 embedding gradient is below the update's
+    logits). Before, OAR-G was sized without recompute: 2-30x the update's under full recompute."""
+    cfg = load_config(ROOT / f"examples/{example}.yaml", [f"model.recompute={recompute or 'null'}"])
+    a = _arch(cfg)
+    s = cfg.data.max_prompt_tokens + LONG_RESPONSE
+    for budget in (s, 2 * s, 4 * s):
+        rows = activations.budget_rows(budget, s)
+        for microbatches in (1, 64):
+            update, _ = activations._train_activations(cfg, a, s=s, mbs=rows, microbatches=microbatches)
+            oar_g = activations._oar_g_activations(cfg, a, s=s, seqs=rows, samples=int(microbatches * rows), dp=1)
+            assert 0 < oar_g <= update, (budget, microbatches, oar_g / update)
+    if recompute == "full":  # keeps only each layer's input: far below the layers' activations
+        none = load_config(ROOT / f"examples/{example}.yaml", ["model.recompute=null"])
+        assert (activations._oar_g_activations(cfg, a, s=s, seqs=1, samples=64, dp=1)
+                < activations._oar_g_activations(none, a, s=s, seqs=1, samples=64, dp=1) / 2)
 
 
 def test_chosen_budgets_are_the_largest_that_fit():

@@ -383,6 +383,21 @@ class _HostWaits:
         RoutingPass._router_post = self.saved
 
 
+def _oar_g_replayed(model, batch, vocab: int) -> torch.Tensor:
+    """OAR-G importance of ``batch`` with every pass replaying ``batch.routed_experts`` (as
+    ``attribution_route`` does under ``model.routing_replay=rollout``), one row per micro-batch:
+    under full recompute (models/recompute.py) each router rerun in the backward must replay what
+    its own micro-batch's forward did, though 1F1B at PP2 runs the next forward first."""
+    from megatron_oar.attribution import AttributionConfig, ProbeConfig, compute_importance
+    from megatron_oar.training.routing_replay import RoutingPass
+
+    lengths, width, routed = batch.lengths.tolist(), batch.tokens.shape[1], batch.routed_experts
+    cfg = AttributionConfig(method="oar_g", sigma=1e-2, probe=ProbeConfig(kind="last_token"),
+                            batching="padded", micro_batch_size=1)
+    return compute_importance(model, batch, cfg, vocab_size=vocab, seq_adv=batch.seq_adv, step=1,
+                              route=lambda rows: RoutingPass(model, rows, lengths, width, replay=routed)).importance
+
+
 def _replay_worker(ckpt: str, layouts: list, out: str) -> None:
     import megatron_oar.training.routing_replay as rr
 
@@ -489,6 +504,8 @@ def _replay_layouts(ckpt: str, layouts: list, out: str, waits: _HostWaits) -> No
         res["rollout_old"] = lp3
         res["rollout_metrics"] = log3.metrics(torch.device("cpu"))
         res["host_waits"] = waits.count  # in the router hooks of every pass above
+        if pp > 1:  # OAR-G replaying the recorded routing, compared between PP2 with and without recompute
+            res["oar_g_replayed"] = _oar_g_replayed(model, batch, arch.vocab_size)
         results[_name(tp, pp, ep, recompute)] = res
     save_gathered(results, out)
     del dist
@@ -710,6 +727,18 @@ def test_training_replay_world2(tiny_moe):
     full = make_batch(arch.vocab_size, None)
     # transformers' own routing of the original weights: what the old-logprob pass must record
     _, _, own = _hf_forced(hf, full, None, roll=False)
+    # OAR-G with replayed routing under full recompute equals it without (1F1B at PP2: the rerun
+    # routers replay their own micro-batch's experts, models/recompute.py + RoutingPass)
+    from tests.test_attribution import recompute_tolerance
+
+    widest = max(arch.hidden_size, arch.intermediate_size, arch.moe_intermediate_size)
+    tol = recompute_tolerance(widest, arch.num_layers)
+    for rank in ranks:
+        want, got = rank[_name(1, 2, 1, None)]["oar_g_replayed"], rank[_name(1, 2, 1, "full")]["oar_g_replayed"]
+        assert want.abs().max() > 0
+        err = float(((got - want).abs().amax(-1) / want.abs().amax(-1).clamp_min(1e-30)).max())
+        print(f"OAR-G replayed at PP2, full recompute against none: rel err {err:.2e} (tolerance {tol:.2e})")
+        assert err <= tol, err
     ref = None
     for name in (_name(*layout) for layout in layouts):
         routed = torch.full((full.size, full.tokens.shape[1], arch.num_layers, arch.moe_topk), -1, dtype=torch.int16)

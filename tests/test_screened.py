@@ -3,7 +3,9 @@
 On the tiny model and batch of tests/test_attribution.py: q = 1 is exact OAR-P; for q < 1 the
 selected tokens are OAR-G's top ceil(q * n) per row and carry the exact values, the others rank
 below them in OAR-G's order, and only the selected tokens cost a masked copy; rows that are not
-scored stay 0; TP=2 equals TP=1. The rescaling rule's edge cases are tested on plain tensors.
+scored stay 0; TP=2 equals TP=1, and equals itself under full activation recompute (the
+recompute model built in the same TP2 world: a few seconds). The rescaling rule's edge cases are
+tested on plain tensors.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 from megatron_oar.attribution import AttributionConfig, ProbeConfig
 from megatron_oar.attribution.importance_passes import merge_screened, screen_count, screen_positions
 from tests.distributed import launch, save_gathered
-from tests.test_attribution import SEQ_ADV, make_batch, rel_error
+from tests.test_attribution import SEQ_ADV, make_batch, recompute_tolerance, rel_error
+from tests.tiny import SMALL
 
 SIGMA = 1e-2  # as in test_attribution: keeps OAR-G's fp32 rounding floor (~1e-5) below the TP tolerance
 EXACT = dict(perturb_micro_batch_size=4, length_bucket=8)
@@ -32,8 +35,9 @@ CASES = {
 TP_CASES = ("q0.5", "q0.2")
 
 
-def _compute(ckpt: str, tp: int, names) -> dict:
-    """{case: (importance, score_mask, stats)} on this rank, plus the all-zero-advantage case."""
+def _compute(ckpt: str, tp: int, names, recompute: str | None = None, init: bool = True) -> dict:
+    """{case: (importance, score_mask, stats)} on this rank, plus the all-zero-advantage case;
+    ``recompute``: of a model built with that ``model.recompute``; ``init``: start the runtime."""
     from transformers import AutoTokenizer
 
     from megatron_oar.attribution import compute_importance
@@ -41,8 +45,9 @@ def _compute(ckpt: str, tp: int, names) -> dict:
     from megatron_oar.models.model_checkpoint import load_model
     from megatron_oar.runtime import ParallelConfig, init_runtime
 
-    init_runtime(ParallelConfig(tp=tp, pp=1))
-    model = build_gpt_model(read_hf_config(Path(ckpt) / "hf"), ModelOptions())
+    if init:
+        init_runtime(ParallelConfig(tp=tp, pp=1))
+    model = build_gpt_model(read_hf_config(Path(ckpt) / "hf"), ModelOptions(recompute=recompute))
     meta = load_model(model, ckpt)
     tok = AutoTokenizer.from_pretrained(str(Path(ckpt) / "hf"))
     batch = make_batch(tok)
@@ -59,6 +64,8 @@ def _compute(ckpt: str, tp: int, names) -> dict:
 
 def _tp_worker(ckpt: str, tp: int, out: str) -> None:
     results = _compute(ckpt, tp, TP_CASES)
+    # screened OAR-P's OAR-G stage under full recompute (models/recompute.py), the same world
+    results["recompute"] = _compute(ckpt, tp, TP_CASES, recompute="full", init=False)
     save_gathered(results, out)
 
 
@@ -181,6 +188,7 @@ def test_tp2_equals_tp1(tiny):
     root, ckpt, r = tiny
     out = root / "screened_tp2.pt"
     launch(_tp_worker, 2, str(ckpt), 2, str(out))
+    tol = recompute_tolerance(max(SMALL["hidden_size"], SMALL["intermediate_size"]), SMALL["num_hidden_layers"])
     for rank, results in enumerate(torch.load(out, weights_only=False)):
         for name in TP_CASES:
             got, mask, stats = results[name]
@@ -190,6 +198,12 @@ def test_tp2_equals_tp1(tiny):
             assert torch.equal(mask, want_mask)
             assert stats["masked_forwards"] == want_stats["masked_forwards"]
             assert err <= 1e-4, f"{name} rank {rank}: {err:.2e}"
+            # under full recompute: the same tokens selected (as many copies), the same scores
+            got_rc, mask_rc, stats_rc = results["recompute"][name]
+            err_rc = rel_error(got_rc, got)
+            print(f"tp=2 rank={rank} {name} under full recompute: rel err {err_rc:.2e} (tolerance {tol:.2e})")
+            assert torch.equal(mask_rc, mask) and stats_rc["masked_forwards"] == stats["masked_forwards"]
+            assert err_rc <= tol, f"{name} rank {rank} under full recompute: {err_rc:.2e}"
 
 
 # ----------------------------------------------------------------- the rescaling rule, on tensors

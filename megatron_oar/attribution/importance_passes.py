@@ -114,7 +114,8 @@ def oar_g(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput |
           route: RouteFn | None = None) -> torch.Tensor:
     """OAR-G importance ``I_t = |<dJ/de_t, e_t>|`` with ``J = KL(P0 || P_noisy)`` (or the score
     drop for answer_joint), noise ``N(0, sigma^2)`` on the scored tokens' embeddings, one backward
-    through the schedule with parameter gradients off. Micro-batches of whole sequences:
+    through the schedule with parameter gradients off, under the model's activation recompute
+    (``model.recompute``: full or selective, as the update; ``models.recompute``). Micro-batches of whole sequences:
     ``padded``, ``micro_batch_size`` rows at the longest scored row; ``token_budget``, at most
     ``max_tokens`` padded tokens (default: ``micro_batch_size`` x the longest), each at its own
     longest row. ``route``: how a MoE model routes (``schedule.run_probe_schedule``). Returns
@@ -140,7 +141,9 @@ def oar_g(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput |
     def last_stage(micro: Micro, probe: ProbeOutput) -> torch.Tensor:
         return divergence(teacher.take(micro.rows), probe, micro.sites, clamp=False).sum()
 
-    with attribution_mode(model, allow_fp8):
+    # the input-gradient backward under the model's activation recompute (model.recompute), as
+    # the update's: with it only each layer's input is kept, each layer re-run in the backward
+    with attribution_mode(model, allow_fp8, recompute=True):
         run_probe_schedule(model, micros, vocab_size, forward_only=False, first_stage=first_stage,
                            last_stage=last_stage, filler=_filler(batch, rows), route=route)
     if parallel_state.is_pipeline_first_stage():

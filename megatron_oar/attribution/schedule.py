@@ -11,7 +11,9 @@ the padding, so it is never read.
 
 :func:`attribution_mode` puts the model in the state every attribution pass needs: eval mode,
 parameter gradients off, no gradient scaling/reduction hooks, FP8 autocast off (unless allowed),
-and restores all of it afterwards.
+and restores all of it afterwards. A pass with a backward (OAR-G) asks for ``recompute``: the
+activation recompute the model is configured with (``model.recompute``) then runs as in the
+update, though the pass is in eval mode (``models.recompute.eval_recompute``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from megatron_oar.models.chunked_logits import output_weight
 from megatron_oar.models.forward import MicroInput, run_schedule, schedule_calls
 from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
 from megatron_oar.models.parallel import unwrap
+from megatron_oar.models.recompute import eval_recompute
 
 # Model-config hooks that belong to training steps; attribution must not fire them.
 TRAINING_HOOKS = ("grad_scale_func", "finalize_model_grads_func", "no_sync_func", "grad_sync_func",
@@ -41,7 +44,7 @@ TRAINING_HOOKS = ("grad_scale_func", "finalize_model_grads_func", "no_sync_func"
 
 
 @contextlib.contextmanager
-def attribution_mode(model, allow_fp8: bool = False):
+def attribution_mode(model, allow_fp8: bool = False, recompute: bool = False):
     gpt = unwrap(model)
     config = gpt.config
     saved_hooks = {name: getattr(config, name, None) for name in TRAINING_HOOKS}
@@ -58,7 +61,8 @@ def attribution_mode(model, allow_fp8: bool = False):
             config.fp8 = None  # bf16 dgrad; TE's amax history stays untouched
         model.eval()
         gpt.post_process = False  # hidden states out of the last stage: logits only at probes
-        yield gpt
+        with eval_recompute(model, on=recompute):
+            yield gpt
     finally:
         gpt.post_process = post_process
         model.train(training)

@@ -64,6 +64,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_oar.models.builder import ROUTING_REPLAY_MODES, moe_layer_pattern
 from megatron_oar.models.parallel import unwrap
+from megatron_oar.models.recompute import recomputing
 from megatron_oar.rollout.batch import RoutedExperts
 
 # routed [B, L, n, k] on the CPU: 2 bytes per (token, MoE layer, slot), -1 where none (experts
@@ -251,7 +252,9 @@ class RoutingPass:
 
     def _pre(self, module, args, kwargs):
         self.micro += 1
-        self.keep = self.recomputed and module.training and torch.is_grad_enabled() and self.action is not None
+        # recomputed routers: train mode, or an eval-mode pass under recompute (OAR-G's, models.recompute)
+        self.keep = (self.recomputed and (module.training or recomputing(module)) and torch.is_grad_enabled()
+                     and self.action is not None)
         if self.micro >= len(self.rows):  # a filler call (models.equal_calls): routes on its own
             self.tokens = None
             for r in self.routers:

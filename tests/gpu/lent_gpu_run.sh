@@ -37,6 +37,9 @@
 #   bash tests/gpu/lent_gpu_run.sh unpack-vllm          # unpack vLLM's pieces (vz.*) only
 #   bash tests/gpu/lent_gpu_run.sh bench-te OUT         # wait for TE; the vs-hf bench with the TE spec
 #                                                       # (bf16, FP8 delayed and tensorwise) beside SDPA
+#   bash tests/gpu/lent_gpu_run.sh bench-recompute OUT  # after setup only: the vs-hf bench's long batch,
+#                                                       # SDPA with and without full recompute (OAR-G's
+#                                                       # and the update's peak and time; issue 50)
 set -uo pipefail
 SITE=/tmp/site
 TE_SITE=/tmp/te_site
@@ -148,6 +151,12 @@ bench-te)
     --ours sdpa,te,te-fp8,te-fp8-tensorwise --repeats 2 --memory-cap-gib 79 --out /tmp/vshf_te > /tmp/vshf_te.log 2>&1
   echo "bench exit $?"; tail -3 /tmp/vshf_te.log
   tar -czf "$out"/bench_te.tgz -C /tmp vshf_te.log $(cd /tmp && ls -d vshf_te 2>/dev/null) ;;
+bench-recompute)
+  out=$1
+  python3 -m megatron_oar.cli bench vs-hf --preset qwen2.5-1.5b --dtype bf16 --batch long \
+    --ours sdpa,sdpa-recompute --repeats 2 --memory-cap-gib 79 --out /tmp/vshf_rc > /tmp/vshf_rc.log 2>&1
+  echo "bench exit $?"; tail -3 /tmp/vshf_rc.log
+  tar -czf "$out"/bench_recompute.tgz -C /tmp vshf_rc.log $(cd /tmp && ls -d vshf_rc 2>/dev/null) ;;
 unpack-vllm)
   if ! python3 -c "import vllm" 2>/dev/null; then
     cat /tmp/pieces/vz.* | unzst | tar -xf - -C $SITE || exit 1

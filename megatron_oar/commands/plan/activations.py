@@ -17,11 +17,14 @@ takes the largest of them):
   (chunk*V/TP, 14 bytes: :func:`logits_bytes`), else of a whole micro-batch (s*b*V/TP, 10 bytes:
   bf16 output, fp32 log-softmax, fp32 gradient).
 - old-logprob and reference passes (forward only): one layer's working set plus the logits.
-- OAR-G: a forward that keeps activations for one backward to the input embeddings. It runs in
-  eval mode, where megatron-core does **not** recompute, so it is sized without recompute at
+- OAR-G: a forward that keeps activations for one backward to the input embeddings, under the
+  update's activation recompute (``model.recompute``: the pass runs in eval mode with megatron's
+  recompute switched on, ``models/recompute.py``), so sized as the update's layers at
   ``attribution.max_tokens_per_micro_batch`` tokens of full-length rows (``padded``:
   ``attribution.micro_batch_size`` rows; an upper bound: megatron's frozen-weight linears keep
-  no inputs), plus the fp32 input-embedding gradient.
+  no inputs), with ``min(pp, its micro-batches)`` in flight, plus the fp32 input-embedding
+  gradient in place of the logits (the probes read a few positions): never more than the
+  update's at the same token budget and micro-batches in flight.
 - token budgets left unset are chosen per phase (:mod:`megatron_oar.commands.plan.budgets`),
   and a token budget holds max(budget, s) / s full-length rows (a longer row runs alone).
 - OAR-P: forward only, ``attribution.max_tokens_per_copy_micro_batch`` tokens of masked
@@ -124,11 +127,14 @@ def _train_activations(cfg, a: QwenArch, *, s: int, mbs: float, microbatches: in
 
 
 def _oar_g_activations(cfg, a: QwenArch, *, s: int, seqs: float, samples: int, dp: int) -> float:
-    """OAR-G (eval mode, no recompute): a forward keeping activations for the input-gradient
-    backward, ``seqs`` full-length rows per micro-batch, plus the fp32 input-embedding gradient."""
+    """OAR-G: a forward keeping activations for the input-gradient backward under the update's
+    recompute (``model.recompute``), ``seqs`` full-length rows per micro-batch, plus the fp32
+    input-embedding gradient."""
     tp, pp, sp, flash, etp = _act_setup(cfg)
-    return (_stage_act_bytes(a, s, seqs, tp, pp, sp, flash, etp)
-            * min(pp, max(1, math.ceil(samples / (seqs * dp)))) + 4.0 * s * seqs * a.hidden_size)
+    microbatches = max(1, math.ceil(samples / (seqs * dp)))
+    return (update_activation_bytes(a, s=s, b=seqs, tp=tp, pp=pp, sp=sp, flash=flash,
+                                    recompute=cfg.model.recompute, microbatches=microbatches, etp=etp)
+            + 4.0 * s * seqs * a.hidden_size)
 
 
 def _oar_p_activations(cfg, a: QwenArch, *, s: int, copies: float) -> float:

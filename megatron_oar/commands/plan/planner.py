@@ -293,9 +293,9 @@ def _advice(plan, cfg, mem, act_update, act_attr) -> list[str]:
     if plan.train_peak_gib >= plan.rollout_peak_gib:
         at, s = cfg.attribution_config(), plan.layout["seq_len"]
         if act_attr >= act_update and at.batching == "padded" and at.micro_batch_size > 1:
-            tips.append("attribution runs without recompute: lower attribution.micro_batch_size")
+            tips.append("lower attribution.micro_batch_size")
         if act_attr >= act_update and at.batching == "token_budget" and at.max_tokens_per_micro_batch > s:
-            tips.append("attribution runs without recompute: lower attribution.max_tokens_per_micro_batch "
+            tips.append("lower attribution.max_tokens_per_micro_batch "
                         f"(now {at.max_tokens_per_micro_batch} tokens)")
         if cfg.model.recompute != "full":
             tips.append("model.recompute=full")

@@ -130,7 +130,7 @@ SUMMARY_HEADER = ("| config | nodes x GPUs | TP/PP/DP | vLLM TP | weights+grads+
                   "|---|---|---|---:|---:|---:|---:|---:|---:|---|")
 
 
-TABLE_LENGTHS = (8192, 16384, 32768)
+TABLE_LENGTHS = (8192, 16384, 32768, 65536)
 TABLE_HEADER = ("| config | longest response | response tokens | verdict | peak GiB | token budgets "
                 "(train / OAR-G / OAR-P copies) | otherwise |\n|---|---:|---:|---|---:|---|---|")
 

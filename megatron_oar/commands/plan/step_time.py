@@ -4,8 +4,9 @@ Time per step, at worst-case lengths unless ``--response-tokens`` says otherwise
 micro-batches, ``train.batching`` / ``attribution.batching`` ``padded``, still process every
 sequence at the longest length; token budgets at its own): Megatron passes as FLOPs
 (``models/flops.py``) at a stated MFU (forward 2 FLOPs per matmul parameter per token plus causal attention
-2*L*a*d*s; backward 2x forward; OAR-G's input-gradient-only backward 1x; OAR-P one forward per
-scored token; screened OAR-P OAR-G plus ``screen_fraction`` of OAR-P), generation by a roofline
+2*L*a*d*s; backward 2x forward; OAR-G's input-gradient-only backward 1x; full recompute one
+more forward in the update's and OAR-G's backward; OAR-P one forward per scored token;
+screened OAR-P OAR-G plus ``screen_fraction`` of OAR-P), generation by a roofline
 over decode steps (weights and KV cache read once per step at a stated fraction of HBM bandwidth,
 or compute-bound at the MFU).
 """
@@ -35,12 +36,14 @@ def estimate_time(cfg, a: QwenArch, hw: Hardware, *, world, samples, prompt, res
     fwd_seq = {"logprob": forward_flops(a, [longest if t.batching == "padded" else s]),
                "update": forward_flops(a, [longest if t.batching == "padded" else s]),
                "attribution": forward_flops(a, [longest if at.batching == "padded" else s])}
+    recompute = 1.0 if cfg.model.recompute == "full" else 0.0  # one more forward in a backward
     fe = {"logprob": 1.0 + (1.0 if cfg.loss.kl_coef > 0 else 0.0),  # old-logprob (+ reference)
-          "update": t.ppo_epochs * (3.0 + (1.0 if cfg.model.recompute == "full" else 0.0))}
+          "update": t.ppo_epochs * (3.0 + recompute)}
+    oar_g = 2.0 + recompute  # noisy forward + input-gradient-only backward (+ its recompute)
     if cfg.uses_attribution and at.method == "oar_g":
-        fe["attribution"] = 2.0  # noisy forward + input-gradient-only backward
+        fe["attribution"] = oar_g
     elif cfg.uses_attribution and at.method == "oar_p_screened":  # OAR-G, then its top fraction
-        fe["attribution"] = 2.0 + math.ceil(at.screen_fraction * resp)
+        fe["attribution"] = oar_g + math.ceil(at.screen_fraction * resp)
     elif cfg.uses_attribution:
         fe["attribution"] = float(resp)  # one forward per scored token (upper bound: all)
     else:
