@@ -401,13 +401,14 @@ def test_attribution_flops_suite_end_to_end(tmp_path):
 def test_vs_hf_suite_end_to_end(tmp_path):
     """`oar bench vs-hf` on a tiny model: ours with SDPA and with megatron's unfused attention and
     the plain transformers loop run every pass on the same batch; their old log-probs agree to
-    fp32 rounding (the same weights), and OAR-G's sweep and FLOP floor are counted."""
+    fp32 rounding (the same weights), and OAR-G's sweep and FLOP floor are counted; --profile
+    summarizes one more run of each pass (CPU operators here, kernels on CUDA)."""
     from benchmarks import vs_hf
 
     out = tmp_path / "bench"
     assert vs_hf.main(["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
                        "--vocab", "512", "--tied", "--rows", "3", "--max-tokens-per-micro-batch", "200",
-                       "--hf-update-tokens", "100", "--out", str(out)]) == 0
+                       "--hf-update-tokens", "100", "--profile", "--out", str(out)]) == 0
     res = json.loads((out / "vs_hf.json").read_text())["result"]
     b = res["batches"]["batch"]
     assert len(b["responses"]) == 3 and b["tokens"] == sum(32 + r for r in b["responses"])
@@ -420,8 +421,17 @@ def test_vs_hf_suite_end_to_end(tmp_path):
         assert 1 < g["flop_floor"] < 1.5 and g["sweep_ratio"] > 1
         assert runs["logprob"]["mfu"] is None  # no GPU: no peak to compare with
     assert all(res["hf"]["batch"][n]["seconds"] > 0 for n in ("logprob", "update"))
+    # the other variants against the first, and --profile's host-against-device summaries
+    assert res["ours"]["unfused"]["batch"]["max_abs_logprob_diff_vs_sdpa"] < 1e-5
+    assert set(res["ours"]["sdpa"]["batch"]["profile"]) == {"logprob", "oar_g", "update"}
+    assert set(res["hf"]["batch"]["profile"]) == {"logprob", "update"}
+    for prof in (res["ours"]["sdpa"]["batch"]["profile"]["logprob"], res["hf"]["batch"]["profile"]["logprob"]):
+        assert prof["device"] == "cpu" and prof["kernels"] > 0 and 0 < prof["busy_s"] and prof["top"]
+    assert (out / "profile_logprob_hf_batch.txt").is_file() and (out / "profile_update_sdpa_batch.txt").is_file()
     table = (out / "vs_hf.md").read_text()
     assert "| old-logprob | " in table and "| OAR-G attribution | " in table and "sdpa / HF" in table
+    assert "| ours, sdpa, old-logprob |" in table and "| HF, update |" in table
+    assert "Max |old log-prob - ours, sdpa|: unfused" in table
 
 
 def test_placement_summary_and_table():
@@ -545,3 +555,51 @@ def test_vs_trl_suite_end_to_end(tmp_path):
     raw = json.loads((out / "trl" / "trl_steps.json").read_text())
     assert raw["lengths"] == [16] * 8
     assert "| ours, grpo |" in (out / "vs_trl.md").read_text()
+
+
+# ------------------------------------------------------------------ vs-hf: layer-width presets, profiles
+
+def test_vs_hf_layer_width_presets():
+    """The 7B/14B/32B-width presets: the released models' layers (full depth gives their parameter
+    counts, which checks the arithmetic), at the largest power-of-two depth whose estimated update
+    peak fits an 80 GB GPU with a quarter to spare; the decoder layers' share of the FLOPs is below
+    the full model's (the output layer weighs more). Arithmetic only."""
+    from benchmarks import vs_hf
+
+    budget = vs_hf.FIT_FRACTION * 80e9 / 2**30
+    released = {"qwen2.5-7b-width": 7.62e9, "qwen2.5-14b-width": 14.77e9, "qwen2.5-32b-width": 32.76e9}
+    for name, full_params in released.items():
+        shape = vs_hf.PRESETS[name]
+        assert not shape["tied"] and shape["vocab"] == 152064 and shape["hidden"] % shape["heads"] == 0
+        full = vs_hf.preset_arch(shape, layers=vs_hf.LAYER_WIDTH_PRESETS[name])
+        assert vs_hf.param_count(full) == pytest.approx(full_params, rel=0.005), name
+        assert vs_hf.update_peak_gib(full) > 80  # why the depth is cut
+        cut = vs_hf.preset_arch(shape)
+        assert vs_hf.update_peak_gib(cut) <= budget < vs_hf.update_peak_gib(
+            vs_hf.preset_arch(shape, layers=2 * shape["layers"])), name
+        assert 0.5 < vs_hf.layer_flop_share(cut, [2080] * 8) < vs_hf.layer_flop_share(full, [2080] * 8) < 1
+    assert vs_hf.PRESETS["qwen2.5-1.5b"]["tied"]  # the existing presets are untouched
+
+
+def test_profile_summary_busy_idle_gaps_and_table():
+    """Kernel time against wall time: overlapping intervals counted once, the gaps between them
+    ranked with the host op running when each began; then a real profile of a CPU function."""
+    import torch
+
+    from benchmarks import profile_summary as ps
+
+    kernels = [("gemm", 0.0, 400.0), ("gemm", 300.0, 500.0), ("softmax", 700.0, 750.0), ("gemm", 1750.0, 2000.0)]
+    host = [("aten::mm", 0.0, 600.0), ("aten::item", 600.0, 1800.0)]
+    s = ps.summarize_intervals(kernels, wall_s=0.004, host=host)
+    assert s["busy_s"] == pytest.approx(800e-6) and s["idle_s"] == pytest.approx(0.0032)
+    assert s["busy_fraction"] == pytest.approx(0.2) and s["kernels"] == 4
+    assert s["top"][0] == {"name": "gemm", "calls": 3, "seconds": pytest.approx(850e-6),
+                           "share": pytest.approx(850 / 900)}
+    assert [(g["us"], g["before"], g["host_op"]) for g in s["gaps"]] == [(1000.0, "gemm", "aten::item"),
+                                                                         (200.0, "softmax", "aten::mm")]
+    x = torch.randn(64, 64)
+    real = ps.profile_pass(lambda: [(x @ x).relu().sum() for _ in range(5)])
+    assert real["device"] == "cpu" and real["kernels"] >= 10 and 0 < real["busy_s"] <= real["wall_s"] * 1.05
+    assert any(t["name"] in ("aten::matmul", "aten::mm") for t in real["top"])
+    table = ps.render({"ours, sdpa, old-logprob": real})
+    assert "| ours, sdpa, old-logprob |" in table and "top-level CPU operator" in table
