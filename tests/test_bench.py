@@ -499,6 +499,13 @@ def test_vs_trl_shared_inputs_and_trl_settings(tmp_path):
     ours = vs_trl.our_config(args, hf, tmp_path / "p.jsonl")
     assert ours["train"]["max_tokens_per_micro_batch"] == 4 * 32 and ours["train"]["mini_batches"] == 1
     assert ours["rollout"]["max_new_tokens"] == 16 and ours["rewards"]["format_pattern"] == vs_trl.REWARD_PATTERN
+    # attribution finds an answer (the last word) in every cut-off completion that has a letter
+    from megatron_oar.attribution.spans import find_answer_match
+
+    sample = tok.decode(list(range(1, 40)), skip_special_tokens=True)
+    assert find_answer_match(sample, ours["attribution"]["probe"]["answer_pattern"]) is not None
+    _, a0, a1 = find_answer_match(sample + " ", vs_trl.ANSWER_PATTERN)
+    assert a1 == len(sample) and sample[a0:a1].isalpha() and sample[a0 - 1] == " "
     with pytest.raises(SystemExit):
         vs_trl.parse_args(VS_TRL_TINY + ["--rows-per-micro-batch", "3"])
 
