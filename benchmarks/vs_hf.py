@@ -1,15 +1,17 @@
 """``oar bench vs-hf``: the project's Megatron passes against a plain ``transformers`` + SDPA loop,
 on the same batch and device, in one process.
 
-    oar bench vs-hf [--preset qwen2.5-1.5b | --hidden ... --layers ...] [--dtype bf16]
+    oar bench vs-hf [--preset qwen2.5-1.5b | qwen2.5-7b-width | ... | --hidden ... --layers ...] [--dtype bf16]
                     [--batch short --batch long | --rows 8 --median-response 256 ...]
                     [--ours sdpa,unfused,te,te-fp8] [--max-tokens-per-micro-batch 8192]
-                    [--hf-update-tokens 4096] [--repeats 1] [--out bench_out] [--update-benchmarks]
+                    [--hf-update-tokens 4096] [--repeats 1] [--profile] [--out bench_out] [--update-benchmarks]
 
 A random Qwen2 of the shape (``--preset qwen2.5-1.5b``: hidden 1536, 28 layers, 12/2 heads, ffn
 8960, vocab 151,936, tied) is written as an HF checkpoint and converted as a user's model would
-be. Per batch and per variant of ours (``--ours``: the local spec with SDPA, its default, or
-with megatron's ``unfused`` attention; the Transformer Engine spec in bf16, ``te``, or with FP8,
+be; ``qwen2.5-7b-width``, ``-14b-width`` and ``-32b-width`` keep those models' layers at 4, 4 and 2
+of their 28, 48 and 64 (:data:`LAYER_WIDTH_PRESETS`: what one 80 GB GPU holds). Per batch and per
+variant of ours (``--ours``: the local spec with SDPA, its default, or with megatron's ``unfused``
+attention; the Transformer Engine spec in bf16, ``te``, or with FP8,
 ``te-fp8`` delayed and ``te-fp8-tensorwise``), the trainer's passes of one step run with token-budget
 micro-batches (``--max-tokens-per-micro-batch``, the trainer's ``train.max_tokens_per_micro_batch``):
 
@@ -29,7 +31,9 @@ update a PPO-style token loss, backward and a fused AdamW step (its own token bu
 Per pass: seconds (median of ``--repeats`` after a warm-up), MFU (model FLOPs of the real tokens,
 ``models/flops.py``, over the seconds and the GPU's dense bf16 peak), peak memory
 (``torch.cuda.max_memory_allocated`` during the pass, the other framework's model freed first),
-and how far ours and the baseline's old log-probs differ. A pass that runs out of memory is
+and how far ours and the baseline's old log-probs differ (and each variant's from the first's, e.g.
+FP8 from bf16). ``--profile``: one more run of each pass under torch's profiler, summarized as kernel
+time against wall time (``benchmarks/profile_summary.py``). A pass that runs out of memory is
 reported as such. On the CPU the suite runs at a small shape (tests/test_bench.py): no MFU or
 peak memory there.
 """
