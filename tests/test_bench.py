@@ -588,6 +588,14 @@ def test_vs_hf_layer_width_presets():
             vs_hf.preset_arch(shape, layers=2 * shape["layers"])), name
         assert 0.5 < vs_hf.layer_flop_share(cut, [2080] * 8) < vs_hf.layer_flop_share(full, [2080] * 8) < 1
     assert vs_hf.PRESETS["qwen2.5-1.5b"]["tied"]  # the existing presets are untouched
+    import argparse
+
+    args = argparse.Namespace(**vs_hf.PRESETS["qwen2.5-7b-width"], preset="qwen2.5-7b-width", dtype="bf16",
+                              max_tokens_per_micro_batch=8192, hf_update_tokens=4096, repeats=1,
+                              memory_cap_gib=79.0, ours=["sdpa", "te-fp8"])
+    head = vs_hf.render({"batches": {}, "ours": {"sdpa": {}, "te-fp8": {}}, "hf": {}}, args).splitlines()[0]
+    assert "hidden 3584, 4 layers, 28/4 heads, ffn 18944, vocab 152064, untied, bf16, 2.02B parameters" in head
+    assert "(the layers of qwen2.5-7b at 4 of its 28; update state ~34 GiB)" in head
 
 
 def test_profile_summary_busy_idle_gaps_and_table():
