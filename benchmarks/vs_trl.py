@@ -372,6 +372,12 @@ def summarize_trl(raw: dict, warmup: int, rows: int, response_tokens: int) -> di
 
 
 def run_trl(args, hf: Path, data: Path, out: Path) -> dict:
+    import importlib.util
+
+    missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"oar bench vs-trl: {', '.join(missing)} not installed (requirements/cpu-lock.txt "
+                           "pins trl 1.16.0 and datasets 5.2.0); --no-trl runs ours only")
     trl_out = out / "trl"
     trl_out.mkdir(parents=True, exist_ok=True)
     spec = {"model": str(hf), "data": str(data), "out": str(trl_out), **{k: getattr(args, k) for k in (
