@@ -371,13 +371,17 @@ def summarize_trl(raw: dict, warmup: int, rows: int, response_tokens: int) -> di
     return _summary(per_step, rows, response_tokens)
 
 
-def run_trl(args, hf: Path, data: Path, out: Path) -> dict:
+def check_trl() -> None:
+    """Before any run: TRL's side needs trl and datasets."""
     import importlib.util
 
     missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
     if missing:
         raise RuntimeError(f"oar bench vs-trl: {', '.join(missing)} not installed (requirements/cpu-lock.txt "
                            "pins trl 1.16.0 and datasets 5.2.0); --no-trl runs ours only")
+
+
+def run_trl(args, hf: Path, data: Path, out: Path) -> dict:
     trl_out = out / "trl"
     trl_out.mkdir(parents=True, exist_ok=True)
     spec = {"model": str(hf), "data": str(data), "out": str(trl_out), **{k: getattr(args, k) for k in (
@@ -404,6 +408,8 @@ def run_trl(args, hf: Path, data: Path, out: Path) -> dict:
 # --------------------------------------------------------------------------- measure and render
 
 def measure(args) -> dict:
+    if args.trl:
+        check_trl()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     hf = make_model(out / "model", args)
