@@ -1,18 +1,20 @@
 """``oar bench vs-hf``: the project's Megatron passes against a plain ``transformers`` + SDPA loop,
 on the same batch and device, in one process.
 
-    oar bench vs-hf [--preset qwen2.5-1.5b | --hidden ... --layers ...] [--dtype bf16]
+    oar bench vs-hf [--preset qwen2.5-1.5b | qwen2.5-7b-width | ... | --hidden ... --layers ...] [--dtype bf16]
                     [--batch short --batch long | --rows 8 --median-response 256 ...]
                     [--ours sdpa,unfused,te,te-fp8] [--max-tokens-per-micro-batch 8192]
-                    [--hf-update-tokens 4096] [--repeats 1] [--out bench_out] [--update-benchmarks]
+                    [--hf-update-tokens 4096] [--repeats 1] [--profile] [--out bench_out] [--update-benchmarks]
 
 A random Qwen2 of the shape (``--preset qwen2.5-1.5b``: hidden 1536, 28 layers, 12/2 heads, ffn
 8960, vocab 151,936, tied) is written as an HF checkpoint and converted as a user's model would
-be. Per batch and per variant of ours (``--ours``: the local spec with SDPA, its default, or
-with megatron's ``unfused`` attention; the Transformer Engine spec in bf16, ``te``, or with FP8,
-``te-fp8`` delayed and ``te-fp8-tensorwise``; ``sdpa-recompute`` and ``te-recompute``, those
-under full activation recompute, ``model.recompute=full``, whose OAR-G the table compares with
-its base variant's: time and peak memory), the trainer's passes of one step run with token-budget
+be; ``qwen2.5-7b-width``, ``-14b-width`` and ``-32b-width`` keep those models' layers at 4, 4 and 2
+of their 28, 48 and 64 (:data:`LAYER_WIDTH_PRESETS`: what one 80 GB GPU holds). Per batch and per
+variant of ours (``--ours``: the local spec with SDPA, its default, or with megatron's ``unfused``
+attention; the Transformer Engine spec in bf16, ``te``, or with FP8, ``te-fp8`` delayed and
+``te-fp8-tensorwise``; ``sdpa-recompute`` and ``te-recompute``, those under full activation
+recompute, ``model.recompute=full``, whose OAR-G the table compares with its base variant's: time
+and peak memory), the trainer's passes of one step run with token-budget
 micro-batches (``--max-tokens-per-micro-batch``, the trainer's ``train.max_tokens_per_micro_batch``):
 
 - **old-logprob**: ``old_logprob_pass`` (forward, log-probs and entropy of the response tokens);
@@ -31,7 +33,9 @@ update a PPO-style token loss, backward and a fused AdamW step (its own token bu
 Per pass: seconds (median of ``--repeats`` after a warm-up), MFU (model FLOPs of the real tokens,
 ``models/flops.py``, over the seconds and the GPU's dense bf16 peak), peak memory
 (``torch.cuda.max_memory_allocated`` during the pass, the other framework's model freed first),
-and how far ours and the baseline's old log-probs differ. A pass that runs out of memory is
+and how far ours and the baseline's old log-probs differ (and each variant's from the first's, e.g.
+FP8 from bf16). ``--profile``: one more run of each pass under torch's profiler, summarized as kernel
+time against wall time (``benchmarks/profile_summary.py``). A pass that runs out of memory is
 reported as such. On the CPU the suite runs at a small shape (tests/test_bench.py): no MFU or
 peak memory there.
 """
@@ -53,7 +57,30 @@ SUITE = "vs_hf"
 PRESETS = {  # --preset: the shapes of released models (random weights)
     "qwen2.5-1.5b": dict(hidden=1536, layers=28, heads=12, kv_heads=2, ffn=8960, vocab=151936, tied=True),
     "qwen2.5-0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab=151936, tied=True),
+    # the layer widths of the larger models at a depth one 80 GB GPU holds (LAYER_WIDTH_PRESETS)
+    "qwen2.5-7b-width": dict(hidden=3584, layers=4, heads=28, kv_heads=4, ffn=18944, vocab=152064, tied=False),
+    "qwen2.5-14b-width": dict(hidden=5120, layers=4, heads=40, kv_heads=8, ffn=13824, vocab=152064, tied=False),
+    "qwen2.5-32b-width": dict(hidden=5120, layers=2, heads=40, kv_heads=8, ffn=27648, vocab=152064, tied=False),
 }
+# The -width presets keep a released model's layer (hidden, FFN, heads, vocabulary) and cut its depth
+# (full depth: 28, 48, 64 layers) to the largest power of two whose update fits one 80 GB GPU with a
+# quarter to spare (update_peak_gib() <= FIT_FRACTION x 80 GB; the spare covers what the estimate
+# leaves out: allocator fragmentation, TE / FP8 workspaces and weight copies, the logits chunks, the
+# CUDA context). The estimate: TRAIN_BYTES_PER_PARAM bytes per parameter (ours: bf16 weights, fp32
+# main gradients, fp32 master weights and Adam's two moments; HF: fp32 weights, gradients and
+# AdamW's moments, plus autocast's bf16 weight copies), plus the bf16 tensors a layer saves for its
+# backward, about 10 x hidden + 4 x FFN values per token (norm inputs, QKV, attention output,
+# projection input; FC1 input, gate and up outputs, their product), for an 8192-token micro-batch.
+# 7B-width: 4 layers, 2.02B parameters (the untied 152k-token embedding and output layer 1.09B of
+# them), 33.9 + 6.8 GiB; 14B-width: 4 layers, 2.66B, 44.6 + 6.5 GiB; 32B-width: 2 layers, 2.53B,
+# 42.5 + 4.9 GiB; twice the depth would need 63, 76 and 69 GiB (tests/test_bench.py). A layer's time
+# and FLOPs do not depend on the depth, so the passes' MFU at these widths is what the full models'
+# layers reach, less the output layer's larger share of the FLOPs at this depth (layer_flop_share(),
+# reported with the table).
+LAYER_WIDTH_PRESETS = {"qwen2.5-7b-width": 28, "qwen2.5-14b-width": 48, "qwen2.5-32b-width": 64}
+FIT_FRACTION = 0.75
+FIT_TOKENS = 8192  # the micro-batch the estimate holds: the vs-hf default token budget
+TRAIN_BYTES_PER_PARAM = 18
 # --ours: the model options of each variant (model.spec, model.attention, model.fp8, ...)
 VARIANTS = {
     "sdpa": dict(spec="local", attention="sdpa"),
@@ -69,6 +96,48 @@ VARIANTS = {
 RECOMPUTE_SUFFIX = "-recompute"  # a variant and its base (the suffix dropped) differ only in it
 # --batch NAME: rows, median response, min, max (log-normal lengths, sigma --length-sigma)
 BATCHES = {"short": (16, 1024, 256, 2048), "long": (8, 4096, 2048, 8192)}
+
+
+def preset_arch(shape: dict, layers: int | None = None):
+    """The :class:`~megatron_oar.models.arch.QwenArch` of a :data:`PRESETS` entry (``layers``: another depth)."""
+    from megatron_oar.models.arch import QwenArch
+
+    return QwenArch(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["ffn"],
+                    num_layers=shape["layers"] if layers is None else layers, num_heads=shape["heads"],
+                    num_kv_heads=shape["kv_heads"], head_dim=shape["hidden"] // shape["heads"], rms_norm_eps=1e-6,
+                    rope_theta=1e6, max_position_embeddings=32768, tie_word_embeddings=shape["tied"])
+
+
+def param_count(arch) -> int:
+    """Parameters of a dense Qwen2: per layer its linears, the q/k/v biases and two norms; the
+    embedding (and an untied output layer) and the final norm."""
+    from megatron_oar.models.flops import linear_weights
+
+    per_layer = linear_weights(arch) + (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim + 2 * arch.hidden_size
+    embed = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+    return arch.num_layers * per_layer + embed + arch.hidden_size
+
+
+def train_state_gib(arch) -> float:
+    """Weights, gradients and optimizer state of an update, at :data:`TRAIN_BYTES_PER_PARAM`."""
+    return param_count(arch) * TRAIN_BYTES_PER_PARAM / 2**30
+
+
+def update_peak_gib(arch, tokens: int = FIT_TOKENS) -> float:
+    """The update's estimated peak (GiB): its state (:func:`train_state_gib`) and the bf16
+    activations a micro-batch of ``tokens`` saves for the backward."""
+    saved = 2 * (10 * arch.hidden_size + 4 * arch.intermediate_size) * tokens * arch.num_layers
+    return train_state_gib(arch) + saved / 2**30
+
+
+def layer_flop_share(arch, lengths) -> float:
+    """The decoder layers' share of a forward's FLOPs (the rest: the output layer)."""
+    import dataclasses
+
+    from megatron_oar.models.flops import forward_flops
+
+    total = forward_flops(arch, lengths)
+    return 1.0 - forward_flops(dataclasses.replace(arch, num_layers=0), lengths) / total
 
 
 def _sync():
@@ -127,20 +196,13 @@ def _repeat(fn, repeats: int) -> dict:
             "all": [r.seconds for r in runs], "peak_gib": max(peaks) if peaks else None}
 
 
-def _profile(fn, path: Path) -> None:
-    """One more run of ``fn`` under torch's profiler; the 30 costliest ops by device time (CPU
-    time without CUDA) to ``path``."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+def _profile(fn, args, name: str) -> dict:
+    """One more run of ``fn`` under torch's profiler: its kernel-against-host summary
+    (``profile_summary``), and the 30 costliest ops by device time (CPU time without CUDA) to
+    ``OUT/profile_<name>.txt``."""
+    from benchmarks.profile_summary import profile_pass
 
-    cuda = torch.cuda.is_available()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        fn()
-        _sync()
-    key = "cuda_time_total" if cuda else "cpu_time_total"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(prof.key_averages().table(sort_by=key, row_limit=30))
+    return profile_pass(fn, args.out / f"profile_{name}.txt")
 
 
 def _free():
@@ -185,6 +247,9 @@ def _ours(ckpt: Path, args, variant: str, batches: dict) -> dict:
                     policy.model, batch, args.vocab, 1, sites=sites, **kw)
 
             res["logprob"] = _repeat(logprob, args.repeats)
+            res["profile"] = {}
+            if args.profile and not res["logprob"]["oom"]:
+                res["profile"]["logprob"] = _profile(logprob, args, f"logprob_{variant}_{name}")
             if res["logprob"]["oom"]:
                 out[name] = res
                 _free()
@@ -201,7 +266,7 @@ def _ours(ckpt: Path, args, variant: str, batches: dict) -> dict:
             res["oar_g"] = _repeat(attribution, args.repeats)
             res["oar_g_work"] = work.get("w")
             if args.profile and not res["oar_g"]["oom"]:
-                _profile(attribution, args.out / f"profile_oar_g_{variant}_{name}.txt")
+                res["profile"]["oar_g"] = _profile(attribution, args, f"oar_g_{variant}_{name}")
             batch.advantages = batch.seq_adv[:, None] * batch.loss_mask
 
             def update():
@@ -210,7 +275,7 @@ def _ours(ckpt: Path, args, variant: str, batches: dict) -> dict:
             _free()
             res["update"] = _repeat(update, args.repeats)
             if args.profile and not res["update"]["oom"]:
-                _profile(update, args.out / f"profile_update_{variant}_{name}.txt")
+                res["profile"]["update"] = _profile(update, args, f"update_{variant}_{name}")
             out[name] = res
             _free()
         policy = None  # freed before the baseline runs
@@ -261,8 +326,11 @@ def _hf(hf_dir: Path, args, batches: dict) -> dict:
                     logprobs[g, 1:width] = token_logprobs(g, width)
 
         res["logprob"] = _repeat(logprob, args.repeats)
+        res["profile"] = {}
         if not res["logprob"]["oom"]:
             res["logprobs"] = logprobs.cpu()
+            if args.profile:
+                res["profile"]["logprob"] = _profile(logprob, args, f"logprob_hf_{name}")
         total = mask.sum()
 
         def update():
@@ -280,6 +348,8 @@ def _hf(hf_dir: Path, args, batches: dict) -> dict:
 
         _free()
         res["update"] = _repeat(update, args.repeats)
+        if args.profile and not res["update"]["oom"]:
+            res["profile"]["update"] = _profile(update, args, f"update_hf_{name}")
         out[name] = res
         _free()
     model = opt = None  # freed
@@ -322,9 +392,16 @@ def measure(args) -> dict:
     for name, batch in batches.items():
         lengths = batch.lengths.tolist()
         forward = forward_flops(arch, lengths)
-        b = {"responses": specs[name], "tokens": sum(lengths), "forward_flops": forward}
+        b = {"responses": specs[name], "tokens": sum(lengths), "forward_flops": forward,
+             "layer_flop_share": layer_flop_share(arch, lengths)}
         valid = batch.loss_mask.bool().cpu()
         hf_lp = result["hf"][name].get("logprobs")
+        first = args.ours[0]  # the other variants against it too (e.g. FP8 against TE bf16 or SDPA)
+        first_lp = result["ours"][first][name].get("logprobs")
+        for a in args.ours[1:]:
+            lp = result["ours"][a][name].get("logprobs")
+            if lp is not None and first_lp is not None:
+                result["ours"][a][name][f"max_abs_logprob_diff_vs_{first}"] = float((lp - first_lp)[valid].abs().max())
         for who, runs in [*((f"ours ({a})", result["ours"][a][name]) for a in args.ours),
                           ("hf", result["hf"][name])]:
             ours_lp = runs.pop("logprobs", None)
@@ -412,6 +489,11 @@ def _recompute_lines(res: dict, args, name: str) -> list[str]:
 def render(res: dict, args) -> str:
     shape = (f"random Qwen2, hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
              f"ffn {args.ffn}, vocab {args.vocab}, {'tied' if args.tied else 'untied'}, {args.dtype}")
+    arch = preset_arch(vars(args))
+    shape += f", {param_count(arch) / 1e9:.2f}B parameters"
+    if args.preset in LAYER_WIDTH_PRESETS:
+        shape += (f" (the layers of {args.preset.removesuffix('-width')} at {args.layers} of its "
+                  f"{LAYER_WIDTH_PRESETS[args.preset]}; update state ~{train_state_gib(arch):.0f} GiB)")
     weights = "fp32 weights under bf16 autocast" if args.dtype == "bf16" else "fp32"
     lines = [f"Model: {shape}. Ours: token budget {args.max_tokens_per_micro_batch}; plain HF: "
              f"`attn_implementation=\"sdpa\"`, {weights}, "
@@ -420,8 +502,10 @@ def render(res: dict, args) -> str:
              + (f" GPU memory capped at {args.memory_cap_gib:g} GiB." if args.memory_cap_gib else ""), ""]
     for name, b in res["batches"].items():
         r = b["responses"]
+        share = (f"; the decoder layers carry {b['layer_flop_share']:.0%} of its FLOPs"
+                 if "layer_flop_share" in b else "")
         lines += [f"**{name}**: {len(r)} rows, {args.prompt}-token prompts, responses {min(r)}-{max(r)} tokens "
-                  f"({b['tokens']:,} tokens)", "",
+                  f"({b['tokens']:,} tokens{share})", "",
                   "| pass | " + " | ".join(f"ours, {a}" for a in args.ours) + " | plain HF + SDPA | "
                   + " | ".join(f"{a} / HF" for a in args.ours) + " |",
                   "|---|" + "---|" * (2 * len(args.ours) + 1)]
@@ -443,6 +527,18 @@ def render(res: dict, args) -> str:
                  if "max_abs_logprob_diff_vs_hf" in res["ours"][a][name]]
         if diffs:
             lines += ["", "Max |old log-prob ours - HF| over the response tokens: " + ", ".join(diffs) + "."]
+        key = f"max_abs_logprob_diff_vs_{args.ours[0]}"
+        diffs = [f"{a} {res['ours'][a][name][key]:.2e}" for a in args.ours[1:] if key in res["ours"][a][name]]
+        if diffs:
+            lines.append(f"Max |old log-prob - ours, {args.ours[0]}|: " + ", ".join(diffs) + ".")
+        passes = {"logprob": "old-logprob", "oar_g": "OAR-G", "update": "update"}
+        profiles = {f"ours, {a}, {passes[k]}": v for a in args.ours
+                    for k, v in res["ours"][a][name].get("profile", {}).items()}
+        profiles.update({f"HF, {passes[k]}": v for k, v in hf.get("profile", {}).items()})
+        if profiles:
+            from benchmarks.profile_summary import render as render_profiles
+
+            lines += ["", render_profiles(profiles)]
         lines.append("")
     lines.append("MFU: model FLOPs of the real tokens (`models/flops.py`; update = 3 forwards) over seconds and "
                  "the GPU's dense bf16 peak. Peak memory: `torch.cuda.max_memory_allocated` during the pass, "
@@ -473,7 +569,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="CUDA: cap this process's GPU memory (e.g. 79 on an H200 to see what fits an 80 GB H100)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--profile", action="store_true",
-                   help="ours: one more OAR-G and update run under torch's profiler (tables in --out)")
+                   help="one more run of each pass (ours: old-logprob, OAR-G, update; HF: old-logprob, update) "
+                        "under torch's profiler: kernel time against wall time, top kernels, idle gaps "
+                        "(the table in the report, the profiler's tables in --out)")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     p.add_argument("--update-benchmarks", action="store_true", help="rewrite BENCHMARKS.md's section")
     args = p.parse_args(argv)

@@ -32,6 +32,8 @@
                                    chunked vs whole-micro-batch logits (151,936-token vocabulary)
     oar bench vs-hf ...            the old-logprob pass, the update and OAR-G against a plain
                                    transformers + SDPA loop on the same batch (seconds, MFU, memory)
+    oar bench vs-trl ...           a whole GRPO / OAR-G / screened OAR-P step of oar train against
+                                   TRL's GRPOTrainer on the same work (s/step, phases, memory)
 
 """
 
@@ -47,7 +49,8 @@ from megatron_oar.log_setup import backend_notices, quiet_backend_notices
 # `oar bench SUITE`: the module in benchmarks/ (results in BENCHMARKS.md)
 BENCH_SUITES = {"attribution": "attribution", "rollout": "rollout", "screening": "screening",
                 "convert": "convert_memory", "batching": "batching", "attribution-flops": "attribution_flops",
-                "logits-memory": "logits_memory", "vs-hf": "vs_hf", "placement": "placement"}
+                "logits-memory": "logits_memory", "vs-hf": "vs_hf", "placement": "placement",
+                "vs-trl": "vs_trl"}
 
 
 def _demo(args: argparse.Namespace) -> int:

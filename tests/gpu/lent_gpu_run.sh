@@ -40,6 +40,17 @@
 #   bash tests/gpu/lent_gpu_run.sh bench-recompute OUT  # after setup only: the vs-hf bench's long batch,
 #                                                       # SDPA with and without full recompute (OAR-G's
 #                                                       # and the update's peak and time; issue 50)
+#
+# Issue 52's lease (round 4; docs/gpu-validation.md, "Next lease"), after the six payload calls above,
+# each stage one call, in this order (a lease cut short loses the last ones):
+#   bash tests/gpu/lent_gpu_run.sh round4-confirm OUT   # test_gpu_vllm.py (the level-2 wake fix), then
+#                                                       # OAR-G on vs-hf's long batch without and with
+#                                                       # full recompute (--ours sdpa,sdpa-recompute)
+#   bash tests/gpu/lent_gpu_run.sh round4-trl OUT       # oar bench vs-trl at the 1.5B shape
+#   bash tests/gpu/lent_gpu_run.sh round4-widths OUT    # vs-hf at the 7B/32B/14B layer widths: SDPA, TE,
+#                                                       # FP8 delayed and tensorwise
+#   bash tests/gpu/lent_gpu_run.sh round4-profile OUT   # if time is left: vs-hf --profile, 1.5B, SDPA
+#                                                       # and TE (old-logprob vs HF, TE vs local)
 set -uo pipefail
 SITE=/tmp/site
 TE_SITE=/tmp/te_site
@@ -157,6 +168,45 @@ bench-recompute)
     --ours sdpa,sdpa-recompute --repeats 2 --memory-cap-gib 79 --out /tmp/vshf_rc > /tmp/vshf_rc.log 2>&1
   echo "bench exit $?"; tail -3 /tmp/vshf_rc.log
   tar -czf "$out"/bench_recompute.tgz -C /tmp vshf_rc.log $(cd /tmp && ls -d vshf_rc 2>/dev/null) ;;
+round4-confirm)
+  out=$1
+  python3 -c "import flashinfer" 2>/dev/null || export VLLM_USE_FLASHINFER_SAMPLER=0
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_vllm.py > "$out"/vllm_tests.log 2>&1
+  echo "test_gpu_vllm exit $?"; grep -E "passed|failed|Error|FAILED" "$out"/vllm_tests.log | tail -8
+  # OAR-G and the update with and without full recompute in one run (the table's comparison line)
+  timeout 300 python3 -m megatron_oar.cli bench vs-hf --preset qwen2.5-1.5b --dtype bf16 --batch long \
+    --ours sdpa,sdpa-recompute --repeats 1 --memory-cap-gib 79 --out /tmp/r4_recompute > /tmp/r4_recompute.log 2>&1
+  echo "vs-hf long batch, recompute: exit $?"; grep -E "OAR-G|old-logprob|update|Full recompute" /tmp/r4_recompute.log | tail -6
+  tar -czf "$out"/confirm.tgz -C /tmp r4_recompute.log $(cd /tmp && ls -d r4_recompute 2>/dev/null) ;;
+round4-trl)
+  out=$1
+  python3 -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" || exit 1
+  python3 -c "import flashinfer" 2>/dev/null || export VLLM_USE_FLASHINFER_SAMPLER=0
+  # per step 8 prompts x 8 completions of exactly 512 tokens (128-token prompts), 8 rows per
+  # micro-batch; 3 steps, the first a warm-up; ours GRPO, OAR-G, screened OAR-P, then TRL
+  timeout 570 python3 -m megatron_oar.cli bench vs-trl --preset qwen2.5-1.5b --dtype bf16 --prompts 8 \
+    --group-size 8 --prompt-tokens 128 --response-tokens 512 --rows-per-micro-batch 8 --steps 3 --warmup 1 \
+    --gpu-memory-utilization 0.5 --timeout-s 200 --out /tmp/r4_trl > /tmp/r4_trl.log 2>&1
+  echo "vs-trl exit $?"; tail -15 /tmp/r4_trl.log
+  tar --exclude=r4_trl/model --exclude='r4_trl/runs/*/checkpoints' -czf "$out"/trl.tgz -C /tmp r4_trl.log r4_trl ;;
+round4-widths)
+  out=$1
+  for _ in $(seq 1 150); do [ -f /tmp/te_build.done ] && break; sleep 2; done
+  [ "$(cat /tmp/te_build.done 2>/dev/null)" = 0 ] && export PYTHONPATH=$PYTHONPATH:$TE_SITE
+  for w in 7b 32b 14b; do
+    timeout 180 python3 -m megatron_oar.cli bench vs-hf --preset qwen2.5-$w-width --dtype bf16 --batch short \
+      --ours sdpa,te,te-fp8,te-fp8-tensorwise --repeats 1 --memory-cap-gib 79 --out /tmp/r4_$w > /tmp/r4_$w.log 2>&1
+    echo "$w-width exit $?"; grep -E "^\| (old-logprob|update)" /tmp/r4_$w.log | tail -2
+  done
+  tar -czf "$out"/widths.tgz -C /tmp $(cd /tmp && ls -d r4_*b r4_*b.log 2>/dev/null) ;;
+round4-profile)
+  out=$1
+  for _ in $(seq 1 150); do [ -f /tmp/te_build.done ] && break; sleep 2; done
+  [ "$(cat /tmp/te_build.done 2>/dev/null)" = 0 ] && export PYTHONPATH=$PYTHONPATH:$TE_SITE
+  timeout 300 python3 -m megatron_oar.cli bench vs-hf --preset qwen2.5-1.5b --dtype bf16 --batch short \
+    --ours sdpa,te --repeats 1 --memory-cap-gib 79 --profile --out /tmp/r4_profile > /tmp/r4_profile.log 2>&1
+  echo "profile exit $?"; grep -A12 "^Profile" /tmp/r4_profile.log | head -14
+  tar -czf "$out"/profile.tgz -C /tmp r4_profile.log r4_profile ;;
 unpack-vllm)
   if ! python3 -c "import vllm" 2>/dev/null; then
     cat /tmp/pieces/vz.* | unzst | tar -xf - -C $SITE || exit 1
