@@ -69,6 +69,7 @@ class Heartbeat:
     def __init__(self, store, rank: int, *, period: float = HEARTBEAT_S, stale_s: float = STALE_S):
         self.store, self.rank, self.period, self.stale_s = store, rank, period, stale_s
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it last moved)
+        self.lost: str | None = None  # set once a member was found lost (its operations are stuck)
         self._stop = threading.Event()
         self.beat()
         self._thread = threading.Thread(target=self._run, name="oar-heartbeat", daemon=True)
@@ -97,8 +98,9 @@ class Heartbeat:
             if last is None or last[0] != count:
                 self._seen[r] = (count, now)
             elif now - last[1] > self.stale_s:
-                raise PeerLost(f"global rank {r} has not beaten for {now - last[1]:.0f} s (its process "
-                               f"is stopped or its host is unreachable) while this rank was {doing}")
+                self.lost = (f"global rank {r} has not beaten for {now - last[1]:.0f} s (its process "
+                             f"is stopped or its host is unreachable) while this rank was {doing}")
+                raise PeerLost(self.lost)
 
     def close(self) -> None:
         self._stop.set()
@@ -192,12 +194,23 @@ class Roles:
 
     def close(self) -> None:
         """Collective over every rank: waits for all (so the store's host, global rank 0, is the
-        last to go), then drops the cross-role groups."""
-        if self.everyone is not None:
+        last to go), then drops the cross-role groups. After a member was lost (its heartbeat
+        stopped), the groups' operations with it are stuck in gloo's threads, which cannot be
+        cancelled and which a group's destructor would join: those groups are left to the
+        process's exit instead."""
+        lost = self.heartbeat is not None and self.heartbeat.lost
+        if self.everyone is not None and not lost:
             try:
                 self.everyone.barrier()
             except RuntimeError as e:  # a rank died (the run already failed): nothing to wait for
                 log.warning("separate placement: not every rank reached the end (%s)", e)
+        if self.heartbeat is not None and self.heartbeat.lost:
+            log.warning("separate placement: leaving the groups across the roles to the process's exit "
+                        "(%s)", self.heartbeat.lost)
+            for name in ("weights", "weights_device", "results", "everyone"):
+                group = getattr(self, name)
+                if group is not None:
+                    _abandon(group.pg)
         for name in ("weights", "weights_device", "results", "everyone"):
             setattr(self, name, None)
         if self.heartbeat is not None:
@@ -207,6 +220,17 @@ class Roles:
 
 
 _ROLES: Roles | None = None
+_ABANDONED: list = []
+
+
+def _abandon(pg) -> None:
+    """Never destroys ``pg`` (its destructor would wait for an operation with a lost member):
+    one reference more than anything will release."""
+    import ctypes
+
+    if not any(p is pg for p in _ABANDONED):
+        _ABANDONED.append(pg)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
 
 def current_roles() -> Roles | None:
