@@ -20,6 +20,8 @@ ranks in one torchrun world.
   holds sends nothing, and a rollout rank outlives SIGTERM.
 * partial rollouts' segments joined with a fake engine (no processes, milliseconds after the
   imports).
+* the groups across the roles: the nccl ``weights`` group's timeout (a fake nccl class), the
+  heartbeat finding a member that stopped beating (no processes, about 1 s).
 """
 
 from __future__ import annotations
@@ -577,3 +579,61 @@ def test_partial_rollout_segments_join_and_record_versions(monkeypatch):
     assert batch.logprobs == [[[float(v) for v in vs] for vs in versions[0]]]  # each token's weights'
     assert engine.calls == [(1, [4]), (2, [4, 4]), (1, [2])]
     assert batch.texts[0][0] == "3 4" and batch.meta["segments"] == 3
+
+
+# ------------------------------------------------- the groups across the roles (no processes, fast)
+
+def test_nccl_weights_group_carries_the_timeout_and_gloo_ones_the_heartbeat(monkeypatch):
+    """The nccl ``weights`` group gets ``parallel.timeout_minutes`` (it was made without a timeout:
+    torch's 10-minute default); the gloo groups across the roles a week's, their waits watched by
+    the heartbeat instead. Milliseconds (a fake ``ProcessGroupNCCL``: the CPU build has none)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_oar.runtime import roles as roles_mod
+
+    made = {}
+
+    class FakeNCCL:
+        class Options:
+            _timeout = None
+
+        def __init__(self, store, rank, size, options):
+            made.update(rank=rank, size=size, timeout=options._timeout)
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    store = dist.HashStore()
+    g = roles_mod.cross_group(store, "weights_nccl", [0, 3, 4], 3, backend="nccl", timeout=timedelta(minutes=7))
+    assert made == {"rank": 1, "size": 3, "timeout": timedelta(minutes=7)}
+    assert g.heartbeat is None and g.members == (0, 3, 4)
+    assert roles_mod.cross_group(store, "weights_nccl", [0, 3, 4], 1, backend="nccl",
+                                 timeout=timedelta(minutes=7)) is None  # not a member
+    assert roles_mod.CROSS_TIMEOUT >= timedelta(days=1)
+
+
+def test_heartbeat_finds_a_member_that_stopped_beating():
+    """A member whose counter moves is alive however long the wait; one whose counter stops is
+    lost ``stale_s`` later (counted here: no clocks compared). About 1 s."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_oar.runtime.roles import Heartbeat, PeerLost
+
+    store = dist.HashStore()
+    mine = Heartbeat(store, 0, period=0.05, stale_s=0.4)
+    alive = Heartbeat(store, 1, period=0.05, stale_s=0.4)
+    Heartbeat(store, 2, period=0.05, stale_s=0.4).close()  # beats once, then stops
+    try:
+        mine.check([0, 1, 2])
+        deadline = time.monotonic() + 5
+        with pytest.raises(PeerLost, match="global rank 2 has not beaten"):
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
+                mine.check([0, 1], "waiting")  # alive: never raises
+                mine.check([0, 1, 2], "waiting")
+        assert mine.lost and "global rank 2" in mine.lost
+    finally:
+        mine.close()
+        alive.close()
