@@ -277,6 +277,66 @@ def test_engine_weights_equal_megatrons_after_each_broadcast(end_to_end):
     assert [c["version"] for c in end_to_end["checks"]] == [100, 101]
 
 
+def _staleness_two_worker(ckpt: str, root: str, out: str) -> None:
+    """Global rank 1 serves rollouts; global rank 0 trains at ``max_staleness=2``: 4 steps
+    straight, then the same run stopped by a stop signal after step 2 and resumed by a fresh
+    handle (as a restarted process's)."""
+    from megatron_oar.rollout.remote import RemoteRollout, serve_rollouts
+    from megatron_oar.runtime.roles import ROLLOUT, split_world
+    from megatron_oar.training.trainer import Trainer
+    from tests.test_trainer import _config, _records, _weights
+
+    common = ("parallel.tp=1", "rollout.logprobs_mode=processed_logprobs", "credit=grpo",
+              "loss.rollout_correction=tis", *SEPARATE, "rollout.max_staleness=2", "train.steps=4")
+    straight = _config(ckpt, f"{root}/straight", *common)
+    roles = split_world(1, timeout_minutes=5)
+    if roles.role == ROLLOUT:
+        serve_rollouts(straight, roles)
+        return
+    from megatron_oar.models import parse_arch, read_hf_config
+
+    arch = parse_arch(read_hf_config(straight.model.hf_dir() / "config.json"))
+    results = {}
+    remote = RemoteRollout(straight, roles, arch)
+    trainer = Trainer(straight, engine=remote)
+    trainer.run()
+    results["straight"] = {"records": _records(Path(straight.run_dir)),
+                           "weights": {k: v.tolist() for k, v in _weights(trainer).items()}}
+    stopped_cfg = _config(ckpt, f"{root}/stopped", *common)
+    remote.shutdown(stop=False)
+    remote = RemoteRollout(stopped_cfg, roles, arch)
+    stopped = Trainer(stopped_cfg, engine=remote)
+    stopped.preemption.requested = lambda group: stopped.step >= 2
+    stopped.run()
+    remote.shutdown(stop=False)  # what the handle holds is gone, as in a new process
+    remote = RemoteRollout(stopped_cfg, roles, arch)
+    resumed = Trainer(stopped_cfg, engine=remote)
+    resumed.run()
+    results["resumed"] = {"records": _records(Path(stopped_cfg.run_dir)),
+                          "weights": {k: v.tolist() for k, v in _weights(resumed).items()}}
+    remote.shutdown()
+    Path(out).write_text(json.dumps(results))
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_staleness_two_trains_lags_two_and_resumes_bit_exact(trainer_checkpoint, tmp_path):
+    """The real trainer at ``max_staleness=2`` (it deadlocked after step 1, issue 51): 4 steps
+    lag 0, 1, 2, 2 (versions 0, 0, 0, 1); stopped after step 2 (its checkpoint keeps the 2
+    batches generated ahead) and resumed, steps 3 and 4 equal the uninterrupted run's and so do
+    the final weights, bit for bit. One job of 2 ranks (a vLLM engine on the rollout rank),
+    about 2 min on 2 busy cores: e2e tier."""
+    launch(_staleness_two_worker, 2, str(trainer_checkpoint), str(tmp_path), str(tmp_path / "out.json"))
+    res = json.loads((tmp_path / "out.json").read_text())
+    straight, resumed = res["straight"], res["resumed"]
+    assert [r["rollout/staleness_max"] for r in straight["records"]] == [0.0, 1.0, 2.0, 2.0]
+    assert [r["rollout/policy_version"] for r in straight["records"]] == [0.0, 0.0, 0.0, 1.0]
+    assert [r["step"] for r in resumed["records"]] == [1, 2, 3, 4]
+    for a, b in zip(resumed["records"][2:], straight["records"][2:]):
+        assert _comparable(a) == _comparable(b)
+    assert resumed["weights"] == straight["weights"]
+
+
 # ------------------------------------------------------------------ a rollout rank that dies (fast)
 
 class _FakeEngine:
