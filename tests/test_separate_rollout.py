@@ -7,9 +7,10 @@ ranks in one torchrun world.
   group; weight buckets (fp32, bf16, a 0-dim tensor) and objects travel between the roles
   exactly; a send posted without waiting does not block the sender's next receive.
 * slow, one job of 2 ranks (1 training + 1 rollout, a vLLM engine on each: the colocated run's
-  and the rollout rank's), 110-200 s on 2 busy cores (10 s of it a deliberate stall), shared
-  by six tests: the colocated run, the separate runs at ``max_staleness`` 0 and 1 (and a
-  resume of each), partial rollouts, the sync check after broadcasts.
+  and the rollout rank's), 110-200 s on 2 busy cores (10 s of it a deliberate stall; the
+  staleness-2 runs' 6 steps add about 20 s), shared by seven tests: the colocated run, the
+  separate runs at ``max_staleness`` 0, 1 and 2 (and a resume of each), partial rollouts, the
+  sync check after broadcasts.
 * a rollout rank killed, or frozen (SIGSTOP: a lost host), mid-generation stops the trainer
   with ``RolloutRankError``, and a checkpoint's ``results_ahead`` and the shutdown survive it
   (fresh processes, no vLLM, 20-60 s each).
@@ -157,6 +158,21 @@ def _end_to_end_worker(ckpt: str, root: str, out: str) -> None:
     remote.shutdown(stop=False)  # what the handle holds is gone, as in a new process
     remote = RemoteRollout(sep1r, roles, remote.arch)
     run(sep1r, remote, "resumed1")
+    # max_staleness=2 (it deadlocked after step 1, issue 51): 3 steps straight, and the same run
+    # stopped after step 1 (its checkpoint keeping the 2 batches generated ahead) and resumed
+    for name in ("sep2", "sep2r"):
+        cfg2 = _config(ckpt, f"{root}/{name}", *common, *SEPARATE, "rollout.max_staleness=2", "train.steps=3")
+        remote.shutdown(stop=False)
+        remote = RemoteRollout(cfg2, roles, remote.arch)
+        if name == "sep2":
+            run(cfg2, remote, "staleness2")
+            continue
+        stopped = Trainer(cfg2, engine=remote)
+        stopped.preemption.requested = lambda group: stopped.step >= 1
+        stopped.run()
+        remote.shutdown(stop=False)
+        remote = RemoteRollout(cfg2, roles, remote.arch)
+        run(cfg2, remote, "resumed2")
 
     # the sync check after each broadcast: the engine's log-probs are Megatron's
     model = trainer.policy.model
@@ -255,6 +271,22 @@ def test_staleness_one_resumes_bit_exact(end_to_end):
 
 
 @pytest.mark.slow
+def test_staleness_two_lags_two_and_resumes_bit_exact(end_to_end):
+    """The real trainer at max_staleness=2: the 3 steps' batches all come from the starting
+    weights (lag 0, 1, 2); stopped after step 1 and resumed, steps 2 and 3 train on the 2
+    batches the checkpoint kept, so their metrics and the weights are the uninterrupted run's,
+    bit for bit."""
+    straight, resumed = end_to_end["staleness2"], end_to_end["resumed2"]
+    assert [r["rollout/staleness_max"] for r in straight["records"]] == [0.0, 1.0, 2.0]
+    assert [r["rollout/policy_version"] for r in straight["records"]] == [0.0, 0.0, 0.0]
+    assert [r["step"] for r in resumed["records"]] == [1, 2, 3]
+    assert [r["rollout/staleness_max"] for r in resumed["records"]] == [0.0, 1.0, 2.0]
+    for a, b in zip(resumed["records"][1:], straight["records"][1:]):
+        assert _comparable(a) == _comparable(b)
+    assert resumed["weights"] == straight["weights"] and straight["changed"] > 0
+
+
+@pytest.mark.slow
 def test_partial_rollouts_switch_weights_mid_batch(end_to_end):
     """rollout.partial_tokens=4 at staleness 1: step 3's batch began under version 1 and its
     unfinished completions continued under version 2 (the sync reached the rollout rank at a
@@ -275,66 +307,6 @@ def test_engine_weights_equal_megatrons_after_each_broadcast(end_to_end):
         assert check["agree_max"] < 1e-4, check   # fp32: rounding
         assert check["moved_max"] > 0.05, check   # and the check can fail
     assert [c["version"] for c in end_to_end["checks"]] == [100, 101]
-
-
-def _staleness_two_worker(ckpt: str, root: str, out: str) -> None:
-    """Global rank 1 serves rollouts; global rank 0 trains at ``max_staleness=2``: 4 steps
-    straight, then the same run stopped by a stop signal after step 2 and resumed by a fresh
-    handle (as a restarted process's)."""
-    from megatron_oar.rollout.remote import RemoteRollout, serve_rollouts
-    from megatron_oar.runtime.roles import ROLLOUT, split_world
-    from megatron_oar.training.trainer import Trainer
-    from tests.test_trainer import _config, _records, _weights
-
-    common = ("parallel.tp=1", "rollout.logprobs_mode=processed_logprobs", "credit=grpo",
-              "loss.rollout_correction=tis", *SEPARATE, "rollout.max_staleness=2", "train.steps=4")
-    straight = _config(ckpt, f"{root}/straight", *common)
-    roles = split_world(1, timeout_minutes=5)
-    if roles.role == ROLLOUT:
-        serve_rollouts(straight, roles)
-        return
-    from megatron_oar.models import parse_arch, read_hf_config
-
-    arch = parse_arch(read_hf_config(straight.model.hf_dir() / "config.json"))
-    results = {}
-    remote = RemoteRollout(straight, roles, arch)
-    trainer = Trainer(straight, engine=remote)
-    trainer.run()
-    results["straight"] = {"records": _records(Path(straight.run_dir)),
-                           "weights": {k: v.tolist() for k, v in _weights(trainer).items()}}
-    stopped_cfg = _config(ckpt, f"{root}/stopped", *common)
-    remote.shutdown(stop=False)
-    remote = RemoteRollout(stopped_cfg, roles, arch)
-    stopped = Trainer(stopped_cfg, engine=remote)
-    stopped.preemption.requested = lambda group: stopped.step >= 2
-    stopped.run()
-    remote.shutdown(stop=False)  # what the handle holds is gone, as in a new process
-    remote = RemoteRollout(stopped_cfg, roles, arch)
-    resumed = Trainer(stopped_cfg, engine=remote)
-    resumed.run()
-    results["resumed"] = {"records": _records(Path(stopped_cfg.run_dir)),
-                          "weights": {k: v.tolist() for k, v in _weights(resumed).items()}}
-    remote.shutdown()
-    Path(out).write_text(json.dumps(results))
-
-
-@pytest.mark.slow
-@pytest.mark.e2e
-def test_staleness_two_trains_lags_two_and_resumes_bit_exact(trainer_checkpoint, tmp_path):
-    """The real trainer at ``max_staleness=2`` (it deadlocked after step 1, issue 51): 4 steps
-    lag 0, 1, 2, 2 (versions 0, 0, 0, 1); stopped after step 2 (its checkpoint keeps the 2
-    batches generated ahead) and resumed, steps 3 and 4 equal the uninterrupted run's and so do
-    the final weights, bit for bit. One job of 2 ranks (a vLLM engine on the rollout rank),
-    about 2 min on 2 busy cores: e2e tier."""
-    launch(_staleness_two_worker, 2, str(trainer_checkpoint), str(tmp_path), str(tmp_path / "out.json"))
-    res = json.loads((tmp_path / "out.json").read_text())
-    straight, resumed = res["straight"], res["resumed"]
-    assert [r["rollout/staleness_max"] for r in straight["records"]] == [0.0, 1.0, 2.0, 2.0]
-    assert [r["rollout/policy_version"] for r in straight["records"]] == [0.0, 0.0, 0.0, 1.0]
-    assert [r["step"] for r in resumed["records"]] == [1, 2, 3, 4]
-    for a, b in zip(resumed["records"][2:], straight["records"][2:]):
-        assert _comparable(a) == _comparable(b)
-    assert resumed["weights"] == straight["weights"]
 
 
 # ------------------------------------------------------------------ a rollout rank that dies (fast)
