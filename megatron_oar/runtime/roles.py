@@ -68,6 +68,9 @@ class Heartbeat:
 
     def __init__(self, store, rank: int, *, period: float = HEARTBEAT_S, stale_s: float = STALE_S):
         self.store, self.rank, self.period, self.stale_s = store, rank, period, stale_s
+        # a client connection of its own: a TCPStore client serialises its operations, and the
+        # main thread may block in a store wait (a group being made) for longer than stale_s
+        self._beat_store = store.clone() if hasattr(store, "clone") else store
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it last moved)
         self.lost: str | None = None  # set once a member was found lost (its operations are stuck)
         self._stop = threading.Event()
@@ -76,7 +79,7 @@ class Heartbeat:
         self._thread.start()
 
     def beat(self) -> None:
-        self.store.add(f"{HEARTBEAT_KEY}{self.rank}", 1)
+        self._beat_store.add(f"{HEARTBEAT_KEY}{self.rank}", 1)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
