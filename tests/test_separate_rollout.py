@@ -7,8 +7,9 @@ ranks in one torchrun world.
   group; weight buckets (fp32, bf16, a 0-dim tensor) and objects travel between the roles
   exactly; a send posted without waiting does not block the sender's next receive.
 * slow, one job of 2 ranks (1 training + 1 rollout, a vLLM engine on each: the colocated run's
-  and the rollout rank's), 110-200 s on 2 busy cores (10 s of it a deliberate stall; the
-  staleness-2 runs' 6 steps add about 20 s), shared by seven tests: the colocated run, the
+  and the rollout rank's), 110-200 s on 2 busy cores (10 s of it a deliberate stall; 180 s
+  on 2026-11-28 with the staleness-2 runs' 6 steps added, their own share not measured), shared
+  by seven tests: the colocated run, the
   separate runs at ``max_staleness`` 0, 1 and 2 (and a resume of each), partial rollouts, the
   sync check after broadcasts.
 * a rollout rank killed, or frozen (SIGSTOP: a lost host), mid-generation stops the trainer
