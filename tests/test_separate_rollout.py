@@ -15,10 +15,10 @@ ranks in one torchrun world.
 * a rollout rank killed, or frozen (SIGSTOP: a lost host), mid-generation stops the trainer
   with ``RolloutRankError``, and a checkpoint's ``results_ahead`` and the shutdown survive it
   (fresh processes, no vLLM, 20-60 s each).
-* the protocol with a fake engine (one job of 2 ranks in the warm pool, about 15 s of it the
-  deliberate idle wait and the staleness loops): ``max_staleness`` 2 and 3 run and lag as
+* the protocol with a fake engine (one job of 2 ranks in the warm pool, about 10 s: a 5-s
+  idle wait and a 4-s generation on purpose): ``max_staleness`` 2 and 3 run and lag as
   designed, a run stopped and resumed at staleness 2 gets the uninterrupted run's batches, an
-  idle wait past the groups' timeout is no error, a sync of weights the rollout rank already
+  idle wait and a generation past the groups' timeout are no error, a sync of weights the rollout rank already
   holds sends nothing, and a rollout rank outlives SIGTERM.
 * partial rollouts' segments joined with a fake engine (no processes, milliseconds after the
   imports).
@@ -333,12 +333,15 @@ class _FakeEngine:
     def generate(self, prompts, *, seeds, n, **_):
         import os
         import signal
+        import time
 
         from megatron_oar.rollout import RolloutBatch
 
         if prompts == [[99]]:
             os.kill(os.getpid(), signal.SIGTERM)
             self.signalled = True
+        if prompts == [[98]]:  # a generation longer than the groups' timeout
+            time.sleep(4)
 
         resp = [[list(reversed(p))] * n for p in prompts]
         return RolloutBatch(prompt_ids=prompts, response_ids=resp,
@@ -477,6 +480,7 @@ def _protocol_worker(out: str) -> None:
         time.sleep(5)  # the trainer busy past the groups' timeout (a conversion, a long step)
         report["after_idle"] = remote.generate([[1, 2]], seeds=[1]).response_ids
         report["signalled"] = remote.generate([[99]], seeds=[1]).response_ids  # SIGTERM there
+        report["long_generation"] = remote.generate([[98]], seeds=[1]).response_ids  # 4 s
         for k in (2, 3):
             report[f"straight{k}"] = _staleness_loop(remote, k, 6, tag=10 + k)[0]
         before, ahead = _staleness_loop(remote, 2, 6, tag=20, stop_after=3)
@@ -525,11 +529,12 @@ def test_staleness_two_stopped_and_resumed_gets_the_same_batches(protocol):
 
 @pytest.mark.slow
 def test_idle_wait_past_the_timeout_and_a_stop_signal_are_no_error(protocol):
-    """The rollout rank waited 5 s for its first request with the groups' timeout at 3 s, and
-    got SIGTERM inside a generation (torchrun forwards the launcher's to every worker): it
-    served on, and stopped on the trainer's request."""
+    """The rollout rank waited 5 s for its first request with the groups' timeout at 3 s, the
+    trainer 4 s for a generation, and the rollout rank got SIGTERM inside a generation (torchrun
+    forwards the launcher's to every worker): it served on, and stopped on the trainer's
+    request."""
     t, r = protocol["trainer"], protocol["rollout"]
-    assert t["after_idle"] == [[[2, 1]]]
+    assert t["after_idle"] == [[[2, 1]]] and t["long_generation"] == [[[98]]]
     assert t["signalled"] == [[[99]]] and r["signalled"]
 
 
