@@ -68,8 +68,9 @@ RESULTS_SENDER = 0  # the `results` group: [rollout rank 0, training rank 0]
 
 
 class RolloutRankError(RuntimeError):
-    """A rollout rank of the separate placement died, hung past the groups' timeout, or broke
-    the protocol; raised on every training rank."""
+    """A rollout rank of the separate placement died, stopped beating (``runtime/roles.py``'s
+    heartbeat: a lost host), or broke the protocol; raised on every training rank. One alive
+    but stuck is the phase watchdog's (``train.phase_timeout_s``)."""
 
 
 class RolloutServer:
@@ -300,7 +301,7 @@ class RemoteRollout:
         r = self.roles
         return (f"the rollout ranks (global ranks {r.train_size}-{r.global_size - 1}, "
                 f"rollout.placement=separate) stopped answering while {doing}: {type(error).__name__}: "
-                f"{error}. A rollout rank died, hung past parallel.timeout_minutes, or failed; the run "
+                f"{error}. A rollout rank died, stopped beating (a lost host), or failed; the run "
                 "stops as for a failed training rank (torchrun restarts it from the last checkpoint "
                 "where launch.max_restarts allows)")
 
