@@ -321,3 +321,61 @@ def test_faults_in_turn_then_a_slurm_requeue_one_run_recovers_each(model, refere
     report("sigusr1-sbatch", stopped_after_step=5, dropped_step=6,
            stop_s=f"{job.lines[-1][0] - sent['sent']:.0f}", requeued=True,
            requeue_to_first_step_s=f"{requeued.first(r'step 6/6 │') - t0:.0f}")
+
+
+
+SEPARATE = ("rollout.placement=separate", "rollout.ranks=1", "rollout.max_staleness=1",
+            "loss.rollout_correction=tis", "train.eval_interval=3", "data.synthetic.eval_n=4")
+
+
+def test_separate_placement_rollout_rank_killed_then_launcher_terminated_resumes_bit_identical(model, tmp_path):
+    """The separate placement (1 training rank, 1 rollout rank) at ``max_staleness=1``, a
+    checkpoint every 2 steps, an evaluation of 4 problems before step 1 and after steps 3 and 6;
+    the uninterrupted run first, then one run with a fault in each of two torchrun attempts,
+    then the same command again:
+
+    * attempt 0: SIGKILL of the rollout rank inside the evaluation after step 3 (its 6th request:
+      the evaluation before step 1, step 1's batch, steps 2-4's generated ahead, then this one)
+      -> the evaluation raises ``RolloutRankError`` naming the rollout ranks -> torchrun
+      restarts both, resume from step 2 with step 3's batch from the checkpoint (generated from
+      step 1's weights, as the uninterrupted run's);
+    * attempt 1: SIGTERM to torchrun inside step 4's update (torchrun forwards it to both ranks):
+      the rollout rank serves on, the training rank finishes step 4 and checkpoints it with step
+      5's batch (read from the rollout rank), stops the rollout rank and exits with 75;
+    * the same command resumes from step 4 and finishes: the final weights equal the
+      uninterrupted run's bit for bit.
+
+    A rollout rank killed while a training batch is in flight loses that batch: torchrun's
+    SIGTERM to the training ranks makes them checkpoint the step they are on without it, and the
+    resumed run generates it from its own weights (correct, not bit-identical; not run here).
+    Three ``oar train`` commands, four start-ups of 2 ranks with a vLLM engine on the rollout
+    rank, about 4 min on 2 busy cores (issue 51)."""
+    reference = oar_train(model, tmp_path / "reference", *SEPARATE)
+    assert reference.rc == 0, reference.text[-4000:]
+    want = final_weights(reference)
+
+    run_dir = tmp_path / "run"
+    args = (*SEPARATE, "checkpoint.interval=2", "launch.max_restarts=1")
+    faults = ("kill@rollout.generate:step=6:rank=1:attempt=0,"
+              "term-launcher@update:step=4:rank=0:attempt=1")
+    stopped = oar_train(model, run_dir, *args, faults=faults)
+    text = stopped.text[-6000:]
+    assert stopped.rc != 0, text  # torchrun re-raises the signal once the workers are done
+    assert "injecting kill at rollout.generate (step 6, rank 1)" in stopped.text, text
+    assert "stopped answering" in stopped.text, text  # the trainer named the rollout ranks
+    assert stopped.resumed_steps() == [2], stopped.text[-12000:]
+    assert "resumed with 1 rollout batch(es) generated ahead of step_00000002" in stopped.text, text
+    assert "serving on until the training ranks have checkpointed" in stopped.text, text
+    assert "stopped on a signal after step 4 of 6" in stopped.text, text
+    assert checkpoints(stopped) == ["latest", "step_00000002", "step_00000004"], text
+    assert (run_dir / "checkpoints" / "step_00000004" / "rollouts_ahead.pt").is_file()
+
+    resumed = oar_train(model, run_dir, *args)
+    assert resumed.rc == 0, resumed.text[-4000:]
+    assert resumed.resumed_steps() == [4]
+    assert_bit_identical(resumed, want)
+    records = [json.loads(line)["step"] for line in (run_dir / "logs" / "metrics.jsonl").open()]
+    assert records == list(range(0, STEPS + 1)), records  # step 0: the first evaluation's
+    term = stopped.first(r"injecting term-launcher")
+    report("separate-sigkill-rollout-then-sigterm", restarts=1, bit_identical=True,
+           sigterm_stop_s=f"{stopped.lines[-1][0] - term:.0f}")

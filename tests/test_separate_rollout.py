@@ -7,13 +7,23 @@ ranks in one torchrun world.
   group; weight buckets (fp32, bf16, a 0-dim tensor) and objects travel between the roles
   exactly; a send posted without waiting does not block the sender's next receive.
 * slow, one job of 2 ranks (1 training + 1 rollout, a vLLM engine on each: the colocated run's
-  and the rollout rank's), 110-200 s on 2 busy cores (10 s of it a deliberate stall), shared
-  by six tests: the colocated run, the separate runs at ``max_staleness`` 0 and 1 (and a
-  resume of each), partial rollouts, the sync check after broadcasts.
-* a rollout rank killed, or hung, mid-generation stops the trainer with ``RolloutRankError``
+  and the rollout rank's), 110-200 s on 2 busy cores (10 s of it a deliberate stall; 180 s
+  on 2026-11-28 with the staleness-2 runs' 6 steps added, their own share not measured), shared
+  by seven tests: the colocated run, the
+  separate runs at ``max_staleness`` 0, 1 and 2 (and a resume of each), partial rollouts, the
+  sync check after broadcasts.
+* a rollout rank killed, or frozen (SIGSTOP: a lost host), mid-generation stops the trainer
+  with ``RolloutRankError``, and a checkpoint's ``results_ahead`` and the shutdown survive it
   (fresh processes, no vLLM, 20-60 s each).
+* the protocol with a fake engine (one job of 2 ranks in the warm pool, about 10 s: a 5-s
+  idle wait and a 4-s generation on purpose): ``max_staleness`` 2 and 3 run and lag as
+  designed, a run stopped and resumed at staleness 2 gets the uninterrupted run's batches, an
+  idle wait and a generation past the groups' timeout are no error, a sync of weights the rollout rank already
+  holds sends nothing, and a rollout rank outlives SIGTERM.
 * partial rollouts' segments joined with a fake engine (no processes, milliseconds after the
   imports).
+* the groups across the roles: the nccl ``weights`` group's timeout (a fake nccl class), the
+  heartbeat finding a member that stopped beating (no processes, about 1 s).
 """
 
 from __future__ import annotations
@@ -149,6 +159,21 @@ def _end_to_end_worker(ckpt: str, root: str, out: str) -> None:
     remote.shutdown(stop=False)  # what the handle holds is gone, as in a new process
     remote = RemoteRollout(sep1r, roles, remote.arch)
     run(sep1r, remote, "resumed1")
+    # max_staleness=2 (it deadlocked after step 1, issue 51): 3 steps straight, and the same run
+    # stopped after step 1 (its checkpoint keeping the 2 batches generated ahead) and resumed
+    for name in ("sep2", "sep2r"):
+        cfg2 = _config(ckpt, f"{root}/{name}", *common, *SEPARATE, "rollout.max_staleness=2", "train.steps=3")
+        remote.shutdown(stop=False)
+        remote = RemoteRollout(cfg2, roles, remote.arch)
+        if name == "sep2":
+            run(cfg2, remote, "staleness2")
+            continue
+        stopped = Trainer(cfg2, engine=remote)
+        stopped.preemption.requested = lambda group: stopped.step >= 1
+        stopped.run()
+        remote.shutdown(stop=False)
+        remote = RemoteRollout(cfg2, roles, remote.arch)
+        run(cfg2, remote, "resumed2")
 
     # the sync check after each broadcast: the engine's log-probs are Megatron's
     model = trainer.policy.model
@@ -247,6 +272,22 @@ def test_staleness_one_resumes_bit_exact(end_to_end):
 
 
 @pytest.mark.slow
+def test_staleness_two_lags_two_and_resumes_bit_exact(end_to_end):
+    """The real trainer at max_staleness=2: the 3 steps' batches all come from the starting
+    weights (lag 0, 1, 2); stopped after step 1 and resumed, steps 2 and 3 train on the 2
+    batches the checkpoint kept, so their metrics and the weights are the uninterrupted run's,
+    bit for bit."""
+    straight, resumed = end_to_end["staleness2"], end_to_end["resumed2"]
+    assert [r["rollout/staleness_max"] for r in straight["records"]] == [0.0, 1.0, 2.0]
+    assert [r["rollout/policy_version"] for r in straight["records"]] == [0.0, 0.0, 0.0]
+    assert [r["step"] for r in resumed["records"]] == [1, 2, 3]
+    assert [r["rollout/staleness_max"] for r in resumed["records"]] == [0.0, 1.0, 2.0]
+    for a, b in zip(resumed["records"][1:], straight["records"][1:]):
+        assert _comparable(a) == _comparable(b)
+    assert resumed["weights"] == straight["weights"] and straight["changed"] > 0
+
+
+@pytest.mark.slow
 def test_partial_rollouts_switch_weights_mid_batch(end_to_end):
     """rollout.partial_tokens=4 at staleness 1: step 3's batch began under version 1 and its
     unfinished completions continued under version 2 (the sync reached the rollout rank at a
@@ -273,12 +314,34 @@ def test_engine_weights_equal_megatrons_after_each_broadcast(end_to_end):
 
 class _FakeEngine:
     """The engine's interface for :class:`RolloutServer`, without vLLM: each completion is the
-    prompt reversed."""
+    prompt reversed; a prompt ``[99]`` sends this process SIGTERM (as torchrun forwards it);
+    ``loads`` counts the weight loads, with the first loaded value of each."""
 
     dp_rank, dp_size = 0, 1
 
+    def __init__(self):
+        self.loads: list[float] = []
+        self.signalled = False
+
+    def load_buckets(self, buckets, step=None):
+        values = [float(t.flatten()[0]) for b in buckets for _, t in b.tensors]
+        self.loads.append(values[0])
+
+    def shutdown(self):
+        pass
+
     def generate(self, prompts, *, seeds, n, **_):
+        import os
+        import signal
+        import time
+
         from megatron_oar.rollout import RolloutBatch
+
+        if prompts == [[99]]:
+            os.kill(os.getpid(), signal.SIGTERM)
+            self.signalled = True
+        if prompts == [[98]]:  # a generation longer than the groups' timeout
+            time.sleep(4)
 
         resp = [[list(reversed(p))] * n for p in prompts]
         return RolloutBatch(prompt_ids=prompts, response_ids=resp,
@@ -301,28 +364,37 @@ def _dead_rollout_worker(out: str, action: str = "kill") -> None:
     from megatron_oar.runtime.roles import ROLLOUT, split_world
 
     os.environ["OAR_FAULTS"] = f"{action}@rollout.generate:step=2:rank=1"
-    roles = split_world(1, timeout_minutes=0.1)  # a dead peer: gloo gives up after 6 s
+    # a frozen peer: lost once its heartbeat has not moved for 3 s (the groups' 6-s timeout is
+    # not what finds it: waits across the roles have none)
+    roles = split_world(1, timeout_minutes=0.1, heartbeat_s=0.5, stale_s=3)
     if roles.role == ROLLOUT:
         RolloutServer(_FakeEngine(), roles).serve()  # killed inside its second request
         return
     remote = RemoteRollout(SimpleNamespace(rollout=RolloutConfig(n=2)), roles, arch=None)
     first = remote.generate([[1, 2, 3]], seeds=[5])
+    remote.prefetch([[4, 5]], seeds=[6])  # generated ahead (staleness >= 1): the rank dies in it
+    # a checkpoint now (a preemption's, say): keeps what was read, does not raise
+    ahead = remote.results_ahead()
     try:
         remote.generate([[4, 5]], seeds=[6])
         outcome = "no error"
     except RolloutRankError as e:
         outcome = str(e)
     remote.shutdown()  # nothing left to say to a dead rank: returns
-    Path(out).write_text(json.dumps({"first": first.response_ids, "outcome": outcome}))
+    Path(out).write_text(json.dumps({"first": first.response_ids, "outcome": outcome, "ahead": len(ahead)}))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("action", ["kill", "hang"])
+@pytest.mark.parametrize("action", ["kill", "freeze"])
 def test_dead_rollout_rank_stops_the_trainer_naming_it(tmp_path, action):
-    """A rollout rank killed, or hung, inside a generation (``OAR_FAULTS=kill@rollout.generate``
-    / ``hang@``): the trainer's wait raises ``RolloutRankError`` naming the rollout ranks (for the
-    hang once the groups' timeout, here 6 s, has passed), instead of hanging or failing with a
-    bare gloo error. Fresh processes (a rank dies; torch's spawn would end the
+    """A rollout rank killed, or frozen (SIGSTOP: its sockets stay open, as with a lost host),
+    inside a generation the trainer prefetched (``OAR_FAULTS=kill@rollout.generate`` /
+    ``freeze@``): a checkpoint's ``results_ahead`` returns without it instead of raising (it
+    waited for it: the rank was lost inside), the next ``generate`` raises ``RolloutRankError``
+    naming the rollout ranks (for the frozen rank once its heartbeat has not moved for 3 s),
+    instead of hanging or failing with a bare gloo error, and the shutdown returns. A rank alive
+    but stuck is the phase watchdog's (``train.phase_timeout_s``), as a long generation would
+    be. Fresh processes (a rank dies; torch's spawn would end the
     trainer with it, so each rank is a plain process here), no vLLM: 20-60 s on 2 busy cores,
     mostly two processes importing torch and megatron."""
     import torch.multiprocessing as mp
@@ -343,10 +415,139 @@ def test_dead_rollout_rank_stops_the_trainer_naming_it(tmp_path, action):
             p.kill()
             p.join()
     assert procs[0].exitcode == 0 and not alive[0]  # the trainer finished its part
-    assert alive[1] == (action == "hang") and procs[1].exitcode == -9  # killed: by the fault, or here
+    assert alive[1] == (action == "freeze") and procs[1].exitcode == -9  # killed: by the fault, or here
     res = json.loads((tmp_path / "out.json").read_text())
-    assert res["first"] == [[[3, 2, 1], [3, 2, 1]]]
+    assert res["first"] == [[[3, 2, 1], [3, 2, 1]]] and res["ahead"] == 0
     assert "the rollout ranks (global ranks 1-1, rollout.placement=separate) stopped answering" in res["outcome"]
+
+
+# ------------------------------------------------- the protocol at any staleness, with a fake engine
+
+def _staleness_loop(remote, k: int, steps: int, *, tag: int, start: int = 1, stop_after: int | None = None,
+                    evals: tuple[int, ...] = ()):
+    """The trainer's requests at ``max_staleness=k`` (``Trainer.train_step``: sync the weights
+    of ``n - 1`` updates, generate step ``n``, prefetch the next ``k`` steps; an evaluation after
+    the steps in ``evals``: its sync, its generation). Returns the policy versions of the steps'
+    batches, and the results ahead when stopped after step ``stop_after`` (a checkpoint's)."""
+    from types import SimpleNamespace
+
+    model = SimpleNamespace()  # one model object per run (a resumed run's is another)
+    versions = []
+    for n in range(start, steps + 1):
+        model.v = n - 1
+        remote.sync_weights(model, version=n - 1)
+        versions.append(remote.generate([[tag, n]], seeds=[n]).meta["policy_version"])
+        for m in range(n + 1, min(n + k, steps) + 1):
+            remote.prefetch([[tag, m]], seeds=[m], step=m)
+        if n in evals:
+            model.v = n
+            remote.sync_weights(model, version=n)
+            remote.generate([[tag, 1000 + n]], seeds=[0])
+        if n == stop_after:
+            return versions, remote.results_ahead()
+    return versions, None
+
+
+def _protocol_worker(out: str) -> None:
+    import time
+    from types import SimpleNamespace
+
+    import megatron_oar.rollout as rollout_pkg
+    from megatron_oar.rollout import RolloutConfig
+    from megatron_oar.rollout import remote as remote_mod
+    from megatron_oar.rollout.remote import RemoteRollout, serve_rollouts
+    from megatron_oar.rollout.weight_sync import WeightBucket
+    from megatron_oar.runtime.roles import ROLLOUT, split_world
+
+    roles = split_world(1, timeout_minutes=0.05, heartbeat_s=0.2, stale_s=10)  # gloo's timeout: 3 s
+    cfg = SimpleNamespace(rollout=RolloutConfig(n=1),
+                          model=SimpleNamespace(hf_dir=lambda: None, tokenizer_dir=lambda: None))
+    if roles.role == ROLLOUT:
+        engine, made = _FakeEngine(), rollout_pkg.RolloutEngine
+        rollout_pkg.RolloutEngine = lambda *a, **k: engine
+        try:
+            serve_rollouts(cfg, roles)  # as `oar train` on a rollout rank
+        finally:
+            rollout_pkg.RolloutEngine = made
+        Path(out, "rollout.json").write_text(json.dumps({"loads": engine.loads, "signalled": engine.signalled}))
+        return
+    made = remote_mod.iter_hf_buckets
+    remote_mod.iter_hf_buckets = lambda model, arch, nbytes: [
+        WeightBucket([("w", torch.full((2,), float(model.v)))], nbytes=8, sources=1)]
+    try:
+        report: dict = {}
+        remote = RemoteRollout(cfg, roles, arch=None)
+        time.sleep(5)  # the trainer busy past the groups' timeout (a conversion, a long step)
+        report["after_idle"] = remote.generate([[1, 2]], seeds=[1]).response_ids
+        report["signalled"] = remote.generate([[99]], seeds=[1]).response_ids  # SIGTERM there
+        report["long_generation"] = remote.generate([[98]], seeds=[1]).response_ids  # 4 s
+        for k in (2, 3):
+            report[f"straight{k}"] = _staleness_loop(remote, k, 6, tag=10 + k)[0]
+        before, ahead = _staleness_loop(remote, 2, 6, tag=20, stop_after=3)
+        report["ahead"] = len(ahead)
+        remote.shutdown(stop=False)  # a new process's handle resumes from the checkpoint
+        remote = RemoteRollout(cfg, roles, arch=None)
+        remote.restore_ahead(ahead)
+        report["resumed2"] = before + _staleness_loop(remote, 2, 6, tag=20, start=4)[0]
+        remote.shutdown(stop=False)
+        remote = RemoteRollout(cfg, roles, arch=None)
+        report["eval_versions"] = _staleness_loop(remote, 1, 4, tag=30, evals=(2,))[0]
+        report["eval_syncs"] = remote.syncs
+        remote.shutdown()
+    finally:
+        remote_mod.iter_hf_buckets = made
+    Path(out, "trainer.json").write_text(json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def protocol(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("protocol")
+    launch(_protocol_worker, 2, str(out))
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in ("trainer", "rollout")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [2, 3])
+def test_staleness_two_and_three_run_and_lag_k(protocol, k):
+    """``max_staleness`` 2 and 3 (the leader once waited for its last result to be read before
+    sending the next, while the trainer's sync waited for it: a deadlock after step 1). The
+    steps' batches come from the starting weights up to step ``k + 1``, then each from the
+    weights ``k`` updates older than the ones trained."""
+    want = [0] * (k + 1) + [n - 1 - k for n in range(k + 2, 7)]
+    assert protocol["trainer"][f"straight{k}"] == want
+
+
+@pytest.mark.slow
+def test_staleness_two_stopped_and_resumed_gets_the_same_batches(protocol):
+    """Stopped after step 3 at staleness 2 (its checkpoint keeping the 2 batches generated
+    ahead) and resumed by a new handle with a new model: every step's batch comes from the
+    weights the uninterrupted run's did (its prompts are another tag's: the run's own)."""
+    t = protocol["trainer"]
+    assert t["ahead"] == 2
+    assert t["resumed2"] == t["straight2"]
+
+
+@pytest.mark.slow
+def test_idle_wait_past_the_timeout_and_a_stop_signal_are_no_error(protocol):
+    """The rollout rank waited 5 s for its first request with the groups' timeout at 3 s, the
+    trainer 4 s for a generation, and the rollout rank got SIGTERM inside a generation (torchrun
+    forwards the launcher's to every worker): it served on, and stopped on the trainer's
+    request."""
+    t, r = protocol["trainer"], protocol["rollout"]
+    assert t["after_idle"] == [[[2, 1]]] and t["long_generation"] == [[[98]]]
+    assert t["signalled"] == [[[99]]] and r["signalled"]
+
+
+@pytest.mark.slow
+def test_a_sync_of_weights_the_rollout_ranks_hold_sends_nothing(protocol):
+    """At staleness 1 with an evaluation after step 2: its sync (2 updates) and step 3's (the
+    same weights) make one broadcast; the rollout rank loaded each version once, in order."""
+    t, r = protocol["trainer"], protocol["rollout"]
+    assert t["eval_syncs"] == {"sent": 4, "skipped": 1}
+    assert t["eval_versions"] == [0, 0, 1, 2]
+    # every loop's loads: a sync per step (the resumed run's step 4 included), the evaluation's
+    assert r["loads"][-4:] == [0.0, 1.0, 2.0, 3.0]
+    assert len(r["loads"]) == 6 + 6 + 3 + 3 + 4
 
 
 # ------------------------------------------------------------- partial rollouts' segments (fast)
@@ -416,3 +617,61 @@ def test_partial_rollout_segments_join_and_record_versions(monkeypatch):
     assert batch.logprobs == [[[float(v) for v in vs] for vs in versions[0]]]  # each token's weights'
     assert engine.calls == [(1, [4]), (2, [4, 4]), (1, [2])]
     assert batch.texts[0][0] == "3 4" and batch.meta["segments"] == 3
+
+
+# ------------------------------------------------- the groups across the roles (no processes, fast)
+
+def test_nccl_weights_group_carries_the_timeout_and_gloo_ones_the_heartbeat(monkeypatch):
+    """The nccl ``weights`` group gets ``parallel.timeout_minutes`` (it was made without a timeout:
+    torch's 10-minute default); the gloo groups across the roles a week's, their waits watched by
+    the heartbeat instead. Milliseconds (a fake ``ProcessGroupNCCL``: the CPU build has none)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megatron_oar.runtime import roles as roles_mod
+
+    made = {}
+
+    class FakeNCCL:
+        class Options:
+            _timeout = None
+
+        def __init__(self, store, rank, size, options):
+            made.update(rank=rank, size=size, timeout=options._timeout)
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    store = dist.HashStore()
+    g = roles_mod.cross_group(store, "weights_nccl", [0, 3, 4], 3, backend="nccl", timeout=timedelta(minutes=7))
+    assert made == {"rank": 1, "size": 3, "timeout": timedelta(minutes=7)}
+    assert g.heartbeat is None and g.members == (0, 3, 4)
+    assert roles_mod.cross_group(store, "weights_nccl", [0, 3, 4], 1, backend="nccl",
+                                 timeout=timedelta(minutes=7)) is None  # not a member
+    assert roles_mod.CROSS_TIMEOUT >= timedelta(days=1)
+
+
+def test_heartbeat_finds_a_member_that_stopped_beating():
+    """A member whose counter moves is alive however long the wait; one whose counter stops is
+    lost ``stale_s`` later (counted here: no clocks compared). About 1 s."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_oar.runtime.roles import Heartbeat, PeerLost
+
+    store = dist.HashStore()
+    mine = Heartbeat(store, 0, period=0.05, stale_s=0.4)
+    alive = Heartbeat(store, 1, period=0.05, stale_s=0.4)
+    Heartbeat(store, 2, period=0.05, stale_s=0.4).close()  # beats once, then stops
+    try:
+        mine.check([0, 1, 2])
+        deadline = time.monotonic() + 5
+        with pytest.raises(PeerLost, match="global rank 2 has not beaten"):
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
+                mine.check([0, 1], "waiting")  # alive: never raises
+                mine.check([0, 1, 2], "waiting")
+        assert mine.lost and "global rank 2" in mine.lost
+    finally:
+        mine.close()
+        alive.close()

@@ -11,8 +11,16 @@ sent them (``runtime/roles.py``'s ``weights`` group):
   ``rollout.partial_tokens``: ``rollout/partial.py``), the groups' batches are joined, and
   rollout rank 0 sends the batch, tagged with the policy version it came from
   (``batch.meta["policy_version"]``, and each token's, ``["token_versions"]``, in segments), to
-  training rank 0 (the ``results`` group) without waiting for it to be read;
+  training rank 0 (the ``results`` group) without waiting for it to be read (each result's
+  send stays posted until the trainer reads it, so up to ``max_staleness`` of them are in
+  flight while the rollout ranks go on to the next request: a sync in between never waits for
+  a read);
 * ``stop``.
+
+Rollout ranks outlive a stop signal (SIGTERM / SIGUSR1, which torchrun forwards to every
+worker): they log it and serve on, for the training ranks checkpoint first (reading the results
+in flight) and then send ``stop``. A checkpoint and the shutdown survive rollout ranks that are
+already gone: the checkpoint keeps the results read so far, and the shutdown logs the loss.
 
 On the training ranks :class:`RemoteRollout` stands in for the engine (``generate``, ``gather``,
 ``sync_weights``, ``sleep``/``wake_up`` as no-ops), so the trainer's loop is the colocated one.
@@ -26,8 +34,11 @@ weights it trains, as colocated.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
@@ -38,7 +49,8 @@ from megatron_oar.rollout.engine import SyncStats
 from megatron_oar.rollout.sync_check import WeightSyncError
 from megatron_oar.rollout.transfer import recv_buckets, recv_object, send_buckets, send_object
 from megatron_oar.rollout.weight_sync import iter_hf_buckets
-from megatron_oar.runtime.roles import Roles
+from megatron_oar.runtime.roles import CROSS_TIMEOUT, Roles
+from megatron_oar.runtime.stop_signals import STOP_SIGNALS, helpers_shielded, start_resource_tracker_shielded
 from megatron_oar.testing import faults
 
 log = logging.getLogger(__name__)
@@ -56,8 +68,9 @@ RESULTS_SENDER = 0  # the `results` group: [rollout rank 0, training rank 0]
 
 
 class RolloutRankError(RuntimeError):
-    """A rollout rank of the separate placement died, hung past the groups' timeout, or broke
-    the protocol; raised on every training rank."""
+    """A rollout rank of the separate placement died, stopped beating (``runtime/roles.py``'s
+    heartbeat: a lost host), or broke the protocol; raised on every training rank. One alive
+    but stuck is the phase watchdog's (``train.phase_timeout_s``)."""
 
 
 class RolloutServer:
@@ -69,7 +82,7 @@ class RolloutServer:
         self.served = 0  # generation requests so far
         self.syncs = 0  # weight loads so far (against the store's SYNCS_ANNOUNCED)
         self._queued: list[dict] = []  # requests read while looking for a sync (partial rollouts)
-        self._pending = None  # the last batch sent, until training rank 0 has read it
+        self._pending: list = []  # batches sent, until training rank 0 has read them
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
             else torch.device("cpu")
 
@@ -88,9 +101,9 @@ class RolloutServer:
                 self._generate(request)
             else:  # pragma: no cover - a newer trainer
                 raise RuntimeError(f"unknown rollout request {kind!r}")
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+        for pending in self._pending:  # the trainer read them all before its stop
+            pending.wait()
+        self._pending = []
 
     def _sync(self, request: dict) -> None:
         end: dict = {}
@@ -160,23 +173,50 @@ class RolloutServer:
         batch.meta["policy_version"] = start_version  # partial rollouts: the oldest of its tokens
         batch.meta["request"] = request["id"]
         if self.roles.is_rollout_leader:
-            if self._pending is not None:
-                self._pending.wait()
-            self._pending = send_object(self.roles.results, batch, RESULTS_SENDER, wait=False)
+            # not waiting for the earlier results to be read: at max_staleness >= 2 the trainer
+            # reads them only after its next sync, which needs this rank to receive it
+            self._pending = [p for p in self._pending if not p.done()]
+            self._pending.append(send_object(self.roles.results, batch, RESULTS_SENDER, wait=False))
+
+
+@contextlib.contextmanager
+def outliving_stop_signals() -> Iterator[None]:
+    """A rollout rank's :data:`STOP_SIGNALS` only logged in the block: torchrun forwards the
+    launcher's SIGTERM to every worker, and the rollout ranks must live until the training ranks
+    have checkpointed (reading the rollouts in flight) and sent ``stop``."""
+    def note(signum, frame):
+        log.warning("rollout rank: received %s; serving on until the training ranks have checkpointed "
+                    "and stop this rank", signal.Signals(signum).name)
+
+    previous = {}
+    try:
+        for sig in STOP_SIGNALS:
+            previous[sig] = signal.signal(sig, note)
+    except ValueError:  # not the main thread (a test's)
+        log.warning("rollout rank: stop signals not handled (not the main thread)")
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def serve_rollouts(cfg, roles: Roles) -> None:
-    """A rollout rank's whole run: its engine, awake (``sleep_level`` 0), serving the trainer."""
+    """A rollout rank's whole run: its engine, awake (``sleep_level`` 0), serving the trainer
+    until it sends ``stop`` (stop signals only logged: :func:`outliving_stop_signals`)."""
     from megatron_oar.rollout import RolloutEngine
 
     # the engine's world is the rollout world, all of it generating (placement-wise "colocated")
     own = replace(cfg.rollout, sleep_level=0, placement="colocated", ranks=0, max_staleness=0,
                   partial_tokens=None)
-    engine = RolloutEngine(cfg.model.hf_dir(), own, tokenizer=cfg.model.tokenizer_dir())
-    try:
-        RolloutServer(engine, roles).serve()
-    finally:
-        engine.shutdown()
+    with outliving_stop_signals():
+        start_resource_tracker_shielded()  # as a training rank's helpers: they outlive the signal too
+        with helpers_shielded():  # a signal while vLLM starts: pending until the handler can log it
+            engine = RolloutEngine(cfg.model.hf_dir(), own, tokenizer=cfg.model.tokenizer_dir())
+        try:
+            RolloutServer(engine, roles).serve()
+        finally:
+            engine.shutdown()
 
 
 class RemoteRollout:
@@ -190,17 +230,21 @@ class RemoteRollout:
     is_group_leader = True
 
     def __init__(self, cfg, roles: Roles, arch):
-        from megatron_oar.runtime import gloo_group
-
         self.config, self.roles, self.arch = cfg.rollout, roles, arch
         self.tp = cfg.rollout.tp
         self.rank = dist.get_rank()
-        self._control = gloo_group()  # the training world, for sharing results
+        # the training world, for sharing results: its ranks wait on it while training rank 0
+        # waits for the rollout ranks (a generation may be long), so not with the collective
+        # timeout; training rank 0's waits find a lost rollout rank (roles.py's heartbeat)
+        self._control = dist.new_group(backend="gloo", timeout=CROSS_TIMEOUT)
         self._requests = 0
         self._outstanding: list[tuple[int, tuple]] = []  # sent, result not read: (id, key)
         self._stash: dict[tuple, object] = {}  # results read before they were asked for
         self.synced_version: int | None = None
+        self._synced_model = None  # the model the rollout ranks hold synced_version of
+        self.syncs = {"sent": 0, "skipped": 0}  # sync_weights calls: broadcast, or already held
         self._closed = False
+        self._lost_error: str | None = None  # the rollout ranks were lost (RolloutRankError)
         self._timing = {"generation": 0.0, "wait": 0.0}  # since the last take_timing()
 
     # -- the engine's interface -------------------------------------------------------------
@@ -234,7 +278,12 @@ class RemoteRollout:
         return (tuple(map(tuple, request["prompt_ids"])), tuple(request["seeds"]),
                 tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(s.items())))
 
+    def _check_open(self) -> None:
+        if self._lost_error is not None:
+            raise RolloutRankError(self._lost_error)
+
     def _send(self, request: dict) -> tuple:
+        self._check_open()
         request = {**request, "id": self._requests}
         self._requests += 1
         key = self._key(request)
@@ -252,7 +301,7 @@ class RemoteRollout:
         r = self.roles
         return (f"the rollout ranks (global ranks {r.train_size}-{r.global_size - 1}, "
                 f"rollout.placement=separate) stopped answering while {doing}: {type(error).__name__}: "
-                f"{error}. A rollout rank died, hung past parallel.timeout_minutes, or failed; the run "
+                f"{error}. A rollout rank died, stopped beating (a lost host), or failed; the run "
                 "stops as for a failed training rank (torchrun restarts it from the last checkpoint "
                 "where launch.max_restarts allows)")
 
@@ -261,7 +310,7 @@ class RemoteRollout:
         box = [error]
         dist.broadcast_object_list(box, src=0, group=self._control)
         if box[0] is not None:
-            self._closed = True  # nothing more to say to the rollout ranks
+            self._lost_error = box[0]  # nothing more to say to the rollout ranks
             raise RolloutRankError(box[0])
 
     def prefetch(self, prompt_ids, *, n=None, temperature=None, top_p=None, top_k=None, max_new_tokens=None,
@@ -296,9 +345,19 @@ class RemoteRollout:
         results not handed out yet, ``(key, batch)`` in request order. A checkpoint keeps them
         (:data:`AHEAD_FILE`) so that a resumed run trains the next steps on the samples this run
         would have: at ``rollout.max_staleness`` >= 1 they were generated from weights older than
-        the checkpoint's, which the resumed run no longer has."""
-        while self._outstanding:
-            self._receive_next()
+        the checkpoint's, which the resumed run no longer has.
+
+        Rollout ranks that are gone (or go while it waits) do not fail the checkpoint: it keeps
+        the results read so far, and a resumed run generates the rest from its own weights."""
+        try:
+            while self._outstanding and self._lost_error is None:
+                self._receive_next()
+        except RolloutRankError as e:
+            if self.rank == 0:
+                log.warning("checkpointing without the %d rollout(s) still in flight: %s",
+                            len(self._outstanding), e)
+        if self._lost_error is not None:
+            self._outstanding.clear()
         return list(self._stash.items())
 
     def restore_ahead(self, items: list[tuple[tuple, object]]) -> None:
@@ -340,8 +399,16 @@ class RemoteRollout:
         ``rollout.bucket_mb`` buckets (``iter_hf_buckets``), broadcast by training rank 0 to every
         rollout rank; they load them after the requests sent before. ``version``: the policy
         version (updates so far) the rollouts generated from these weights record. Raises
-        ``WeightSyncError`` on every training rank when a rollout rank failed to load."""
+        ``WeightSyncError`` on every training rank when a rollout rank failed to load.
+
+        The rollout ranks never sleep, so a sync of the ``version`` of ``model`` they already
+        hold (an evaluation's, then the next step's, of the same weights) sends nothing and
+        waits for nothing (``self.syncs["skipped"]``)."""
         t0 = time.perf_counter()
+        if version is not None and version == self.synced_version and model is self._synced_model:
+            self.syncs["skipped"] += 1
+            return SyncStats(seconds=0.0, bytes=0, num_tensors=0, num_buckets=0, max_bucket_bytes=0)
+        self._check_open()
         buckets = iter_hf_buckets(model, self.arch, self.config.bucket_bytes)
         counts = {"bytes": 0, "tensors": 0, "buckets": 0, "max": 0}
         message = lost = None
@@ -362,7 +429,8 @@ class RemoteRollout:
         dist.broadcast_object_list(box, src=0, group=self._control)
         if box[0] is not None:
             raise WeightSyncError(f"separate placement: {box[0]}")
-        self.synced_version = version
+        self.synced_version, self._synced_model = version, model
+        self.syncs["sent"] += 1
         # a sync waits for the generation in flight to end: counted as waiting (take_timing)
         self._timing["wait"] += time.perf_counter() - t0
         return SyncStats(seconds=time.perf_counter() - t0, bytes=counts["bytes"],
@@ -378,12 +446,26 @@ class RemoteRollout:
 
     def shutdown(self, *, stop: bool = True) -> None:
         """Collective over the training world: reads the results still in flight, then stops the
-        rollout ranks (``stop``; false leaves them serving, for another handle)."""
+        rollout ranks (``stop``; false leaves them serving, for another handle). Rollout ranks
+        already gone are logged, not raised: the run's outcome is the training ranks'."""
         if self._closed:
             return
-        while self._outstanding:
-            self._receive_next()
-        self._stash.clear()
         self._closed = True
+        try:
+            while self._outstanding and self._lost_error is None:
+                self._receive_next()
+        except RolloutRankError:
+            pass  # logged below, on rank 0
+        self._stash.clear()
+        self._outstanding.clear()
+        if self._lost_error is not None:
+            if self.rank == 0:
+                log.warning("separate placement: the rollout ranks were already gone at the end of "
+                            "the run: %s", self._lost_error)
+            return
         if stop and self.rank == 0:
-            send_object(self.roles.weights, {"kind": "stop", "id": None}, TRAINER)
+            try:
+                send_object(self.roles.weights, {"kind": "stop", "id": None}, TRAINER)
+            except RuntimeError as e:
+                log.warning("separate placement: the rollout ranks did not take the stop request "
+                            "(already gone): %s", e)

@@ -29,10 +29,17 @@ class Pending:
 
     works: list
     tensors: list
+    group: object = None  # the CrossGroup: its wait watches the members' heartbeats
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
         for w in self.works:
-            w.wait()
+            if self.group is not None and hasattr(self.group, "wait"):
+                self.group.wait(w)
+            else:
+                w.wait()
         self.works, self.tensors = [], []
 
 
@@ -41,7 +48,7 @@ def send_object(group, obj, root: int, *, wait: bool = True) -> Pending | None:
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     pending = Pending([group.broadcast(size, root, wait=False), group.broadcast(payload, root, wait=False)],
-                      [size, payload])
+                      [size, payload], group)
     if wait:
         pending.wait()
         return None

@@ -21,12 +21,26 @@ caller's default group, which the other role does not share):
   gloo on CPU) and the trainer's requests (gloo);
 * ``results``: rollout rank 0 and training rank 0; finished batches (gloo);
 * ``everyone``: all ranks (gloo), for the start and end of the run.
+
+Waiting for the other role is not bounded by a collective timeout: a trainer converting a
+checkpoint, loading a large policy or exporting it, a long step at ``max_staleness=0`` or a long
+generation may take hours while the other role waits. The gloo groups spanning the roles are
+made with :data:`CROSS_TIMEOUT` (a week), and every wait on them polls instead: each process
+beats a counter in the rendezvous store every ``heartbeat_s`` seconds (:class:`Heartbeat`, a
+daemon thread), and a wait raises :class:`PeerLost` once a member's counter has not moved for
+``stale_s`` seconds (a process that died closes its sockets, and gloo fails the wait at once;
+the heartbeat finds what does not close them: a lost node, a stopped process). A rank that is
+alive but stuck is the training ranks' phase watchdog's (``train.phase_timeout_s``). The NCCL
+``weights`` group carries ``parallel.timeout_minutes``: its broadcasts are posted only once
+both sides are in the sync (the bucket's header came over gloo).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -37,6 +51,63 @@ log = logging.getLogger(__name__)
 
 TRAIN, ROLLOUT = "train", "rollout"
 
+CROSS_TIMEOUT = timedelta(days=7)  # the cross-role gloo groups' own: liveness is the heartbeat's
+HEARTBEAT_S = 5.0  # how often each process beats
+STALE_S = 120.0    # a member whose beat has not moved for this long is lost
+HEARTBEAT_KEY = "oar/alive/"  # + global rank: a counter in the rendezvous store
+
+
+class PeerLost(RuntimeError):
+    """A member of a cross-role group stopped beating (``stale_s``) while this process waited."""
+
+
+class Heartbeat:
+    """Beats this process's counter in ``store`` every ``period`` seconds (a daemon thread), and
+    tells when another process's counter stopped moving (``stale_s``, measured here: no clocks
+    compared across hosts)."""
+
+    def __init__(self, store, rank: int, *, period: float = HEARTBEAT_S, stale_s: float = STALE_S):
+        self.store, self.rank, self.period, self.stale_s = store, rank, period, stale_s
+        # a client connection of its own: a TCPStore client serialises its operations, and the
+        # main thread may block in a store wait (a group being made) for longer than stale_s
+        self._beat_store = store.clone() if hasattr(store, "clone") else store
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it last moved)
+        self.lost: str | None = None  # set once a member was found lost (its operations are stuck)
+        self._stop = threading.Event()
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="oar-heartbeat", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._beat_store.add(f"{HEARTBEAT_KEY}{self.rank}", 1)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.beat()
+            except Exception as e:  # the store's host is gone: the run is over; the waits find it
+                log.warning("separate placement: heartbeat stopped (%s)", e)
+                return
+
+    def check(self, ranks, doing: str = "waiting") -> None:
+        """Raises :class:`PeerLost` naming the first of ``ranks`` (global) whose counter has not
+        moved for ``stale_s`` seconds since this process first looked."""
+        now = time.monotonic()
+        for r in ranks:
+            if r == self.rank:
+                continue
+            count = self.store.add(f"{HEARTBEAT_KEY}{r}", 0)
+            last = self._seen.get(r)
+            if last is None or last[0] != count:
+                self._seen[r] = (count, now)
+            elif now - last[1] > self.stale_s:
+                self.lost = (f"global rank {r} has not beaten for {now - last[1]:.0f} s (its process "
+                             f"is stopped or its host is unreachable) while this rank was {doing}")
+                raise PeerLost(self.lost)
+
+    def close(self) -> None:
+        self._stop.set()
+
 
 @dataclass
 class CrossGroup:
@@ -46,10 +117,27 @@ class CrossGroup:
     pg: object
     rank: int
     members: tuple[int, ...]
+    heartbeat: Heartbeat | None = None  # None: wait as the group's timeout allows (nccl)
 
     @property
     def size(self) -> int:
         return len(self.members)
+
+    def wait(self, work, doing: str = "waiting for the other role") -> None:
+        """``work`` done (raises its error); while it is not, the members' heartbeats are
+        checked every beat period (:class:`PeerLost`). Polled with a back-off from 1 ms, so a
+        quick operation costs about what ``work.wait()`` does."""
+        if self.heartbeat is None:
+            work.wait()
+            return
+        pause, next_check = 0.001, time.monotonic() + self.heartbeat.period
+        while not work.is_completed():
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+            if time.monotonic() >= next_check:
+                self.heartbeat.check(self.members, doing)
+                next_check = time.monotonic() + self.heartbeat.period
+        work.wait()
 
     def broadcast(self, tensor: torch.Tensor, root: int, *, wait: bool = True):
         """``tensor`` from member ``root`` (its rank in this group) to every member; returns the
@@ -58,7 +146,7 @@ class CrossGroup:
         opts.rootRank, opts.rootTensor = root, 0
         work = self.pg.broadcast([tensor], opts)
         if wait:
-            work.wait()
+            self.wait(work)
             return None
         return work
 
@@ -66,13 +154,13 @@ class CrossGroup:
         flag = torch.zeros(1)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self.pg.allreduce([flag], opts).wait()
+        self.wait(self.pg.allreduce([flag], opts))
 
     def all_max(self, value: float) -> float:
         t = torch.tensor([float(value)])
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
-        self.pg.allreduce([t], opts).wait()
+        self.wait(self.pg.allreduce([t], opts))
         return float(t.item())
 
 
@@ -89,6 +177,7 @@ class Roles:
     results: CrossGroup | None = None   # rollout rank 0 + training rank 0 (gloo)
     everyone: CrossGroup | None = None  # all ranks (gloo)
     store: object = field(default=None, repr=False)
+    heartbeat: Heartbeat | None = field(default=None, repr=False)
 
     @property
     def train_size(self) -> int:
@@ -108,18 +197,43 @@ class Roles:
 
     def close(self) -> None:
         """Collective over every rank: waits for all (so the store's host, global rank 0, is the
-        last to go), then drops the cross-role groups."""
-        if self.everyone is not None:
+        last to go), then drops the cross-role groups. After a member was lost (its heartbeat
+        stopped), the groups' operations with it are stuck in gloo's threads, which cannot be
+        cancelled and which a group's destructor would join: those groups are left to the
+        process's exit instead."""
+        lost = self.heartbeat is not None and self.heartbeat.lost
+        if self.everyone is not None and not lost:
             try:
                 self.everyone.barrier()
             except RuntimeError as e:  # a rank died (the run already failed): nothing to wait for
                 log.warning("separate placement: not every rank reached the end (%s)", e)
+        if self.heartbeat is not None and self.heartbeat.lost:
+            log.warning("separate placement: leaving the groups across the roles to the process's exit "
+                        "(%s)", self.heartbeat.lost)
+            for name in ("weights", "weights_device", "results", "everyone"):
+                group = getattr(self, name)
+                if group is not None:
+                    _abandon(group.pg)
         for name in ("weights", "weights_device", "results", "everyone"):
             setattr(self, name, None)
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+            self.heartbeat = None
         self.store = None
 
 
 _ROLES: Roles | None = None
+_ABANDONED: list = []
+
+
+def _abandon(pg) -> None:
+    """Never destroys ``pg`` (its destructor would wait for an operation with a lost member):
+    one reference more than anything will release."""
+    import ctypes
+
+    if not any(p is pg for p in _ABANDONED):
+        _ABANDONED.append(pg)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
 
 def current_roles() -> Roles | None:
@@ -132,9 +246,12 @@ def _env_int(name: str, default: int) -> int:
     return int(value) if value else default
 
 
-def split_world(rollout_ranks: int, *, timeout_minutes: float = 30) -> Roles:
+def split_world(rollout_ranks: int, *, timeout_minutes: float = 30, heartbeat_s: float = HEARTBEAT_S,
+                stale_s: float = STALE_S) -> Roles:
     """Collective over torchrun's whole world: this process joins its role's default process
-    group and the groups spanning the roles (module docstring). Idempotent per process."""
+    group and the groups spanning the roles (module docstring). Idempotent per process.
+    ``timeout_minutes``: the roles' own groups and the NCCL ``weights`` group; waits across the
+    roles end on a lost member (``heartbeat_s``, ``stale_s``: :class:`Heartbeat`) instead."""
     global _ROLES
     if _ROLES is not None:
         return _ROLES
@@ -158,18 +275,12 @@ def split_world(rollout_ranks: int, *, timeout_minutes: float = 30) -> Roles:
                             rank=role_rank, world_size=role_size, timeout=timeout)
     os.environ.update(OAR_GLOBAL_RANK=str(rank), OAR_GLOBAL_WORLD_SIZE=str(size),
                       RANK=str(role_rank), WORLD_SIZE=str(role_size))
-    roles = Roles(role=role, global_rank=rank, global_size=size, rollout_ranks=rollout_ranks, store=store)
+    roles = Roles(role=role, global_rank=rank, global_size=size, rollout_ranks=rollout_ranks, store=store,
+                  heartbeat=Heartbeat(store, rank, period=heartbeat_s, stale_s=stale_s))
 
     def group(name: str, members: list[int], backend: str = "gloo") -> CrossGroup | None:
-        if rank not in members:
-            return None
-        prefixed = dist.PrefixStore(f"oar/cross/{name}/", store)
-        index = members.index(rank)
-        if backend == "nccl":
-            pg = dist.ProcessGroupNCCL(prefixed, index, len(members))
-        else:
-            pg = dist.ProcessGroupGloo(prefixed, index, len(members), timeout)
-        return CrossGroup(pg, index, tuple(members))
+        return cross_group(store, name, members, rank, backend=backend, timeout=timeout,
+                           heartbeat=roles.heartbeat)
 
     roles.everyone = group("everyone", list(range(size)))
     roles.weights = group("weights", [0, *range(train_size, size)])
@@ -178,6 +289,23 @@ def split_world(rollout_ranks: int, *, timeout_minutes: float = 30) -> Roles:
     roles.everyone.barrier()  # every group exists on every member before anyone uses one
     _ROLES = roles
     return roles
+
+
+def cross_group(store, name: str, members: list[int], rank: int, *, backend: str = "gloo",
+                timeout: timedelta, heartbeat: Heartbeat | None = None) -> CrossGroup | None:
+    """The group ``name`` over the global ranks ``members`` (None where ``rank`` is not one):
+    gloo with :data:`CROSS_TIMEOUT` and ``heartbeat`` watching its waits, or nccl with
+    ``timeout`` (its broadcasts run only inside a sync both sides are in)."""
+    if rank not in members:
+        return None
+    prefixed = dist.PrefixStore(f"oar/cross/{name}/", store)
+    index = members.index(rank)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return CrossGroup(dist.ProcessGroupNCCL(prefixed, index, len(members), options), index, tuple(members))
+    pg = dist.ProcessGroupGloo(prefixed, index, len(members), CROSS_TIMEOUT)
+    return CrossGroup(pg, index, tuple(members), heartbeat)
 
 
 def forget_roles() -> None:

@@ -5,6 +5,8 @@ holds comma-separated faults ``ACTION@POINT[:key=value...]``::
 
     OAR_FAULTS="kill@update:step=3:rank=1"            SIGKILL rank 1 inside step 3's update
     OAR_FAULTS="hang@generate:step=2:rank=1"          sleep forever inside step 2's generation
+    OAR_FAULTS="freeze@rollout.generate:step=2"       SIGSTOP this process (threads included: a
+                                                      lost host, as the others see it)
     OAR_FAULTS="kill@checkpoint.shards:step=4"        die between the weight and optimizer shards
     OAR_FAULTS="enospc@checkpoint.shards:step=4"      raise OSError(ENOSPC) there
     OAR_FAULTS="error@sync.bucket:step=2:rank=0"      raise RuntimeError inside the weight sync
@@ -35,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 
 ENV = "OAR_FAULTS"
-ACTIONS = ("kill", "hang", "enospc", "error", "term-launcher", "stall", "stall-until-signal")
+ACTIONS = ("kill", "hang", "freeze", "enospc", "error", "term-launcher", "stall", "stall-until-signal")
 FILTERS = ("step", "rank", "attempt")
 
 
@@ -119,6 +121,8 @@ def _fire(fault: Fault, step: int | None) -> None:
     print(f"[{ENV}] injecting {fault.action} at {where}", flush=True)
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.action == "freeze":
+        os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.action == "hang":
         while True:
             time.sleep(3600)
