@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -36,6 +36,9 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 TRAIN, ROLLOUT = "train", "rollout"
+# the tests' check of NCCL's rules (``testing/nccl_rules.py``) on a group that is NCCL on a GPU:
+# called with (what, tensors) before each of its collectives; None in runs
+DEVICE_GROUP_CHECK = None
 
 
 @dataclass
@@ -46,6 +49,7 @@ class CrossGroup:
     pg: object
     rank: int
     members: tuple[int, ...]
+    nccl: bool = False  # NCCL where CUDA is (the ``weights_device`` group; on CPU gloo's twin of ``weights``)
 
     @property
     def size(self) -> int:
@@ -54,6 +58,8 @@ class CrossGroup:
     def broadcast(self, tensor: torch.Tensor, root: int, *, wait: bool = True):
         """``tensor`` from member ``root`` (its rank in this group) to every member; returns the
         work when ``wait`` is false (keep ``tensor`` alive until it completes)."""
+        if self.nccl and DEVICE_GROUP_CHECK is not None:
+            DEVICE_GROUP_CHECK("CrossGroup.broadcast (weights_device)", [tensor])
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
         work = self.pg.broadcast([tensor], opts)
@@ -169,11 +175,12 @@ def split_world(rollout_ranks: int, *, timeout_minutes: float = 30) -> Roles:
             pg = dist.ProcessGroupNCCL(prefixed, index, len(members))
         else:
             pg = dist.ProcessGroupGloo(prefixed, index, len(members), timeout)
-        return CrossGroup(pg, index, tuple(members))
+        return CrossGroup(pg, index, tuple(members), nccl=backend == "nccl")
 
     roles.everyone = group("everyone", list(range(size)))
     roles.weights = group("weights", [0, *range(train_size, size)])
-    roles.weights_device = group("weights_nccl", [0, *range(train_size, size)], "nccl") if cuda else roles.weights
+    roles.weights_device = group("weights_nccl", [0, *range(train_size, size)], "nccl") if cuda \
+        else None if roles.weights is None else replace(roles.weights, nccl=True)  # gloo's, checked as NCCL
     roles.results = group("results", [train_size, 0])
     roles.everyone.barrier()  # every group exists on every member before anyone uses one
     _ROLES = roles
