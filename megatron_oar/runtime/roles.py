@@ -17,8 +17,11 @@ there is one), under their own key prefixes, as process-group objects used direc
 registered with ``torch.distributed`` (a registered group is made by a collective over the
 caller's default group, which the other role does not share):
 
-* ``weights``: training rank 0 and every rollout rank; the weight broadcast (nccl on CUDA,
-  gloo on CPU) and the trainer's requests (gloo);
+* ``weights``: training rank 0 and every rollout rank; the trainer's requests (gloo), and at
+  PP 1 the weight broadcast (``weights_device``: nccl on CUDA, gloo on CPU);
+* ``senders[s]``: pipeline stage ``s``'s first training rank and every rollout rank (stage 0's:
+  the ``weights`` group): each stage sends its own share of the weights
+  (``rollout/stage_send.py``; ``senders_device[s]`` the bytes);
 * ``results``: rollout rank 0 and training rank 0; finished batches (gloo);
 * ``everyone``: all ranks (gloo), for the start and end of the run.
 """
@@ -92,6 +95,12 @@ class Roles:
     rollout_ranks: int
     weights: CrossGroup | None = None   # training rank 0 + the rollout ranks (gloo)
     weights_device: CrossGroup | None = None  # the same ranks on nccl (CUDA), else ``weights``
+    # per pipeline stage: its first training rank (member 0, the sender) + the rollout ranks, for
+    # its share of the weights: headers (gloo) and bytes (nccl on CUDA); stage 0's are
+    # ``weights`` / ``weights_device``; None where this process is not a member
+    senders: tuple = ()
+    senders_device: tuple = ()
+    stage_senders: tuple[int, ...] = (0,)  # global ranks: pipeline stage s's first training rank
     results: CrossGroup | None = None   # rollout rank 0 + training rank 0 (gloo)
     everyone: CrossGroup | None = None  # all ranks (gloo)
     store: object = field(default=None, repr=False)
@@ -122,6 +131,7 @@ class Roles:
                 log.warning("separate placement: not every rank reached the end (%s)", e)
         for name in ("weights", "weights_device", "results", "everyone"):
             setattr(self, name, None)
+        self.senders = self.senders_device = ()
         self.store = None
 
 
@@ -138,9 +148,20 @@ def _env_int(name: str, default: int) -> int:
     return int(value) if value else default
 
 
-def split_world(rollout_ranks: int, *, timeout_minutes: float = 30) -> Roles:
+def stage_senders(train_size: int, pp: int) -> tuple[int, ...]:
+    """Each pipeline stage's first training rank (TP, DP, EP rank 0 of the stage) in megatron's
+    rank order (``tp-cp-ep-dp-pp``: the pipeline dimension outermost, stage ``s`` holds training
+    ranks ``[s * n, (s + 1) * n)``, ``n = train_size / pp``)."""
+    if pp < 1 or train_size % pp:
+        raise ValueError(f"parallel.pp={pp} does not divide the {train_size} training ranks")
+    return tuple(s * (train_size // pp) for s in range(pp))
+
+
+def split_world(rollout_ranks: int, *, timeout_minutes: float = 30, pipeline_stages: int = 1) -> Roles:
     """Collective over torchrun's whole world: this process joins its role's default process
-    group and the groups spanning the roles (module docstring). Idempotent per process."""
+    group and the groups spanning the roles (module docstring). ``pipeline_stages``: the
+    training ranks' ``parallel.pp`` (each stage's first rank sends its share of the weights).
+    Idempotent per process."""
     global _ROLES
     if _ROLES is not None:
         return _ROLES
@@ -181,6 +202,14 @@ def split_world(rollout_ranks: int, *, timeout_minutes: float = 30) -> Roles:
     roles.weights = group("weights", [0, *range(train_size, size)])
     roles.weights_device = group("weights_nccl", [0, *range(train_size, size)], "nccl") if cuda \
         else None if roles.weights is None else replace(roles.weights, nccl=True)  # gloo's, checked as NCCL
+    roles.stage_senders = stage_senders(train_size, pipeline_stages)
+    senders, senders_device = [roles.weights], [roles.weights_device]
+    for s, first in enumerate(roles.stage_senders[1:], 1):
+        members = [first, *range(train_size, size)]
+        senders.append(group(f"stage{s}", members))
+        senders_device.append(group(f"stage{s}_nccl", members, "nccl") if cuda
+                              else None if senders[-1] is None else replace(senders[-1], nccl=True))
+    roles.senders, roles.senders_device = tuple(senders), tuple(senders_device)
     roles.results = group("results", [train_size, 0])
     roles.everyone.barrier()  # every group exists on every member before anyone uses one
     _ROLES = roles
