@@ -547,3 +547,55 @@ def test_pruned_checkpoints_are_deleted_in_the_background(tmp_path, monkeypatch)
         worker.join()
     assert ckpt.wait_for_deletions(30)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000002"]
+
+
+# ------------------------------------------------------------- the CPU check of NCCL's rules
+
+def _nccl_rules_worker(out: str) -> None:
+    import torch.distributed as dist
+
+    from megatron_oar.runtime import gloo_group, init_runtime
+    from megatron_oar.runtime.roles import CrossGroup
+    from megatron_oar.testing import nccl_rules
+
+    res = {}
+    with nccl_rules.enabled():
+        init_runtime(ParallelConfig())
+        device = torch.device("cuda", torch.cuda.current_device())  # what a GPU run writes
+
+        def refused(fn) -> str:
+            try:
+                fn()
+            except nccl_rules.NcclRuleError as e:
+                return "dtype" if "dtype" in str(e) else "host" if "host" in str(e) else str(e)
+            return "taken"
+
+        ok = torch.ones(3, device=device)
+        res["device"] = refused(lambda: dist.all_reduce(ok))
+        res["derived"] = refused(lambda: dist.all_reduce((ok * 2).view(3, 1).contiguous()))
+        res["host"] = refused(lambda: dist.all_reduce(torch.ones(3)))
+        res["from_list"] = refused(lambda: dist.all_reduce(torch.tensor([1, 2])))
+        res["cpu_copy"] = refused(lambda: dist.all_reduce(ok.cpu()))
+        res["moved"] = refused(lambda: dist.all_reduce(torch.ones(3).cuda()))
+        res["int16"] = refused(lambda: dist.all_reduce(ok.to(torch.int16)))
+        res["bool"] = refused(lambda: dist.all_reduce(ok.bool()))
+        res["gather_list"] = refused(lambda: dist.all_gather([torch.empty(3), torch.empty(3)], ok))
+        gloo = gloo_group()
+        res["gloo"] = refused(lambda: dist.all_reduce(torch.ones(3), group=gloo))  # host-side group
+        cross = CrossGroup(dist.group.WORLD, dist.get_rank(), (0, 1), nccl=True)
+        res["cross"] = refused(lambda: cross.broadcast(torch.ones(3), 0))
+    res["off"] = refused(lambda: dist.all_reduce(torch.ones(3)))
+    save_gathered(res, out)
+
+
+@pytest.mark.slow
+def test_nccl_rules_check_on_cpu(tmp_path):
+    """The tests' CPU check of NCCL's rules (``testing/nccl_rules.py``): on a group that is NCCL on
+    a GPU, a tensor made for the device passes; one built on the host (no ``device=``, a list,
+    ``.cpu()``) or of a dtype NCCL lacks (int16) is refused; a ``backend="gloo"`` group takes
+    host tensors; a cross-role group marked ``nccl`` is checked; nothing is checked once it is off.
+    2 ranks, about 2 s in a warm pool."""
+    for res in launch_and_load(_nccl_rules_worker, 2, tmp_path / "rules.pt"):
+        assert res == {"device": "taken", "derived": "taken", "host": "host", "from_list": "host",
+                       "cpu_copy": "host", "moved": "taken", "int16": "dtype", "bool": "taken",
+                       "gather_list": "host", "gloo": "taken", "cross": "host", "off": "taken"}, res
