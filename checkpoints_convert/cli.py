@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype for both models (default fp32)")
     v.add_argument("--tol", type=float, default=1e-4, help="max abs logit difference allowed")
     v.add_argument("--prompt", default=DEFAULT_PROMPT)
+    v.add_argument("--wait-minutes", type=float, default=180.0,
+                   help="how long the other ranks wait for the reporting rank's HF reference (default 180)")
     v.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
 
     for sp in (h, m):

@@ -67,8 +67,10 @@ def world_size(tp: int, pp: int, ep: int = 1, etp: int | None = None) -> int:
 
 def verify(hf_dir: str | Path, ckpt: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
            etp: int | None = None, dtype: str = "fp32", tol: float = 1e-4,
-           prompt: str = DEFAULT_PROMPT, result_file: str | None = None) -> VerifyResult | None:
-    """Collective over the :func:`world_size` ranks; returns the result on the reporting rank."""
+           prompt: str = DEFAULT_PROMPT, result_file: str | None = None,
+           wait_minutes: float = 180.0) -> VerifyResult | None:
+    """Collective over the :func:`world_size` ranks; returns the result on the reporting rank.
+    ``wait_minutes``: how long the other ranks wait for it to build and run the HF reference."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
@@ -78,6 +80,7 @@ def verify(hf_dir: str | Path, ckpt: str | Path, *, tp: int = 1, pp: int = 1, ep
     from megatron_oar.models.forward import forward_logits
     from megatron_oar.models.model_checkpoint import HF_DIR, load_model
     from megatron_oar.runtime import ParallelConfig, init_runtime
+    from megatron_oar.runtime.distributed import on_one_rank
 
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -96,22 +99,30 @@ def verify(hf_dir: str | Path, ckpt: str | Path, *, tp: int = 1, pp: int = 1, ep
     got = forward_logits(model, tokens.to(model_device(model)), vocab_size=meta.vocab_size)
     reporter = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
                 and ps.get_data_parallel_rank() == 0)
-    result = None
-    if reporter:
+
+    def report() -> VerifyResult:
         ref_model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=DTYPES[dtype]).eval()
         with torch.no_grad():
             ref = ref_model(tokens).logits.float()
-        got = got.float().cpu()
+        mine = got.float().cpu()
         result = VerifyResult(tp=tp, pp=pp, ep=ep, dtype=dtype, tokens=tokens.numel(),
-                              max_abs_diff=(got - ref).abs().max().item(),
-                              top1_agreement=(got.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+                              max_abs_diff=(mine - ref).abs().max().item(),
+                              top1_agreement=(mine.argmax(-1) == ref.argmax(-1)).float().mean().item(),
                               tol=tol)
         print(result.line(), flush=True)
         if result_file:
             Path(result_file).write_text(json.dumps(asdict(result)))
-    if dist.is_initialized():
-        dist.barrier()
-    return result
+        return result
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return report()
+    # the reporting rank loads and runs the HF reference (minutes for a large model) while the
+    # others wait on a gloo group sized for it, not in a barrier of the default group (NCCL's
+    # collective timeout would end them)
+    flags: list = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, reporter)
+    return on_one_rank(report, src=flags.index(True), timeout_minutes=wait_minutes,
+                       setting="oar-convert verify --wait-minutes", what="the HF reference")
 
 
 def verify_cli(args) -> int:
@@ -122,6 +133,8 @@ def verify_cli(args) -> int:
     for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--ep", args.ep), ("--etp", args.etp)):
         if value is not None and value < 1:
             raise ConversionError(f"{flag}={value} must be a positive integer")
+    if not args.wait_minutes > 0:
+        raise ConversionError(f"--wait-minutes={args.wait_minutes} must be > 0")
     world = world_size(args.tp, args.pp, args.ep, args.etp)
     if world > 1 and "WORLD_SIZE" not in os.environ:
         result_file = Path(args.ckpt).resolve().parent / f".verify-{os.getpid()}.json"
@@ -131,7 +144,8 @@ def verify_cli(args) -> int:
                "--pp", str(args.pp), "--ep", str(args.ep),
                *(["--etp", str(args.etp)] if args.etp is not None else []),
                "--dtype", args.dtype, "--tol", str(args.tol),
-               "--prompt", args.prompt, "--result-file", str(result_file)]
+               "--prompt", args.prompt, "--wait-minutes", str(args.wait_minutes),
+               "--result-file", str(result_file)]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         rc = subprocess.call(cmd, env=env)
         try:
@@ -146,7 +160,7 @@ def verify_cli(args) -> int:
     try:
         result = verify(args.hf, args.ckpt, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                         dtype=args.dtype, tol=args.tol,
-                        prompt=args.prompt, result_file=args.result_file)
+                        prompt=args.prompt, result_file=args.result_file, wait_minutes=args.wait_minutes)
     finally:
         destroy_runtime()
     return 0 if result is None or result.ok else 1

@@ -103,8 +103,10 @@ def _same(a: dict, b: dict) -> bool:
 def _save(root: str, step: int, policy, model: str) -> Path:
     from megatron_oar.models.model_checkpoint import CheckpointMeta
 
-    return ckpt.save_checkpoint(root, step, policy, {"sampler": {"step": step}}, CheckpointMeta.read(model),
-                                Path(model) / "hf", keep_last=0)
+    saved = ckpt.save_checkpoint(root, step, policy, {"sampler": {"step": step}}, CheckpointMeta.read(model),
+                                 Path(model) / "hf", keep_last=0)
+    ckpt.wait_for_deletions()  # rank 0's leftovers go in the background: listed below, so wait
+    return saved
 
 
 def _capture_log() -> list[str]:
@@ -337,11 +339,15 @@ def _failed_save(root: str, step: int, policy, model: str) -> dict:
     is still listing)."""
     import torch.distributed as dist
 
-    result = {"message": None}
+    result, error = {"message": None}, None
     try:
         _save(root, step, policy, model)
     except ckpt.CheckpointWriteError as e:
-        result = {"message": str(e), "errno": e.errno,
+        error = e
+    ckpt.wait_for_deletions()  # rank 0 removes the partial save in the background
+    dist.barrier()
+    if error is not None:
+        result = {"message": str(error), "errno": error.errno,
                   "left": sorted(p.name for p in Path(root).iterdir()),
                   "latest": (Path(root) / "latest").read_text().strip()}
     dist.barrier()
@@ -467,12 +473,14 @@ def test_crash_between_the_renames_of_a_resave_keeps_a_checkpoint(tmp_path):
     assert resolve_model(root) == (old.resolve(), True)  # oar eval of the checkpoint root
     assert ckpt.resolve_resume("auto", root) == old
     ckpt._clean_leftovers(root)
+    assert ckpt.wait_for_deletions(30)  # the leftovers are deleted in the background
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]
     assert ckpt.verify_checkpoint(step2) == []
     # a crash after the second rename: .old is stale and removed
     shutil.copytree(step2, old)
     assert ckpt.find_latest(root) == step2
     ckpt._clean_leftovers(root)
+    assert ckpt.wait_for_deletions(30)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]
 
 

@@ -671,7 +671,10 @@ def test_separate_placement_plans_each_role():
     assert all(one.budgets["tokens"][k] >= n for k, n in colocated.budgets["tokens"].items())
     assert one.train_peak_gib <= colocated.train_peak_gib + VLLM_ASLEEP_GIB
     cfg = load_config(path, sep)
-    assert one.rollout_gpu_gib == pytest.approx(0.85 * 80 + cfg.rollout.bucket_mb / 1024 + 4.0)
+    # a received bucket: the embedding (152064 x 3584 bf16, 1.02 GiB) goes alone, past bucket_mb
+    embedding = 152064 * 3584 * 2 / P.GIB
+    assert cfg.rollout.bucket_mb / 1024 < embedding == pytest.approx(one.sync["bucket_gib"])
+    assert one.rollout_gpu_gib == pytest.approx(0.85 * 80 + embedding + 4.0)
     assert one.fits and one.vllm["kv_tokens"] > colocated.vllm["kv_tokens"]
     t0, t1 = plans[0].time_s, one.time_s
     train = sum(v for k, v in t1.items() if k not in ("generate", "sync", "total"))
@@ -682,6 +685,39 @@ def test_separate_placement_plans_each_role():
     too_much = make_plan(load_config(path, [*sep, "rollout.gpu_memory_utilization=1.0"]), hf, nodes=2,
                          gpus_per_node=8, hw=Hardware())
     assert not too_much.fits and "lower rollout.gpu_memory_utilization" in " ".join(too_much.reasons)
+
+
+def test_separate_placement_sync_by_hand():
+    """The separate placement's weight sync (issue 51): the stage senders gather their own stage
+    (TP all-gather's share, no PP broadcast, no other training rank), each rollout rank receives
+    the whole model; a rollout GPU holds the largest tensor's bucket past rollout.bucket_mb (72B:
+    the 152064 x 8192 embedding) and, for a MoE model, one whole MoE layer as vLLM's reload
+    holds it (the experts travel whole here); a training GPU's sync phase holds no vLLM reload.
+    Milliseconds."""
+    sep = ["rollout.placement=separate", "rollout.ranks=32"]  # 72B: 32 training GPUs, TP8 PP4
+    pl = _plan("qwen2.5-72b_oar_g", *sep, "rollout.tp=8")
+    a = parse_arch(PRESETS["qwen2.5-72b"])
+    tp, pp = pl.layout["tp"], pl.layout["pp"]
+    h, layers = 8192, 80 // pp
+    qkv = (64 + 2 * 8) * 128
+    per_layer = [qkv * h, h * 64 * 128, qkv, 2 * 29568 * h, h * 29568]  # TP-split tensors of a layer
+    vocab = a.padded_vocab_size(128) * h
+    stage0 = layers * sum(per_layer) + vocab  # the first stage: its layers and the embedding
+    assert pl.sync["placement"] == "separate" and pl.sync["pp_broadcast"] == 0
+    assert pl.sync["tp_gather"] == pytest.approx(2 * (tp - 1) * stage0 // tp / P.GIB, rel=1e-6)
+    model = 80 * (sum(per_layer) + 2 * h) + 2 * vocab + h  # untied: embedding and output layer
+    assert pl.sync["rollout_rank_gib"] == pytest.approx(2 * model / P.GIB, rel=1e-9)
+    assert pl.sync["bucket_gib"] == pytest.approx(2 * vocab / P.GIB) and pl.sync["moe_layer_reload_gib"] == 0
+    assert pl.rollout_gpu_gib == pytest.approx(pl.vllm["share_gib"] + 2 * vocab / P.GIB + 4.0)
+    col = _plan("qwen2.5-72b_oar_g")
+    assert "each rollout rank receives" in P.render(pl, "x") and col.sync.get("placement") is None
+    # MoE: whole experts (vLLM TP 8 would cut them colocated); the training GPUs hold no reload
+    moe = _plan("qwen3-30b-a3b_oar_g", *sep)
+    reload = 2 * 128 * 3 * 2048 * 768 / P.GIB
+    assert moe.sync["expert_tp"] == 1 and moe.sync["moe_layer_reload_gib"] == pytest.approx(reload)
+    assert moe.rollout_gpu_gib == pytest.approx(moe.vllm["share_gib"] + moe.sync["bucket_gib"] + reload + 4.0)
+    resident = sum(v for k, v in moe.memory_gib.items() if not k.startswith("activations"))
+    assert moe.phases_gib["sync"] == pytest.approx(resident + 2 * moe.sync["bucket_gib"] + 4.0)
 
 
 def test_longest_response_of_a_model_shorter_than_one_search_step(tmp_path, capsys):

@@ -349,10 +349,40 @@ def _gather_worker(jobs: list, bound: int, out: str) -> None:
         want = sync_traffic(arch, tp=1, pp=pp, dtype_bytes=4, shards=False, ep=ep,
                             etp=etp, expert_tp=vtp)[ps.get_pipeline_model_parallel_rank()]
         assert dict(received, total=sum(received.values())) == want, (where, received, want)
+        if vtp == 1:
+            _check_stage_send(model, arch, ref, bound, want, where)
         results.append(dict(job=[Path(hf_dir).name, pp, ep, etp, vtp, *spec], buckets=buckets, received=received,
                             first=order[:3]))
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
+
+
+def _check_stage_send(model, arch, ref: dict, bound: int, colocated: dict, where: str) -> None:
+    """The separate placement's sender (``rollout/stage_send.py``): each stage's first rank yields
+    its stage's HF tensors, bit-exact, every tensor once over the stages; the other ranks yield
+    nothing; the sender receives what the colocated gathers give a rank of its stage over TP /
+    ETP and EP (no PP broadcast)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_oar.rollout.stage_send import iter_stage_buckets
+
+    names, bad, got = [], [], 0
+    for bucket in iter_stage_buckets(model, arch, bound):
+        got += bucket.received_tp + bucket.received_ep
+        assert bucket.nbytes <= bound or bucket.sources <= 2, (where, bucket.nbytes)
+        for name, t in bucket.tensors:
+            names.append(name)
+            if not (t.dtype == ref[name].dtype and torch.equal(t, ref[name])):
+                bad.append(name)
+    first = dist.get_rank() % (dist.get_world_size() // ps.get_pipeline_model_parallel_world_size()) == 0
+    assert bool(names) == first and not bad, (where, "stage send", len(names), bad)
+    if first:
+        assert got == colocated["tp_gather"] + colocated["ep_gather"], (where, "stage send", got, colocated)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, names)
+    sent = [n for part in every for n in part]
+    assert len(sent) == len(set(sent)) and set(sent) == set(ref), (where, "stage send", sorted(set(ref) - set(sent)))
 
 
 def _check_buckets(out: Path, bound: int) -> list:

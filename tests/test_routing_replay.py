@@ -400,10 +400,11 @@ def _oar_g_replayed(model, batch, vocab: int) -> torch.Tensor:
 
 def _replay_worker(ckpt: str, layouts: list, out: str) -> None:
     import megatron_oar.training.routing_replay as rr
+    from megatron_oar.testing import nccl_rules
 
     chunk, rr.WIRE_CHUNK_BYTES = rr.WIRE_CHUNK_BYTES, 16  # the TP exchange 4 tokens at a time
-    try:
-        with _HostWaits() as waits:
+    try:  # under the CPU check of NCCL's rules (docs/testing.md)
+        with _HostWaits() as waits, nccl_rules.enabled():
             _replay_layouts(ckpt, layouts, out, waits)
     finally:  # the pool's processes run later jobs
         rr.WIRE_CHUNK_BYTES = chunk
@@ -413,6 +414,7 @@ def _replay_layouts(ckpt: str, layouts: list, out: str, waits: _HostWaits) -> No
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    import megatron_oar.training.routing_replay as rr
     from megatron_oar.algorithms import PolicyLossConfig
     from megatron_oar.models.micro_batches import micro_batches
     from megatron_oar.runtime import ParallelConfig, init_runtime
@@ -444,6 +446,12 @@ def _replay_layouts(ckpt: str, layouts: list, out: str, waits: _HostWaits) -> No
         groups = micro_batches(batch.lengths.tolist(), batching="token_budget", rows_per_micro=2, max_tokens=40)
         share = sum(row.numel() for row, _, _ in _layout(policy.gpt, batch, groups))
         res["routing_bytes"] = (traffic.bytes, (tp - 1) * share * len(res["layers"]) * arch.moe_topk)
+        if tp > 1:  # ids of a model with more than 256 experts (int16) over TP: as bytes (no NCCL int16)
+            ids = [(torch.arange(24, device=torch.cuda.current_device()).view(4, 3, 2) * 37 + 300 * q)
+                   .to(rr.ROUTED_DTYPE) for q in range(tp)]
+            parts = rr._all_gather_chunked(ids[ps.get_tensor_model_parallel_rank()],
+                                           ps.get_tensor_model_parallel_group(), tp)
+            res["int16_gather"] = all(p.dtype == rr.ROUTED_DTYPE and torch.equal(p, w) for p, w in zip(parts, ids))
         batch.old_logprobs = old
         res["load_training"] = log.metrics(torch.device("cpu"))
         res["routed"] = batch.routed_experts.clone()
@@ -487,8 +495,8 @@ def _replay_layouts(ckpt: str, layouts: list, out: str, waits: _HostWaits) -> No
                                        zip(res["layers"], moe_routers(model))}
         # rollout mode: vLLM-style ids ([len - 1, num_hidden_layers, k] per row: the recorded
         # routing of the original weights) replayed by the old-logprob pass
-        gathered = [torch.full((len(LENGTHS), max(LENGTHS), 1, arch.moe_topk), -1, dtype=torch.int32)
-                    for _ in range(arch.num_layers)]
+        gathered = [torch.full((len(LENGTHS), max(LENGTHS), 1, arch.moe_topk), -1, dtype=torch.int32,
+                               device=torch.cuda.current_device()) for _ in range(arch.num_layers)]
         width = batch.routed_experts.shape[1]
         for j, layer in enumerate(res["layers"]):
             gathered[layer][batch.sample_ids, :width] = batch.routed_experts[:, :, j:j + 1].int()
@@ -575,16 +583,23 @@ class _Received:
 def _r3_worker(out: str) -> None:
     """Two rollout groups (rollout TP1) generate two prompts each (n=2); each rank then trains on
     six of the eight samples and holds its own half of the MoE layers (as two pipeline stages)."""
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+    from megatron_oar.testing import nccl_rules
+
+    with nccl_rules.enabled():  # the exchange as NCCL would take it (int16 ids travel as bytes)
+        init_runtime(ParallelConfig())
+        _r3_exchange(out)
+
+
+def _r3_exchange(out: str) -> None:
     import torch.distributed as dist
 
     import megatron_oar.training.routing_replay as rr
     from megatron_oar.data.readers import Example
     from megatron_oar.rollout.batch import RolloutBatch
     from megatron_oar.rollout.engine import gather_rollouts
-    from megatron_oar.runtime import ParallelConfig, init_runtime
     from megatron_oar.training.collect import generate_samples
 
-    init_runtime(ParallelConfig())
     rank = dist.get_rank()
 
     def generate(ids, seeds, with_routing):
@@ -605,11 +620,11 @@ def _r3_worker(out: str) -> None:
     rows = list(range(2 * rank, 2 * rank + 6))
     saved = rr.stage_moe_layers
     rr.stage_moe_layers = lambda model: (layers, None, None)  # this rank's "stage"
-    model = SimpleNamespace(config=SimpleNamespace(moe_router_topk=R3_TOPK, num_moe_experts=R3_EXPERTS,
-                                                   num_layers=R3_LAYERS))
     res = {}
-    try:
-        for with_routing in (False, True):
+    try:  # 300 experts: the ids travel as int16 (2 bytes each), as bytes on the wire
+        for with_routing, experts in ((False, R3_EXPERTS), (True, R3_EXPERTS), (True, 300)):
+            model = SimpleNamespace(config=SimpleNamespace(moe_router_topk=R3_TOPK, num_moe_experts=experts,
+                                                           num_layers=R3_LAYERS))
             engine = SimpleNamespace(dp_size=2, dp_rank=rank, world_size=2, is_group_leader=True,
                                      group_ranks=[rank], tp=1, _world_gloo=dist.group.WORLD)
             engine.generate = lambda ids, seeds, **_: generate(ids, seeds, with_routing)
@@ -621,10 +636,11 @@ def _r3_worker(out: str) -> None:
                                         tokens=torch.zeros(len(rows), max(lengths[i] for i in rows)))
                 if with_routing:
                     rr.attach_rollout_routing(model, batch, samples)
-            res[with_routing] = (received.bytes, received.a2a)
-        want = rr.rollout_routing([_r3_routing(i // 2, i % 2, lengths[i] - 1) for i in rows],
-                                  batch.lengths.tolist(), batch.tokens.shape[1], layers, R3_TOPK)
-        res["equal"] = torch.equal(batch.routed_experts, want)
+            res[with_routing, experts] = (received.bytes, received.a2a)
+            if with_routing:
+                want = rr.rollout_routing([_r3_routing(i // 2, i % 2, lengths[i] - 1) for i in rows],
+                                          batch.lengths.tolist(), batch.tokens.shape[1], layers, R3_TOPK)
+                res["equal", experts] = torch.equal(batch.routed_experts, want)
         # what this rank needs from the other group: its rows' tokens x its layers x k, one byte each
         res["need"] = sum((lengths[i] - 1) * len(layers) * R3_TOPK for i in rows if i // 4 != rank)
     finally:
@@ -637,16 +653,19 @@ def test_rollout_routing_reaches_only_its_ranks(tmp_path):
     """``model.routing_replay=rollout``: vLLM's routing of every completion stays on its rollout
     group's ranks when the rollouts are gathered; each rank then receives only its own rows and
     its own stage's MoE layers, one byte per value, and gets the same ``routed`` as from the
-    whole arrays. 2 gloo ranks, no model: about 2 s in a warm pool."""
+    whole arrays; with more than 256 experts two bytes per value, sent as bytes (NCCL has no
+    int16), under the CPU check of NCCL's rules. 2 gloo ranks, no model: about 3 s in a warm pool."""
     ranks = launch_and_load(_r3_worker, 2, tmp_path / "r3.pt")
     for rank, res in enumerate(ranks):
-        plain, _ = res[False]
-        total, a2a = res[True]
-        print(f"rank {rank}: received {total - plain} bytes for the routing ({a2a} of them routing values; "
-              f"{res['need']} needed)")
-        assert res["equal"], rank
-        assert a2a == res["need"], rank
-        assert total - plain <= res["need"] + 4096, f"rank {rank}: {total - plain} bytes for {res['need']}"
+        plain, _ = res[False, R3_EXPERTS]
+        for experts, width in ((R3_EXPERTS, 1), (300, 2)):
+            total, a2a = res[True, experts]
+            need = width * res["need"]
+            print(f"rank {rank}, {experts} experts: received {total - plain} bytes for the routing ({a2a} of "
+                  f"them routing values; {need} needed)")
+            assert res["equal", experts], (rank, experts)
+            assert a2a == need, (rank, experts)
+            assert total - plain <= need + 4096, f"rank {rank}: {total - plain} bytes for {need}"
 
 
 @pytest.fixture(scope="module")
@@ -756,6 +775,8 @@ def test_training_replay_world2(tiny_moe):
             # of earlier micro-batches must not pile up in megatron's list (the current one only)
             got, want = res["routing_bytes"]
             assert got == want, f"{name}: the TP ranks exchanged {got} bytes of routing, expected {want}"
+            if name.startswith("tp2"):  # > 256 experts: int16 ids over TP, sent as bytes (NCCL rules on)
+                assert res["int16_gather"], f"{name}: int16 ids changed over the TP all-gather"
             assert res["host_waits"] == 0, f"{name}: the router hooks made the host wait {res['host_waits']} times"
             # the same weights route alike with and without recording: the same expert load
             load = {k: v for k, v in res["load_training"].items() if k.startswith("routing/load")}

@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_oar.runtime import ParallelConfig, kernels, validate_layout
-from tests.distributed import launch, launch_fresh
+from tests.distributed import launch, launch_and_load, launch_fresh, save_gathered
 
 # ----------------------------------------------------------------------- validate_layout
 
@@ -454,3 +455,150 @@ def test_one_process_world_leaves_no_rendezvous_behind(monkeypatch):
         destroy_runtime()
     assert "MASTER_PORT" not in os.environ and "RANK" not in os.environ
     assert os.environ["MASTER_ADDR"] == "127.0.0.1"
+
+
+# ------------------------------------------------- one rank's long work, the others waiting
+
+def _long_work_worker(out: str) -> None:
+    """The default group's timeout cut to 2 s: one rank's 4-second work (rank 0's eval export,
+    the verify reference on another rank) must not leave the others in a default-group
+    collective past it."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    import megatron_oar.eval.run_eval as run_eval
+    from megatron_oar.runtime import init_runtime
+    from megatron_oar.runtime.distributed import on_one_rank
+
+    init_runtime(ParallelConfig())
+    c10d._set_pg_timeout(timedelta(seconds=2), None)
+    res = {}
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(convert_timeout_minutes=1.0))
+    saved = run_eval.prepare_job
+
+    def slow(outcome):
+        def prepare(_cfg):
+            time.sleep(4)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        return prepare
+
+    try:
+        run_eval.prepare_job = slow("the job")
+        res["job"] = run_eval.share_job(cfg)
+        run_eval.prepare_job = slow(ValueError("eval.model='x': no such directory"))
+        try:
+            run_eval.share_job(cfg)
+        except ValueError as e:
+            res["error"] = str(e)
+    finally:
+        run_eval.prepare_job = saved
+
+    def reference():
+        time.sleep(4)
+        return "reference"
+
+    res["one_rank"] = on_one_rank(reference, src=1, timeout_minutes=1.0, setting="s", what="the reference")
+    dist.barrier()  # the default group is fine afterwards
+    save_gathered(res, out)
+
+
+@pytest.mark.slow
+def test_one_rank_works_while_the_others_wait_past_the_collective_timeout(tmp_path):
+    """``oar eval``'s export on rank 0 (``share_job``) and ``oar-convert verify``'s HF reference on
+    the reporting rank (``on_one_rank``) take longer than the default group's timeout (2 s here,
+    ``parallel.timeout_minutes`` in a run: after it NCCL ends the process); the other ranks wait
+    on a gloo group sized for the work. 2 ranks, about 10 s."""
+    ranks = launch_and_load(_long_work_worker, 2, tmp_path / "long.pt")
+    for rank, res in enumerate(ranks):
+        assert res["job"] == "the job", rank
+        assert res["error"] == "eval.model='x': no such directory", rank
+        assert res["one_rank"] == ("reference" if rank == 1 else None), rank
+
+
+def test_pruned_checkpoints_are_deleted_in_the_background(tmp_path, monkeypatch):
+    """Rank 0 prunes old checkpoints (``checkpoint.keep_last``) while the other ranks wait at a
+    barrier: the deletion runs in a thread, so a slow file system keeps no one waiting; the
+    pruned step is renamed away at once (never listed), and gone once the deletion ends."""
+    import threading
+
+    from megatron_oar.training import step_checkpoint as ckpt
+
+    for step in (1, 2):
+        d = ckpt.step_dir(tmp_path, step)
+        d.mkdir()
+        (d / ckpt.STATE_FILE).write_text("{}")
+    release, real = threading.Event(), ckpt.shutil.rmtree
+
+    def slow_rmtree(path, ignore_errors=False):
+        release.wait(30)
+        real(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", slow_rmtree)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (ckpt._publish(tmp_path, ckpt.step_dir(tmp_path, 2), 2, 1), done.set()))
+    worker.start()
+    try:
+        assert done.wait(10), "pruning blocked rank 0 until the deletion ended"
+        assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [2]
+    finally:
+        release.set()
+        worker.join()
+    assert ckpt.wait_for_deletions(30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000002"]
+
+
+# ------------------------------------------------------------- the CPU check of NCCL's rules
+
+def _nccl_rules_worker(out: str) -> None:
+    import torch.distributed as dist
+
+    from megatron_oar.runtime import gloo_group, init_runtime
+    from megatron_oar.runtime.roles import CrossGroup
+    from megatron_oar.testing import nccl_rules
+
+    res = {}
+    with nccl_rules.enabled():
+        init_runtime(ParallelConfig())
+        device = torch.device("cuda", torch.cuda.current_device())  # what a GPU run writes
+
+        def refused(fn) -> str:
+            try:
+                fn()
+            except nccl_rules.NcclRuleError as e:
+                return "dtype" if "dtype" in str(e) else "host" if "host" in str(e) else str(e)
+            return "taken"
+
+        ok = torch.ones(3, device=device)
+        res["device"] = refused(lambda: dist.all_reduce(ok))
+        res["derived"] = refused(lambda: dist.all_reduce((ok * 2).view(3, 1).contiguous()))
+        res["host"] = refused(lambda: dist.all_reduce(torch.ones(3)))
+        res["from_list"] = refused(lambda: dist.all_reduce(torch.tensor([1, 2])))
+        res["cpu_copy"] = refused(lambda: dist.all_reduce(ok.cpu()))
+        res["moved"] = refused(lambda: dist.all_reduce(torch.ones(3).cuda()))
+        res["int16"] = refused(lambda: dist.all_reduce(ok.to(torch.int16)))
+        res["bool"] = refused(lambda: dist.all_reduce(ok.bool()))
+        res["gather_list"] = refused(lambda: dist.all_gather([torch.empty(3), torch.empty(3)], ok))
+        gloo = gloo_group()
+        res["gloo"] = refused(lambda: dist.all_reduce(torch.ones(3), group=gloo))  # host-side group
+        cross = CrossGroup(dist.group.WORLD, dist.get_rank(), (0, 1), nccl=True)
+        res["cross"] = refused(lambda: cross.broadcast(torch.ones(3), 0))
+    res["off"] = refused(lambda: dist.all_reduce(torch.ones(3)))
+    save_gathered(res, out)
+
+
+@pytest.mark.slow
+def test_nccl_rules_check_on_cpu(tmp_path):
+    """The tests' CPU check of NCCL's rules (``testing/nccl_rules.py``): on a group that is NCCL on
+    a GPU, a tensor made for the device passes; one built on the host (no ``device=``, a list,
+    ``.cpu()``) or of a dtype NCCL lacks (int16) is refused; a ``backend="gloo"`` group takes
+    host tensors; a cross-role group marked ``nccl`` is checked; nothing is checked once it is off.
+    2 ranks, about 2 s in a warm pool."""
+    for res in launch_and_load(_nccl_rules_worker, 2, tmp_path / "rules.pt"):
+        assert res == {"device": "taken", "derived": "taken", "host": "host", "from_list": "host",
+                       "cpu_copy": "host", "moved": "taken", "int16": "dtype", "bool": "taken",
+                       "gather_list": "host", "gloo": "taken", "cross": "host", "off": "taken"}, res

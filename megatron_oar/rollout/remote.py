@@ -46,9 +46,9 @@ import torch.distributed as dist
 
 from megatron_oar.rollout.batch import share
 from megatron_oar.rollout.engine import SyncStats
+from megatron_oar.rollout.stage_send import recv_stages, send_stage, sum_counts
 from megatron_oar.rollout.sync_check import WeightSyncError
-from megatron_oar.rollout.transfer import recv_buckets, recv_object, send_buckets, send_object
-from megatron_oar.rollout.weight_sync import iter_hf_buckets
+from megatron_oar.rollout.transfer import recv_object, send_object
 from megatron_oar.runtime.roles import CROSS_TIMEOUT, Roles
 from megatron_oar.runtime.stop_signals import STOP_SIGNALS, helpers_shielded, start_resource_tracker_shielded
 from megatron_oar.testing import faults
@@ -109,8 +109,7 @@ class RolloutServer:
         end: dict = {}
         error = None
         try:
-            self.engine.load_buckets(recv_buckets(self.roles.weights, self.roles.weights_device, self.device, end),
-                                     step=request.get("step"))
+            self.engine.load_buckets(recv_stages(self.roles, self.device, end), step=request.get("step"))
         except WeightSyncError as e:
             error = e
         failed = self.roles.weights.all_max(0.0 if error is None else 1.0)
@@ -409,21 +408,26 @@ class RemoteRollout:
             self.syncs["skipped"] += 1
             return SyncStats(seconds=0.0, bytes=0, num_tensors=0, num_buckets=0, max_bucket_bytes=0)
         self._check_open()
-        buckets = iter_hf_buckets(model, self.arch, self.config.bucket_bytes)
-        counts = {"bytes": 0, "tensors": 0, "buckets": 0, "max": 0}
         message = lost = None
         if self.rank == 0:
             try:
                 self.roles.store.add(SYNCS_ANNOUNCED, 1)  # partial rollouts: take it at a boundary
                 send_object(self.roles.weights, {"kind": "sync", "step": step, "id": None}, TRAINER)
-                counts = send_buckets(self.roles.weights, self.roles.weights_device, buckets,
-                                      version=-1 if version is None else version)
+            except RuntimeError as e:
+                lost = self._lost(e, "the trainer sent the weights")
+        # each pipeline stage's first rank sends its stage (rollout/stage_send.py); every rank
+        # takes part in its stage's gathers, after a failure too
+        mine, failed = send_stage(model, self.arch, self.roles, self.config.bucket_bytes,
+                                  version=-1 if version is None else version)
+        counts = sum_counts({**mine, "failed": int(failed is not None)}, self._control)
+        if self.rank == 0 and lost is None:
+            try:
+                if counts["failed"]:
+                    raise RuntimeError(failed or "a pipeline stage's sender lost the rollout ranks")
                 if self.roles.weights.all_max(0.0):
                     message = recv_object(self.roles.weights, ROLLOUT_LEADER)
             except RuntimeError as e:
                 lost = self._lost(e, "the trainer sent the weights")
-        for _ in buckets:  # this rank's share of the gathers (the rest of it, after a failure)
-            pass
         self._raise_everywhere(lost)
         box = [message]
         dist.broadcast_object_list(box, src=0, group=self._control)
@@ -435,7 +439,8 @@ class RemoteRollout:
         self._timing["wait"] += time.perf_counter() - t0
         return SyncStats(seconds=time.perf_counter() - t0, bytes=counts["bytes"],
                          num_tensors=counts["tensors"], num_buckets=counts["buckets"],
-                         max_bucket_bytes=counts["max"], max_received_bytes=counts["bytes"])
+                         max_bucket_bytes=counts["max"], max_received_bytes=counts["bytes"],
+                         received_tp_bytes=mine["received_tp"], received_ep_bytes=mine["received_ep"])
 
     def check_sync(self, model, batch, *, micro_batch_size: int = 1):
         """:func:`~megatron_oar.rollout.sync_check.logprob_agreement` of ``batch`` (already every

@@ -139,6 +139,7 @@ class WeightBucket:
     received_tp: int = 0  # bytes this rank received to build it: TP all-gathers
     received_pp: int = 0  # ... and PP broadcasts from other stages
     received_ep: int = 0  # ... and the experts' all-gathers over expert parallelism
+    flat: torch.Tensor | None = None  # the separate placement's send buffer the tensors are views of
 
 
 def unwrap_chunks(model) -> list[torch.nn.Module]:

@@ -32,6 +32,7 @@ gating linear tests it for None, a NameError without TE.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -42,6 +43,19 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _mode: CudaToCpuMode | None = None
+# modes a test stacks on the backend's (``testing/nccl_rules.py``), re-entered with it in backward
+_backward_modes: list[type[TorchFunctionMode]] = []
+
+
+def add_backward_mode(mode: type[TorchFunctionMode]) -> None:
+    """Also enter ``mode()`` (inside the backend's) where a custom function's backward re-enters
+    the backend's mode."""
+    _backward_modes.append(mode)
+
+
+def remove_backward_mode(mode: type[TorchFunctionMode]) -> None:
+    if mode in _backward_modes:
+        _backward_modes.remove(mode)
 
 
 def _is_cuda(device) -> bool:
@@ -88,7 +102,9 @@ def _backward_in_mode(apply):
 
     def wrapped(self, *args):
         if _mode is not None and torch._C._len_torch_function_stack() == 0:
-            with CudaToCpuMode():
+            with contextlib.ExitStack() as stack:
+                for mode in [CudaToCpuMode, *_backward_modes]:
+                    stack.enter_context(mode())
                 return apply(self, *args)
         return apply(self, *args)
 

@@ -239,13 +239,18 @@ def on_rank0(work: Callable[[], T], *, timeout_minutes: float, setting: str, wha
     ``work`` failing on rank 0 raises on every rank; rank 0 taking longer than the timeout
     raises a ``TimeoutError`` naming ``setting`` on every rank. Returns ``work()``'s result on
     rank 0, None on the others."""
+    return on_one_rank(work, src=0, timeout_minutes=timeout_minutes, setting=setting, what=what)
+
+
+def on_one_rank(work: Callable[[], T], *, src: int, timeout_minutes: float, setting: str, what: str) -> T | None:
+    """:func:`on_rank0` for rank ``src`` (the same on every rank) doing the work."""
     group = gloo_group(timeout_minutes=timeout_minutes)
     rank, t0 = dist.get_rank(), time.monotonic()
-    late = (f"{what} on rank 0 took longer than {setting}={timeout_minutes:g} minutes; raise "
+    late = (f"{what} on rank {src} took longer than {setting}={timeout_minutes:g} minutes; raise "
             "it for a model this size (the other ranks wait that long on a gloo group)")
     try:
-        result, error, outcome = None, None, [None]  # outcome: rank 0's error, as text
-        if rank == 0:
+        result, error, outcome = None, None, [None]  # outcome: rank src's error, as text
+        if rank == src:
             try:
                 result = work()
             except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here
@@ -253,15 +258,15 @@ def on_rank0(work: Callable[[], T], *, timeout_minutes: float, setting: str, wha
             if time.monotonic() - t0 >= 60 * timeout_minutes:  # the others have given up
                 raise TimeoutError(late) from error
         try:
-            dist.broadcast_object_list(outcome, src=0, group=group)
+            dist.broadcast_object_list(outcome, src=src, group=group)
         except RuntimeError as e:  # gloo's timeout, or a peer that died
             if time.monotonic() - t0 >= 60 * timeout_minutes:
                 raise TimeoutError(f"rank {rank}: {late}") from e
-            raise RuntimeError(f"rank {rank}: waiting for rank 0 ({what}) failed: {e}") from e
+            raise RuntimeError(f"rank {rank}: waiting for rank {src} ({what}) failed: {e}") from e
         if error is not None:
             raise error
         if outcome[0] is not None:
-            raise RuntimeError(f"{what} failed on rank 0: {outcome[0]}")
+            raise RuntimeError(f"{what} failed on rank {src}: {outcome[0]}")
         return result
     finally:
         dist.destroy_process_group(group)

@@ -17,8 +17,11 @@ there is one), under their own key prefixes, as process-group objects used direc
 registered with ``torch.distributed`` (a registered group is made by a collective over the
 caller's default group, which the other role does not share):
 
-* ``weights``: training rank 0 and every rollout rank; the weight broadcast (nccl on CUDA,
-  gloo on CPU) and the trainer's requests (gloo);
+* ``weights``: training rank 0 and every rollout rank; the trainer's requests (gloo), and at
+  PP 1 the weight broadcast (``weights_device``: nccl on CUDA, gloo on CPU);
+* ``senders[s]``: pipeline stage ``s``'s first training rank and every rollout rank (stage 0's:
+  the ``weights`` group): each stage sends its own share of the weights
+  (``rollout/stage_send.py``; ``senders_device[s]`` the bytes);
 * ``results``: rollout rank 0 and training rank 0; finished batches (gloo);
 * ``everyone``: all ranks (gloo), for the start and end of the run.
 
@@ -41,7 +44,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -50,6 +53,9 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 TRAIN, ROLLOUT = "train", "rollout"
+# the tests' check of NCCL's rules (``testing/nccl_rules.py``) on a group that is NCCL on a GPU:
+# called with (what, tensors) before each of its collectives; None in runs
+DEVICE_GROUP_CHECK = None
 
 CROSS_TIMEOUT = timedelta(days=7)  # the cross-role gloo groups' own: liveness is the heartbeat's
 HEARTBEAT_S = 5.0  # how often each process beats
@@ -118,6 +124,7 @@ class CrossGroup:
     rank: int
     members: tuple[int, ...]
     heartbeat: Heartbeat | None = None  # None: wait as the group's timeout allows (nccl)
+    nccl: bool = False  # NCCL where CUDA is (the ``weights_device`` group; on CPU gloo's twin of ``weights``)
 
     @property
     def size(self) -> int:
@@ -142,6 +149,8 @@ class CrossGroup:
     def broadcast(self, tensor: torch.Tensor, root: int, *, wait: bool = True):
         """``tensor`` from member ``root`` (its rank in this group) to every member; returns the
         work when ``wait`` is false (keep ``tensor`` alive until it completes)."""
+        if self.nccl and DEVICE_GROUP_CHECK is not None:
+            DEVICE_GROUP_CHECK("CrossGroup.broadcast (weights_device)", [tensor])
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = root, 0
         work = self.pg.broadcast([tensor], opts)
@@ -174,6 +183,12 @@ class Roles:
     rollout_ranks: int
     weights: CrossGroup | None = None   # training rank 0 + the rollout ranks (gloo)
     weights_device: CrossGroup | None = None  # the same ranks on nccl (CUDA), else ``weights``
+    # per pipeline stage: its first training rank (member 0, the sender) + the rollout ranks, for
+    # its share of the weights: headers (gloo) and bytes (nccl on CUDA); stage 0's are
+    # ``weights`` / ``weights_device``; None where this process is not a member
+    senders: tuple = ()
+    senders_device: tuple = ()
+    stage_senders: tuple[int, ...] = (0,)  # global ranks: pipeline stage s's first training rank
     results: CrossGroup | None = None   # rollout rank 0 + training rank 0 (gloo)
     everyone: CrossGroup | None = None  # all ranks (gloo)
     store: object = field(default=None, repr=False)
@@ -210,8 +225,8 @@ class Roles:
         if self.heartbeat is not None and self.heartbeat.lost:
             log.warning("separate placement: leaving the groups across the roles to the process's exit "
                         "(%s)", self.heartbeat.lost)
-            for name in ("weights", "weights_device", "results", "everyone"):
-                group = getattr(self, name)
+            groups = [getattr(self, n) for n in ("weights", "weights_device", "results", "everyone")]
+            for group in [*groups, *self.senders, *self.senders_device]:
                 if group is not None:
                     _abandon(group.pg)
         for name in ("weights", "weights_device", "results", "everyone"):
@@ -219,6 +234,7 @@ class Roles:
         if self.heartbeat is not None:
             self.heartbeat.close()
             self.heartbeat = None
+        self.senders = self.senders_device = ()
         self.store = None
 
 
@@ -246,12 +262,23 @@ def _env_int(name: str, default: int) -> int:
     return int(value) if value else default
 
 
-def split_world(rollout_ranks: int, *, timeout_minutes: float = 30, heartbeat_s: float = HEARTBEAT_S,
-                stale_s: float = STALE_S) -> Roles:
+def stage_senders(train_size: int, pp: int) -> tuple[int, ...]:
+    """Each pipeline stage's first training rank (TP, DP, EP rank 0 of the stage) in megatron's
+    rank order (``tp-cp-ep-dp-pp``: the pipeline dimension outermost, stage ``s`` holds training
+    ranks ``[s * n, (s + 1) * n)``, ``n = train_size / pp``)."""
+    if pp < 1 or train_size % pp:
+        raise ValueError(f"parallel.pp={pp} does not divide the {train_size} training ranks")
+    return tuple(s * (train_size // pp) for s in range(pp))
+
+
+def split_world(rollout_ranks: int, *, timeout_minutes: float = 30, pipeline_stages: int = 1,
+                heartbeat_s: float = HEARTBEAT_S, stale_s: float = STALE_S) -> Roles:
     """Collective over torchrun's whole world: this process joins its role's default process
     group and the groups spanning the roles (module docstring). Idempotent per process.
-    ``timeout_minutes``: the roles' own groups and the NCCL ``weights`` group; waits across the
-    roles end on a lost member (``heartbeat_s``, ``stale_s``: :class:`Heartbeat`) instead."""
+    ``pipeline_stages``: the training ranks' ``parallel.pp`` (each stage's first rank sends its
+    share of the weights). ``timeout_minutes``: the roles' own groups and the NCCL ``weights``
+    groups; waits across the roles end on a lost member (``heartbeat_s``, ``stale_s``:
+    :class:`Heartbeat`) instead."""
     global _ROLES
     if _ROLES is not None:
         return _ROLES
@@ -284,7 +311,16 @@ def split_world(rollout_ranks: int, *, timeout_minutes: float = 30, heartbeat_s:
 
     roles.everyone = group("everyone", list(range(size)))
     roles.weights = group("weights", [0, *range(train_size, size)])
-    roles.weights_device = group("weights_nccl", [0, *range(train_size, size)], "nccl") if cuda else roles.weights
+    roles.weights_device = group("weights_nccl", [0, *range(train_size, size)], "nccl") if cuda \
+        else None if roles.weights is None else replace(roles.weights, nccl=True)  # gloo's, checked as NCCL
+    roles.stage_senders = stage_senders(train_size, pipeline_stages)
+    senders, senders_device = [roles.weights], [roles.weights_device]
+    for s, first in enumerate(roles.stage_senders[1:], 1):
+        members = [first, *range(train_size, size)]
+        senders.append(group(f"stage{s}", members))
+        senders_device.append(group(f"stage{s}_nccl", members, "nccl") if cuda
+                              else None if senders[-1] is None else replace(senders[-1], nccl=True))
+    roles.senders, roles.senders_device = tuple(senders), tuple(senders_device)
     roles.results = group("results", [train_size, 0])
     roles.everyone.barrier()  # every group exists on every member before anyone uses one
     _ROLES = roles
@@ -303,7 +339,8 @@ def cross_group(store, name: str, members: list[int], rank: int, *, backend: str
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return CrossGroup(dist.ProcessGroupNCCL(prefixed, index, len(members), options), index, tuple(members))
+        return CrossGroup(dist.ProcessGroupNCCL(prefixed, index, len(members), options), index, tuple(members),
+                          nccl=True)
     pg = dist.ProcessGroupGloo(prefixed, index, len(members), CROSS_TIMEOUT)
     return CrossGroup(pg, index, tuple(members), heartbeat)
 

@@ -420,18 +420,29 @@ def _tp_share(tokens: tuple, tp_rank: int, tp_size: int, sequence_parallel: bool
     return tuple(t[tp_rank * n:(tp_rank + 1) * n] for t in tokens)
 
 
+def as_wire_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) as bytes: NCCL has no ``int16`` (a ``Short`` collective raises), so
+    ids wider than a byte travel as their bytes (a ``uint8`` view, the last dimension
+    ``element_size`` times longer) and :func:`from_wire_bytes` restores them."""
+    return t if t.dtype == torch.uint8 else t.contiguous().view(torch.uint8)
+
+
+def from_wire_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return b if dtype == torch.uint8 else b.view(dtype)
+
+
 def _all_gather_chunked(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
     """Every rank's ``t`` (the same shape on each) on the CPU, in rank order, all-gathered along
-    dim 0 in chunks of at most :data:`WIRE_CHUNK_BYTES` per rank."""
+    dim 0 in chunks of at most :data:`WIRE_CHUNK_BYTES` per rank, as bytes (:func:`as_wire_bytes`)."""
     per_row = max(t[0].nbytes if t.shape[0] else 1, 1)
     step = max(WIRE_CHUNK_BYTES // per_row, 1)
     out = [torch.empty(t.shape, dtype=t.dtype) for _ in range(size)]
     for a in range(0, t.shape[0], step):
-        chunk = t[a:a + step].contiguous()
+        chunk = as_wire_bytes(t[a:a + step].contiguous())
         parts = [torch.empty_like(chunk) for _ in range(size)]
         dist.all_gather(parts, chunk, group=group)
         for o, p in zip(out, parts):
-            o[a:a + step] = p.cpu()
+            o[a:a + step] = from_wire_bytes(p.cpu(), t.dtype)
     return out
 
 
@@ -558,12 +569,14 @@ def _fetch_routing(samples: list, rows: list[int], layers: list[int], wire: torc
                 send[q].append(torch.as_tensor(r.array[:tokens(i), q_layers]).to(wire).flatten())
             if src is not None and q == me:
                 recv[src] += tokens(i) * len(q_layers) * r.shape[2]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    out = torch.empty(sum(recv), dtype=wire, device=device)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+    width = torch.empty((), dtype=wire).element_size()  # bytes per value on the wire (as_wire_bytes)
+    out = torch.empty(sum(recv) * width, dtype=torch.uint8, device=device)
     inp = torch.cat([t for ts in send for t in ts]) if any(send) else torch.empty(0, dtype=wire)
-    sizes = [sum(t.numel() for t in ts) for ts in send]
-    dist.all_to_all_single(out, inp if device is None else inp.to(device), recv, sizes, group=group)
-    got = list(out.cpu().split(recv))
+    sizes = [sum(t.numel() for t in ts) * width for ts in send]
+    dist.all_to_all_single(out, as_wire_bytes(inp).to(device), [n * width for n in recv], sizes, group=group)
+    got = list(from_wire_bytes(out.cpu(), wire).split(recv))
     offsets = [0] * len(ranks)
     per_row = []
     for i in rows:

@@ -59,6 +59,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import replace
@@ -93,7 +94,7 @@ LATEST_FILE = "latest"
 _CRC_CHUNK = 16 << 20
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _OLD_DIR = re.compile(r"^\.(step_\d{8})\.old$")  # a step being re-saved (see _commit)
-_LEFTOVER = re.compile(r"^\.step_\d{8}\.(tmp|deleting)$")  # an interrupted save or prune
+_LEFTOVER = re.compile(r"^\.step_\d{8}\.(tmp|deleting(-\d+)?)$")  # an interrupted save or prune
 
 
 class CheckpointWriteError(OSError):
@@ -417,8 +418,8 @@ def _phase(root: Path, step: int, what: str, fn: Callable[[], object]) -> list:
     failed = [line for _, lines in reports if lines for line in lines]
     if not failed:
         return [r for r, _ in reports]
-    if rank() == 0:
-        shutil.rmtree(_tmp_dir(root, step), ignore_errors=True)
+    if rank() == 0 and _tmp_dir(root, step).exists():
+        _delete_later(_tmp_dir(root, step))
     barrier()
     raise _write_error(root, step, failed) from error
 
@@ -427,20 +428,66 @@ def _tmp_dir(root: Path, step: int) -> Path:
     return root / f".{step_dir(root, step).name}.tmp"
 
 
+# rank 0's deletions in progress (path -> thread): deleting a checkpoint of a large model takes
+# minutes on a network file system, and the other ranks must not wait for it in a collective of
+# the default group (whose timeout, parallel.timeout_minutes, is sized for collectives)
+_deleting: dict[str, threading.Thread] = {}
+
+
+def _delete_later(path: Path) -> None:
+    """Rank 0: renames ``path`` (a step directory, or a ``.tmp`` / ``.old`` one) to a
+    ``.step_N.deleting`` name, which no listing takes for a checkpoint and no save writes to, and
+    deletes it in a background thread. A deletion cut short (the process ended) leaves it for
+    the next save's :func:`_clean_leftovers`."""
+    running = _deleting.get(str(path))
+    if running is not None and running.is_alive():
+        return
+    if not path.name.endswith(".deleting") and ".deleting-" not in path.name:
+        step = re.search(r"step_\d{8}", path.name)
+        base = path.parent / f".{step.group(0) if step else path.name}.deleting"
+        target, n = base, 0
+        while target.exists():
+            n += 1
+            target = base.with_name(f"{base.name}-{n}")
+        try:
+            os.replace(path, target)
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True)  # cannot rename it away: delete it now
+            return
+        path = target
+    thread = threading.Thread(target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True},
+                              name=f"oar-delete-{path.name}", daemon=True)
+    _deleting[str(path)] = thread
+    thread.start()
+
+
+def wait_for_deletions(timeout_s: float | None = None) -> bool:
+    """Waits for rank 0's background deletions (:func:`_delete_later`); True when none is left."""
+    for key, thread in list(_deleting.items()):
+        thread.join(timeout_s)
+        if not thread.is_alive():
+            _deleting.pop(key, None)
+    return not _deleting
+
+
 def _clean_leftovers(root: Path) -> None:
     """Rank 0, before a save: removes the ``.tmp`` / ``.deleting`` directories of interrupted saves
-    and prunes, and settles a ``.old`` one (put back in place if its step directory is not
-    complete, deleted otherwise)."""
+    and prunes (in the background, :func:`_delete_later`), and settles a ``.old`` one (put back in
+    place if its step directory is not complete, deleted otherwise)."""
     for p in sorted(root.iterdir()):
+        running = _deleting.get(str(p))
+        if running is not None and running.is_alive():
+            continue  # being deleted
         old = _OLD_DIR.match(p.name)
         if old and (p / STATE_FILE).is_file() and not (root / old.group(1) / STATE_FILE).is_file():
             log.warning("restoring %s from %s, left by a save interrupted while replacing it",
                         old.group(1), p.name)
-            shutil.rmtree(root / old.group(1), ignore_errors=True)
+            if (root / old.group(1)).exists():
+                _delete_later(root / old.group(1))
             os.replace(p, root / old.group(1))
         elif old or _LEFTOVER.match(p.name):
             log.info("removing %s, left by an interrupted save", p)
-            shutil.rmtree(p, ignore_errors=True)
+            _delete_later(p)
 
 
 def _prepare(root: Path, tmp: Path) -> None:
@@ -489,21 +536,21 @@ def _commit(tmp: Path, final: Path, state: dict) -> None:
         if old.exists() and not final.exists():
             os.replace(old, final)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    if old.exists():
+        _delete_later(old)
 
 
 def _publish(root: Path, final: Path, step: int, keep_last: int) -> None:
     """Rank 0, after the commit: points ``latest`` at ``final`` and prunes to ``keep_last``
-    checkpoints up to ``step`` (each renamed away before it is deleted). Never raises: the new
-    checkpoint is saved whatever happens here, and resume finds checkpoints by listing."""
+    checkpoints up to ``step`` (each renamed away, then deleted in the background: the other ranks
+    wait at a barrier meanwhile). Never raises: the new checkpoint is saved whatever happens
+    here, and resume finds checkpoints by listing."""
     found = complete_checkpoints(root)
     older = [(s, p) for s, p in found if s < step]
     try:
         atomic_write_text(root / LATEST_FILE, final.name + "\n")
         for s, path in older[:max(len(older) - keep_last + 1, 0)] if keep_last > 0 else []:
-            gone = root / f".{step_dir(root, s).name}.deleting"
-            os.replace(path, gone)
-            shutil.rmtree(gone, ignore_errors=True)
+            _delete_later(path)
     except OSError as e:
         log.warning("%s is saved, but updating %s or pruning older checkpoints failed: %s", final, LATEST_FILE, e)
     newer = [p.name for s, p in found if s > step]

@@ -448,7 +448,10 @@ class Trainer:
 
     def close(self) -> None:
         """Collective: closes the logger and verifier pool, and the vLLM engine if this trainer
-        made it (a shared engine stays up for its owner)."""
+        made it (a shared engine stays up for its owner). Rank 0 waits for its pruned
+        checkpoints' deletion (done in the background while the run went on)."""
+        if self.rank == 0:
+            ckpt.wait_for_deletions()
         self.watchdog.close()
         self.logger.close()
         self.scorer.close()

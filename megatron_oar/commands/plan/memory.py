@@ -105,16 +105,19 @@ def trainer_phases(cfg) -> list[Phase]:
 
 
 def phase_bytes(cfg, hw: Hardware, *, resident: float, act: dict[str, float],
-                vllm: dict[str, float], moe_layer_reload: float = 0.0) -> dict[str, float]:
+                vllm: dict[str, float], moe_layer_reload: float = 0.0,
+                bucket: float | None = None) -> dict[str, float]:
     """Bytes per GPU in every phase of the trainer's loop (:func:`trainer_phases`): Megatron's
     ``resident`` state, the phase's Megatron working set (a weight-sync bucket and, for a MoE
     model, the ``moe_layer_reload`` bytes of one MoE layer that vLLM's reload holds, or the pass's
     activations ``act``), what vLLM holds on the GPU then (:func:`_vllm_memory`'s ``vllm``), and
-    the reserve."""
+    the reserve. ``bucket``: the sync's largest bucket (default ``rollout.bucket_bytes``; a
+    tensor past it, such as a 72B model's embedding, makes a bucket of its own)."""
     vllm_mem = {NOTHING: vllm["asleep"], WEIGHTS: min(vllm["share"], vllm["asleep"] + vllm["weights"]),
                 WEIGHTS_KV_CACHE: vllm["share"]}
     # a gathered bucket + its TP shards in flight, and the MoE layer vLLM's reload holds
-    work = {None: 0.0, "sync": 2.0 * cfg.rollout.bucket_bytes + moe_layer_reload,
+    bucket = cfg.rollout.bucket_bytes if bucket is None else bucket
+    work = {None: 0.0, "sync": 2.0 * bucket + moe_layer_reload,
             "forward": act["old-logprob"], "attribution": act["attribution"], "update": act["update"]}
     return {p.name: resident + work[p.megatron] + vllm_mem[p.vllm_holds] + hw.reserve_gib * GIB
             for p in trainer_phases(cfg)}

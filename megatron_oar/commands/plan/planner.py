@@ -30,6 +30,7 @@ from megatron_oar.commands.plan.params import active_params, stage_param_split, 
 from megatron_oar.commands.plan.step_time import estimate_time
 from megatron_oar.models import QwenArch, parse_arch
 from megatron_oar.models.families import family_of
+from megatron_oar.rollout.stage_send import largest_unit_bytes, separate_sync_traffic
 from megatron_oar.rollout.weight_sync import expert_target, moe_layer_reload_bytes, sync_traffic
 from megatron_oar.training.phases import NOTHING
 
@@ -103,8 +104,10 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     mem.update({f"activations: {k}": v for k, v in act.items()})
     v = _vllm_memory(cfg, a, hw, world=r.ranks if r.separate else world, samples=samples)
     sync = _sync_traffic(cfg, a, world)
+    # the separate placement: vLLM's reload holds the MoE layer on a rollout GPU, not here
     phases = phase_bytes(cfg, hw, resident=resident, act=act, vllm=v,
-                         moe_layer_reload=sync["moe_layer_reload_gib"] * GIB)
+                         moe_layer_reload=0.0 if r.separate else sync["moe_layer_reload_gib"] * GIB,
+                         bucket=sync["bucket_gib"] * GIB)
     plan = Plan(
         model=f"{family_of(a).name}, {a.num_layers} layers, hidden {a.hidden_size}",
         source=source, params_b=total_params(a) / 1e9, active_params_b=active_params(a) / 1e9,
@@ -128,8 +131,9 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
         sync=sync,
         moe=_moe_summary(cfg, a, experts) if a.is_moe else {},
         hardware=asdict(hw))
-    if r.separate:  # a rollout GPU: the engine's share, a received bucket, the reserve
-        plan.rollout_gpu_gib = (v["share"] + cfg.rollout.bucket_bytes) / GIB + hw.reserve_gib
+    if r.separate:  # a rollout GPU: the engine's share, a received bucket (the largest tensor's
+        # when past rollout.bucket_mb), one MoE layer as vLLM's reload holds it, the reserve
+        plan.rollout_gpu_gib = v["share"] / GIB + sync["bucket_gib"] + sync["moe_layer_reload_gib"] + hw.reserve_gib
     _verdict(plan, cfg, hw, v)
     if not plan.fits:
         plan.advice = _advice(plan, cfg, mem, act["update"], act["attribution"])
@@ -240,9 +244,29 @@ def _moe_summary(cfg, a: QwenArch, experts: dict) -> dict:
 def _sync_traffic(cfg, a: QwenArch, world: int) -> dict:
     """GiB one rank receives per weight sync (the worst pipeline stage), on the path the config
     takes and on the full-tensor path; ``expert_tp``: the vLLM TP slices the experts travel in
-    (1: whole); ``moe_layer_reload_gib``: one MoE layer's experts as vLLM's reload holds them."""
+    (1: whole); ``moe_layer_reload_gib``: one MoE layer's experts as vLLM's reload holds them;
+    ``bucket_gib``: the largest bucket (``rollout.bucket_mb``, or the largest tensor past it).
+
+    The separate placement (``rollout.placement=separate``) has a path of its own
+    (``rollout/stage_send.py``): each stage's first rank gathers its stage's TP shards (and
+    experts) and sends them whole (``tp_gather``, ``ep_gather``: that rank's; no PP broadcast,
+    no other training rank receives anything); each rollout rank receives the whole model
+    (``rollout_rank_gib``); the experts travel whole, so vLLM's reload holds whole ones."""
     par, r = cfg.parallel, cfg.rollout
     wbytes = 4 if cfg.model.dtype == "fp32" else 2
+    bucket = max(r.bucket_bytes, largest_unit_bytes(a, wbytes, cfg.model.vocab_multiple, ep=par.ep)) / GIB
+    if r.separate:
+        t = separate_sync_traffic(a, tp=par.tp, pp=par.pp, dtype_bytes=wbytes,
+                                  vocab_multiple=cfg.model.vocab_multiple, ep=par.ep, etp=par.etp)
+        stages = sync_traffic(a, tp=par.tp, pp=par.pp, dtype_bytes=wbytes, shards=False,
+                              vocab_multiple=cfg.model.vocab_multiple, ep=par.ep, etp=par.etp)
+        worst = max(stages, key=lambda x: x["tp_gather"] + x["ep_gather"])
+        out = {"placement": "separate", "shards": False, "expert_tp": 1, "tp_gather": worst["tp_gather"] / GIB,
+               "pp_broadcast": 0.0, "total": t["sender_gather"] / GIB, "rollout_rank_gib": t["rollout_rank"] / GIB,
+               "bucket_gib": bucket, "moe_layer_reload_gib": moe_layer_reload_bytes(a, wbytes, 1) / GIB}
+        if a.is_moe:
+            out["ep_gather"] = worst["ep_gather"] / GIB
+        return out
 
     def worst(shards: bool, expert_tp: int) -> dict:
         stages = sync_traffic(a, tp=par.tp, pp=par.pp, dtype_bytes=wbytes, shards=shards,
@@ -258,7 +282,7 @@ def _sync_traffic(cfg, a: QwenArch, world: int) -> dict:
                                      moe_intermediate_size=a.moe_intermediate_size, enabled=r.sync_shards)
     expert_tp = cut.tp if cut else 1
     return {"shards": shards, "expert_tp": expert_tp, **worst(shards, expert_tp),
-            "full_tensors_gib": worst(False, 1)["total"],
+            "full_tensors_gib": worst(False, 1)["total"], "bucket_gib": bucket,
             "moe_layer_reload_gib": moe_layer_reload_bytes(a, wbytes, expert_tp) / GIB}
 
 
@@ -271,8 +295,11 @@ def _verdict(plan: Plan, cfg, hw: Hardware, v: dict[str, float]) -> None:
         plan.fits = False
         plan.reasons.append(
             f"a rollout GPU needs {plan.rollout_gpu_gib:.1f} GiB > {cap:g} GiB "
-            f"(rollout.gpu_memory_utilization={r.gpu_memory_utilization}, rollout.bucket_mb={r.bucket_mb:g} "
-            f"and the reserve): lower rollout.gpu_memory_utilization")
+            f"(rollout.gpu_memory_utilization={r.gpu_memory_utilization}, a received bucket of "
+            f"{plan.sync['bucket_gib']:.2f} GiB (rollout.bucket_mb={r.bucket_mb:g}, or the largest tensor)"
+            + (f", one MoE layer of {plan.sync['moe_layer_reload_gib']:.2f} GiB as vLLM's reload holds it"
+               if plan.sync.get("moe_layer_reload_gib") else "")
+            + " and the reserve): lower rollout.gpu_memory_utilization")
     if over:
         plan.fits = False
         plan.reasons.append(f"phases {', '.join(over)} need up to {max(over.values()):.1f} GiB "

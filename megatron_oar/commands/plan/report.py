@@ -88,6 +88,15 @@ def budget_lines(plan: Plan) -> list[str]:
 
 def sync_line(sync: dict) -> str:
     """``weight sync: X GiB received per rank per step (of which TP gather ..., PP ...)``."""
+    if sync.get("placement") == "separate":
+        line = (f"weight sync (separate placement): each stage's first rank gathers {sync['total']:.2f} GiB "
+                f"(TP gather {sync['tp_gather']:.2f}"
+                + (f", EP gather {sync['ep_gather']:.2f}" if "ep_gather" in sync else "")
+                + f"), no other training rank receives any; each rollout rank receives "
+                f"{sync['rollout_rank_gib']:.2f} GiB per step, in buckets of up to {sync['bucket_gib']:.2f} GiB")
+        if sync.get("moe_layer_reload_gib"):
+            line += f"; vLLM's reload holds {sync['moe_layer_reload_gib']:.2f} GiB of one MoE layer (experts whole)"
+        return line
     line = (f"weight sync: {sync['total']:.2f} GiB received per rank per step (of which TP gather "
             f"{sync['tp_gather']:.2f}, PP broadcast {sync['pp_broadcast']:.2f})")
     if "ep_gather" in sync:
