@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
 
-.PHONY: install demo lint test test-e2e test-all test-fast test-gpu test-stress lock clean
+.PHONY: install demo lint test test-e2e test-all test-fast test-gpu test-stress test-kernels lock clean
 
 install: $(STAMP)
 
@@ -51,6 +51,12 @@ test-gpu: $(STAMP)
 # the multi-process tests 3 times under two busy-looping CPU hogs (flakes: docs/testing.md)
 test-stress: $(STAMP)
 	bash tests/stress.sh 3
+
+# the numerical equality tests under other CPU kernels: ATen's scalar / AVX2 / AVX-512 dispatch and
+# MKL's reproducible and AVX2 paths, after a table of what each changes (docs/testing.md, "Other
+# CPUs' kernels"; about 6 x 5 minutes on 2 cores, so not in CI)
+test-kernels: $(STAMP)
+	bash tests/kernels.sh
 
 # the lock's header comment (its leading '#' lines) is kept above the new freeze
 lock:
