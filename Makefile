@@ -54,7 +54,8 @@ test-stress: $(STAMP)
 
 # the numerical equality tests under other CPU kernels: ATen's scalar / AVX2 / AVX-512 dispatch and
 # MKL's reproducible and AVX2 paths, after a table of what each changes (docs/testing.md, "Other
-# CPUs' kernels"; about 6 x 5 minutes on 2 cores, so not in CI)
+# CPUs' kernels"; 1.5 min for the table, then 2 to 3 minutes per level on 2 cores: about 15 minutes,
+# so not in CI)
 test-kernels: $(STAMP)
 	bash tests/kernels.sh
 
