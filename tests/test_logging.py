@@ -137,7 +137,7 @@ def test_console_is_one_line_per_step(tmp_path, capsys, clock):
     out = lines[0]
     assert out.startswith("step 1/10") and "reward 0.500" in out and "acc 25.0%" in out and "ETA" in out
     assert "unlisted" not in out and "ess" not in out
-    assert "time 4.0s (generate 2.0s, logprob 0.5s, attribution 0.9s, update 0.6s)" in out
+    assert "time 4.0s (generate 2.0s, logprob 0.50s, attribution 0.90s, update 0.60s)" in out
     assert "sync" not in out and "wake" not in out  # under 5% of the step
     # every phase's seconds are in the metrics file
     rec = jsonl(tmp_path)[0]

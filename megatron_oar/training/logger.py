@@ -367,7 +367,7 @@ class MetricsLogger:
         fields = [(label, fmt.format(record[key])) for key, label, fmt in CONSOLE_METRICS
                   if key in record]
         total = record.get("time/step", 0.0)
-        shown = [f"{name} {seconds:.1f}s" for name, seconds in split
+        shown = [f"{name} {seconds:.2f}s" if seconds < 1 else f"{name} {seconds:.1f}s" for name, seconds in split
                  if total > 0 and seconds >= SPLIT_MIN_SHARE * total]
         if shown:
             fields = [(label, f"{value} ({', '.join(shown)})" if label == "time" else value)
