@@ -80,6 +80,8 @@ def _train(args: argparse.Namespace) -> int:
             return 2
         for key, value in elastic_env(cfg.launch).items():
             os.environ.setdefault(key, value)
+        # what torchrun gives each worker when it is unset, without its 4-line banner saying so
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
         # torchrun, but a rank's config error (exit 2) is not restarted (commands/torchrun.py)
         cmd = [sys.executable, "-m", "megatron_oar.commands.torchrun", "--standalone",
                f"--nproc-per-node={args.nproc_per_node}", f"--max-restarts={cfg.launch.max_restarts}",

@@ -21,6 +21,7 @@ torchrun has no switch for this: its agent (``SimpleElasticAgent._invoke_run`` i
 
 from __future__ import annotations
 
+import logging
 import sys
 
 EXIT_CONFIG = 2  # megatron_oar.commands.train's exit status for a ConfigError
@@ -31,11 +32,24 @@ def config_error_ranks(failures: dict) -> list[int]:
     return sorted(rank for rank, f in failures.items() if f.exitcode == EXIT_CONFIG)
 
 
+class _ConfigErrorExit(logging.Filter):
+    """Drops torchrun's "failed (exitcode: 2) local_rank: ..." record: the rank printed its config
+    error and the launcher says it stopped on it; every other exit status is still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg.startswith("failed (exitcode: %s)") and record.args
+                    and record.args[0] == EXIT_CONFIG)
+
+
 def no_restart_on_config_error() -> None:
     """Makes torchrun's local agent give up, rather than restart the group, when a rank exited
     with :data:`EXIT_CONFIG`; idempotent."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    failures = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, _ConfigErrorExit) for f in failures.filters):
+        failures.addFilter(_ConfigErrorExit())
 
     monitor = LocalElasticAgent._monitor_workers
     if getattr(monitor, "_oar_config_errors", False):
