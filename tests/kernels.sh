@@ -7,6 +7,7 @@
 #
 #   bash tests/kernels.sh [pytest args...]     e.g. bash tests/kernels.sh tests/test_padding.py
 #   KERNEL_LEVELS="ATEN_CPU_CAPABILITY=default" bash tests/kernels.sh      one level
+#   KERNEL_TABLE=0 bash tests/kernels.sh ...                                without the table
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -20,8 +21,10 @@ targets=("$@")
 # Intel AVX-512 CPU its own dispatch; on an AMD CPU MKL takes its generic path anyway). Each
 # entry is one run: space-separated VAR=value pairs joined by '+'.
 levels="${KERNEL_LEVELS:-ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=avx512 MKL_CBWR=COMPATIBLE MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=default+MKL_CBWR=COMPATIBLE}"
-echo "=== what each level changes (tests/kernel_levels.py)"
-.venv/bin/python -m tests.kernel_levels
+if [[ "${KERNEL_TABLE:-1}" != 0 ]]; then
+    echo "=== what each level changes (tests/kernel_levels.py)"
+    .venv/bin/python -m tests.kernel_levels
+fi
 for level in $levels; do
     echo "=== ${level//+/ }: ${targets[*]}"
     start=$(date +%s)
