@@ -1,6 +1,7 @@
 """``torchrun --nproc-per-node N -m megatron_oar.commands.train --config X.yaml [key=value ...]``
 
-Exit status: 0 when ``train.steps`` are done; 2 for a config error; ``EXIT_PREEMPTED`` (75) when
+Exit status: 0 when ``train.steps`` are done; 2 for a config error (which ``oar train``'s torchrun,
+``commands/torchrun.py``, never restarts); ``EXIT_PREEMPTED`` (75) when
 SIGTERM / SIGUSR1 stopped it after a checkpoint (run it again to continue); ``EXIT_HANG`` (124)
 when a phase ran past ``train.phase_timeout_s``; 1 for any other error.
 
