@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
 
-.PHONY: install demo lint test test-e2e test-all test-fast test-gpu test-stress lock clean
+.PHONY: install demo lint test test-e2e test-all test-fast test-gpu test-stress test-kernels test-kernels-quick lock clean
 
 install: $(STAMP)
 
@@ -32,7 +32,8 @@ lint: $(STAMP)
 # The suite in two tiers (docs/testing.md, "Time budget"): `make test`, everything but the
 # end-to-end command runs (at most 15 minutes on 2 cores), and `make test-e2e`, those runs
 # (marker e2e: oar train under torchrun with faults, oar demo, oar repro, oar bench, oar eval,
-# oar analyze oracle, the installed sdist). CI (.ci/run) runs both: `make test-all`.
+# oar analyze oracle, the installed sdist). CI (.ci/run) runs both, then the numerical tests under
+# other CPU kernels (test-kernels-quick, below): `make test-all`.
 # The slowest tests at the end; tests/file_times.py turns a --junitxml report into per-file times.
 test: lint
 	$(PYTEST) -m "not e2e" --durations=30 tests
@@ -40,7 +41,7 @@ test: lint
 test-e2e: $(STAMP)
 	$(PYTEST) -m e2e --durations=15 tests
 
-test-all: test test-e2e
+test-all: test test-e2e test-kernels-quick
 
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow" tests
@@ -51,6 +52,20 @@ test-gpu: $(STAMP)
 # the multi-process tests 3 times under two busy-looping CPU hogs (flakes: docs/testing.md)
 test-stress: $(STAMP)
 	bash tests/stress.sh 3
+
+# the numerical equality tests under other CPU kernels: ATen's scalar / AVX2 / AVX-512 dispatch and
+# MKL's reproducible and AVX2 paths, after a table of what each changes (docs/testing.md, "Other
+# CPUs' kernels"; 1.5 min for the table, then 2 to 3 minutes per level on 2 cores: about 15 minutes,
+# so not in CI)
+test-kernels: $(STAMP)
+	bash tests/kernels.sh
+
+# CI's share of it (make test-all): the level that moves the numbers most on x86 (ATen's scalar
+# kernels with MKL's reproducible path) on the tolerance check, test_padding and test_loss_layouts
+# (95 s on 2 cores)
+test-kernels-quick: $(STAMP)
+	KERNEL_TABLE=0 KERNEL_LEVELS="ATEN_CPU_CAPABILITY=default+MKL_CBWR=COMPATIBLE" bash tests/kernels.sh \
+		-m "not e2e" tests/test_tolerances.py tests/test_padding.py tests/test_loss_layouts.py
 
 # the lock's header comment (its leading '#' lines) is kept above the new freeze
 lock:

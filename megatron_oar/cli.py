@@ -62,7 +62,9 @@ def _demo(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     """Runs megatron_oar.commands.train in this process (inside torchrun, or one process), or becomes
     torchrun with ``--nproc-per-node`` processes and the config's restart budget
-    (``launch.max_restarts``; each restart resumes from the newest checkpoint)."""
+    (``launch.max_restarts``; each restart resumes from the newest checkpoint). The config is
+    validated for that world first: a config error is one line and exit status 2, before torchrun
+    starts; a rank's own config error is not restarted (``commands/torchrun.py``)."""
     import os
 
     from megatron_oar.commands import train
@@ -73,14 +75,18 @@ def _train(args: argparse.Namespace) -> int:
         from megatron_oar.commands.launch import elastic_env
         from megatron_oar.config import ConfigError
 
-        try:  # a config error stops here, not once per restart
+        try:  # a config error stops here, before torchrun starts, validated for its world
             cfg = train.config_from_args(train.parse_args(argv))
+            train.validate_for_world(cfg, world=args.nproc_per_node, quiet=True)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             return 2
         for key, value in elastic_env(cfg.launch).items():
             os.environ.setdefault(key, value)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        # what torchrun gives each worker when it is unset, without its 4-line banner saying so
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        # torchrun, but a rank's config error (exit 2) is not restarted (commands/torchrun.py)
+        cmd = [sys.executable, "-m", "megatron_oar.commands.torchrun", "--standalone",
                f"--nproc-per-node={args.nproc_per_node}", f"--max-restarts={cfg.launch.max_restarts}",
                "-m", "megatron_oar.commands.train", *argv]
         sys.stdout.flush()

@@ -205,8 +205,8 @@ class LogConfig:
     wandb: bool = False
     wandb_project: str = "megatron-oar"
     wandb_name: str | None = None   # null: the run_dir's name
-    console: bool = True            # progress line per step (rank 0)
-    phase_lines: bool = True        # and one console line per phase of the step (rank 0)
+    console: bool = True            # one line per step, with its phase split (rank 0)
+    phase_lines: bool = False       # and one line per phase as it ends (always at level=debug)
     level: str = "info"             # info | debug (debug: our DEBUG lines and vLLM's INFO ones)
 
     def __post_init__(self):

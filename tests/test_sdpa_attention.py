@@ -2,10 +2,10 @@
 
 The module against megatron's unfused ``DotProductAttention`` built from the same config, in a
 gloo world of one (TP1; the passes at TP2 and PP2, padded and packed, are tests/test_packing.py's):
-outputs and input gradients agree to fp32 rounding for causal GQA self-attention, an explicit
-mask, a single query, and packed THD rows against each row alone; the builder wires
-``model.attention`` into the layer spec and the kernel line; bad settings are refused naming the
-key. Cost: about 3 s (one process, no ranks).
+outputs and input gradients, both in float64, agree to float64 rounding (tests/tolerances.py)
+for causal GQA self-attention, an explicit mask, a single query, and packed THD rows against
+each row alone; the builder wires ``model.attention`` into the layer spec and the kernel line;
+bad settings are refused naming the key. Cost: about 3 s (one process, no ranks).
 """
 
 from __future__ import annotations
@@ -14,12 +14,16 @@ import pytest
 import torch
 
 from tests.distributed import launch
+from tests.tolerances import reduction_tol
 
 HEADS, GROUPS, DIM = 4, 2, 16
-TOL = 1e-5
+DTYPE = torch.float64  # both modules compute in float64: a tolerance of float64 rounding, not fp32's
+LONGEST = 13  # the longest sequence below
+# scores (DIM), the softmax's sum and probabilities x values (the sequence); backwards the same
+TOL = reduction_tol(DIM, LONGEST, LONGEST, DIM, LONGEST, LONGEST, dtype=DTYPE)
 
 
-def _config(dtype=torch.float32):
+def _config(dtype=DTYPE):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
@@ -41,9 +45,9 @@ def _pair():
 
 def _qkv(s: int, b: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(s, b, HEADS, DIM, generator=g, requires_grad=True)
-    k = torch.randn(s, b, GROUPS, DIM, generator=g, requires_grad=True)
-    v = torch.randn(s, b, GROUPS, DIM, generator=g, requires_grad=True)
+    q = torch.randn(s, b, HEADS, DIM, generator=g, dtype=DTYPE, requires_grad=True)
+    k = torch.randn(s, b, GROUPS, DIM, generator=g, dtype=DTYPE, requires_grad=True)
+    v = torch.randn(s, b, GROUPS, DIM, generator=g, dtype=DTYPE, requires_grad=True)
     return q, k, v
 
 
@@ -52,7 +56,7 @@ def _run(module, q, k, v, mask=None, **kw):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out = module(*leaves, mask, **kw)
     g = torch.Generator().manual_seed(99)
-    (out * torch.randn(out.shape, generator=g)).sum().backward()
+    (out * torch.randn(out.shape, generator=g, dtype=out.dtype)).sum().backward()
     return out.detach(), [t.grad for t in leaves]
 
 

@@ -1,6 +1,7 @@
 """``torchrun --nproc-per-node N -m megatron_oar.commands.train --config X.yaml [key=value ...]``
 
-Exit status: 0 when ``train.steps`` are done; 2 for a config error; ``EXIT_PREEMPTED`` (75) when
+Exit status: 0 when ``train.steps`` are done; 2 for a config error (which ``oar train``'s torchrun,
+``commands/torchrun.py``, never restarts); ``EXIT_PREEMPTED`` (75) when
 SIGTERM / SIGUSR1 stopped it after a checkpoint (run it again to continue); ``EXIT_HANG`` (124)
 when a phase ran past ``train.phase_timeout_s``; 1 for any other error.
 
@@ -104,14 +105,28 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_PREEMPTED if trainer.preempted else 0
 
 
-def validate_for_world(cfg) -> None:
-    """``validate`` with torchrun's world size and the model's config.json (a ConfigError names
-    the key), before the world is split into roles."""
-    from megatron_oar.config import validate
-    from megatron_oar.models import read_hf_config
+def validate_for_world(cfg, world: int | None = None, quiet: bool = False) -> None:
+    """``validate`` for a world of ``world`` processes (default: torchrun's ``WORLD_SIZE``) with
+    the model's config.json where there is one (a ConfigError names the key), before the world
+    is split into roles. ``oar train --nproc-per-node N`` calls it before it starts torchrun, with
+    ``quiet``: the legal-but-odd combinations ``validate`` logs are left to the ranks."""
+    import logging
 
-    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
-             hf_config=read_hf_config(cfg.model.hf_dir() / "config.json"))
+    from megatron_oar.config import ConfigError, validate
+    from megatron_oar.models import ModelConfigError, read_hf_config
+
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    path = cfg.model.hf_dir() / "config.json"
+    try:  # without config.json here the ranks report it (the trainer reads the model)
+        hf = read_hf_config(path) if path.is_file() or not quiet else None
+    except ModelConfigError as e:
+        raise ConfigError(f"model.path: {e}") from None
+    config_log = logging.getLogger("megatron_oar.config")
+    disabled, config_log.disabled = config_log.disabled, quiet or config_log.disabled
+    try:
+        validate(cfg, world_size=world, hf_config=hf)
+    finally:
+        config_log.disabled = disabled
 
 
 def _serve_rollouts_here(cfg) -> bool:

@@ -241,6 +241,9 @@ class RolloutEngine:
         )
         if not torch.cuda.is_available():
             kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gib * 2**30)
+            from megatron_oar.rollout.vllm_patches import quiet_cpu_numa_notice
+
+            quiet_cpu_numa_notice()  # its NUMA binding's C++ notice: DEBUG, not stderr
         if self.arch.is_moe:  # vLLM 0.32 on CPU does not repack reloaded experts (vllm_patches)
             from megatron_oar.rollout.vllm_patches import patch_cpu_moe_reload
 

@@ -25,8 +25,9 @@ import contextlib
 import json
 import logging
 import math
+import statistics
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,20 @@ CONSOLE_METRICS: list[tuple[str, str, str]] = [
     ("time/step", "time", "{:.1f}s"),
     ("perf/tokens_per_s", "tok/s", "{:,.0f}"),
 ]
+
+# The step line's phase split: the step's top-level phases that took at least this share of it
+# (every phase's seconds are in the metrics file as time/<phase>)
+SPLIT_MIN_SHARE = 0.05
+# A phase is slower than it should be when it took more than SLOW_FACTOR times its median over
+# the run's last SLOW_HISTORY steps (at least SLOW_MIN_HISTORY of them) and more than SLOW_MIN_S
+# seconds: a console line says so, once per phase name and run, at any log.level (phase lines
+# themselves only at log.level=debug or with log.phase_lines). The floor keeps the jitter of
+# phases of milliseconds (a CPU run's sleep, wake, sync) quiet; the median ignores the first
+# step's warm-up once three steps are in.
+SLOW_FACTOR = 3.0
+SLOW_MIN_S = 1.0
+SLOW_HISTORY = 20
+SLOW_MIN_HISTORY = 3
 
 _clock = time.perf_counter  # durations; a module attribute so tests can substitute a fake clock
 
@@ -176,6 +191,9 @@ class MetricsLogger:
         self.last_step = start_step
         self._times: dict[str, float] = defaultdict(float)
         self._phases: list[tuple[str, float]] = []  # open phases (name, start), outermost first
+        self._top: list[str] = []  # this step's top-level phases, in the order they first ended
+        self._history: dict[str, deque[float]] = {}  # a top-level phase's seconds per past step
+        self._slow_shown: set[str] = set()  # phases already reported slow (once each)
         self._t0 = self._t_last = _clock()    # construction, previous log() call
         self._jsonl = self._tb = self._wandb = self._console = self._live = None
         self._closed = False
@@ -221,11 +239,12 @@ class MetricsLogger:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Adds the block's wall seconds to ``time/<name>`` of the step being logged and, with
-        ``log.phase_lines``, prints one console line when the block ends (the loop's phases as a
-        visible sequence). On CUDA it also keeps the phase's peak GPU memory as
-        ``mem/<name>_peak_gib`` (allocated by PyTorch) and ``mem/<name>_used_gib`` (the whole
-        device, vLLM included: ``mem_get_info``)."""
+        """Adds the block's wall seconds to ``time/<name>`` of the step being logged (the step's
+        console line shows the split of its top-level phases). With ``log.level=debug`` or
+        ``log.phase_lines`` it prints one console line when the block ends; at any level, a
+        top-level phase slower than it should be (:func:`slow_phase`) is shown once per run. On
+        CUDA it also keeps the phase's peak GPU memory as ``mem/<name>_peak_gib`` (allocated by
+        PyTorch) and ``mem/<name>_used_gib`` (the whole device, vLLM included: ``mem_get_info``)."""
         t = _clock()
         self._phases.append((name, t))
         if len(self._phases) == 1:
@@ -239,15 +258,41 @@ class MetricsLogger:
         finally:
             seconds = _clock() - t
             self._times[f"time/{name}"] += seconds
-            if len(self._phases) == 1:
+            top = len(self._phases) == 1
+            if top:
                 self._stop_live()
+                if name not in self._top:
+                    self._top.append(name)
             self._phases.pop()
             memory = _cuda_memory(name) if cuda else {}
             for key, gib in memory.items():
                 self._times[key] = max(self._times.get(key, 0.0), gib)
-            if self._console is not None and self.cfg.phase_lines:
+            if self._console is not None and self.phase_lines:
                 self._console.print(self._phase_line(name, seconds, memory), soft_wrap=True,
                                     highlight=False)
+            if top and name not in self._slow_shown:
+                self._report_slow(name)
+
+    @property
+    def phase_lines(self) -> bool:
+        """One console line per phase: ``log.level=debug`` or ``log.phase_lines``."""
+        return self.cfg.phase_lines or self.cfg.level == "debug"
+
+    def _report_slow(self, name: str) -> None:
+        seconds = self._times[f"time/{name}"]  # the step's total for the phase so far
+        typical = slow_phase(seconds, self._history.get(name, ()))
+        if typical is None:
+            return
+        self._slow_shown.add(name)
+        if self._console is not None and not self.phase_lines:  # its phase line said it already
+            from rich.text import Text
+            line = Text()
+            line.append(f"step {self.last_step + 1}/{self.total_steps}", style="dim")
+            line.append(f" {name} took {seconds:.1f}s, {seconds / typical:.1f}x its median of "
+                        f"{typical:.2f}s over the last {len(self._history[name])} steps "
+                        "(shown once; every step's phase times: time/<phase> in metrics.jsonl)",
+                        style="yellow")
+            self._console.print(line, soft_wrap=True, highlight=False)
 
     def seconds(self, *names: str) -> float:
         """Wall seconds spent so far in this step in the phases ``names``."""
@@ -284,16 +329,20 @@ class MetricsLogger:
         record = {"time/step": now - self._t_last, **self._times}
         record.update(metrics)
         record = {k: _to_float(k, v) for k, v in record.items()}
+        split = [(name, self._times[f"time/{name}"]) for name in self._top]
+        for name, seconds in split:
+            self._history.setdefault(name, deque(maxlen=SLOW_HISTORY)).append(seconds)
         self._times.clear()
+        self._top = []
         self._t_last, self.last_step = now, step
         if step == self.start_step:  # a record before the first update (the step-0 evaluation)
             self._t0 = now           # is set-up, not a step: the ETA starts counting here
         due = step % self.cfg.interval == 0 or step >= self.total_steps
         if self.enabled and due and not self._closed:
-            self._write(step, record)
+            self._write(step, record, split)
         return record
 
-    def _write(self, step: int, record: dict[str, float]) -> None:
+    def _write(self, step: int, record: dict[str, float], split: list[tuple[str, float]] = ()) -> None:
         if self._jsonl is not None:
             clean = {k: (v if math.isfinite(v) else None) for k, v in record.items()}
             line = json.dumps({"step": int(step), "wall_time": time.time(), **clean},
@@ -307,15 +356,22 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(record, step=step)
         if self._console is not None:
-            self._console.print(self._summary(step, record), soft_wrap=True, highlight=False)
+            self._console.print(self._summary(step, record, split), soft_wrap=True, highlight=False)
 
-    def _summary(self, step: int, record: dict[str, float]):
-        """The compact per-step console line (CONSOLE_METRICS, then ETA)."""
+    def _summary(self, step: int, record: dict[str, float], split: list[tuple[str, float]] = ()):
+        """The step's one console line: CONSOLE_METRICS, the step time followed by the split of its
+        top-level phases (those of at least SPLIT_MIN_SHARE of it), then the ETA."""
         from rich.text import Text
         line = Text()
         line.append(f"step {step}/{self.total_steps}", style="bold")
         fields = [(label, fmt.format(record[key])) for key, label, fmt in CONSOLE_METRICS
                   if key in record]
+        total = record.get("time/step", 0.0)
+        shown = [f"{name} {seconds:.2f}s" if seconds < 1 else f"{name} {seconds:.1f}s" for name, seconds in split
+                 if total > 0 and seconds >= SPLIT_MIN_SHARE * total]
+        if shown:
+            fields = [(label, f"{value} ({', '.join(shown)})" if label == "time" else value)
+                      for label, value in fields]
         for label, value in fields + [("ETA", format_duration(self.eta()))]:
             line.append(f" │ {label} ", style="dim")
             line.append(value)
@@ -384,6 +440,17 @@ class _Status:
     def __rich__(self):
         self.spinner.update(text=self.logger.status_text())
         return self.spinner
+
+
+def slow_phase(seconds: float, history) -> float | None:
+    """The median of ``history`` (a phase's seconds in past steps) when ``seconds`` is slower than
+    it should be (SLOW_FACTOR x that median and over SLOW_MIN_S; SLOW_MIN_HISTORY steps at
+    least), else None."""
+    past = list(history)[-SLOW_HISTORY:]
+    if len(past) < SLOW_MIN_HISTORY or seconds <= SLOW_MIN_S:
+        return None
+    median = statistics.median(past)
+    return median if seconds > SLOW_FACTOR * median else None
 
 
 def _cuda_memory_stats() -> bool:

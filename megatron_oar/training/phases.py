@@ -2,7 +2,8 @@
 colocated vLLM engine holds (``Phase.vllm_holds``) and which Megatron working set is live
 (``Phase.megatron``).
 
-The trainer opens one logger phase per entry (one console line each), ``oar plan`` budgets the
+The trainer opens one logger phase per entry (``time/<phase>`` in the metrics, the step line's
+split; a console line each at ``log.level=debug``), ``oar plan`` budgets the
 memory of each, and ``tests/test_phases.py`` checks that both follow these lists, so the plan
 cannot assume a sleeping vLLM where the loop keeps it awake.
 
