@@ -579,10 +579,8 @@ def _protocol_worker(out: str) -> None:
     from types import SimpleNamespace
 
     import megatron_oar.rollout as rollout_pkg
-    from megatron_oar.rollout import RolloutConfig
-    from megatron_oar.rollout import remote as remote_mod
+    from megatron_oar.rollout import RolloutConfig, stage_send
     from megatron_oar.rollout.remote import RemoteRollout, serve_rollouts
-    from megatron_oar.rollout.weight_sync import WeightBucket
     from megatron_oar.runtime.roles import ROLLOUT, split_world
 
     roles = split_world(1, timeout_minutes=0.05, heartbeat_s=0.2, stale_s=10)  # gloo's timeout: 3 s
@@ -597,9 +595,16 @@ def _protocol_worker(out: str) -> None:
             rollout_pkg.RolloutEngine = made
         Path(out, "rollout.json").write_text(json.dumps({"loads": engine.loads, "signalled": engine.signalled}))
         return
-    made = remote_mod.iter_hf_buckets
-    remote_mod.iter_hf_buckets = lambda model, arch, nbytes: [
-        WeightBucket([("w", torch.full((2,), float(model.v)))], nbytes=8, sources=1)]
+    def fake_buckets(model, arch, nbytes, *, sender=None):  # one tensor: the model's version
+        flat = stage_send.FlatBucket(64, torch.device("cpu"))
+        flat.add("w", torch.full((2,), float(model.v)))
+        flat.nbytes, flat.sources = 8, 1
+        bucket = flat.bucket()
+        bucket.flat, bucket.received_tp, bucket.received_ep = flat.flat[:flat.used], 0, 0
+        yield bucket
+
+    made = stage_send.iter_stage_buckets
+    stage_send.iter_stage_buckets = fake_buckets
     try:
         report: dict = {}
         remote = RemoteRollout(cfg, roles, arch=None)
@@ -621,7 +626,7 @@ def _protocol_worker(out: str) -> None:
         report["eval_syncs"] = remote.syncs
         remote.shutdown()
     finally:
-        remote_mod.iter_hf_buckets = made
+        stage_send.iter_stage_buckets = made
     Path(out, "trainer.json").write_text(json.dumps(report))
 
 
