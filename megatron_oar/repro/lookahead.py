@@ -44,6 +44,7 @@ ARMS: dict[str, tuple[str, ...]] = {
     "entropy": ("credit=entropy",),
     "oar_g": ("credit=oar_g",),
     "oar_p_screened": ("credit=oar_p_screened",),
+    "oar_p": ("credit=oar_p",),
     "oar_g tau=0 (boost-only)": ("credit=oar_g", "shaping.tau=0.0"),
     "oar_g tau=1 (suppress-only)": ("credit=oar_g", "shaping.tau=1.0"),
     "oar_g beta=0 (no boost)": ("credit=oar_g", "shaping.beta=0.0"),
@@ -142,6 +143,20 @@ def _pm(d: dict) -> str:
     return f"{100 * d['mean']:.1f} ± {100 * half:.1f}"
 
 
+def finished(out: Path) -> list[dict]:
+    """The results of the finished runs in ``out`` (an interrupted screen's, too)."""
+    return [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/result.json"))]
+
+
+def report(out: Path, steps: int, baseline: str = "grpo") -> dict:
+    """``lookahead.json`` / ``lookahead.md`` from the finished runs in ``out``."""
+    results = finished(out)
+    s = summarize(results, baseline, steps)
+    atomic_write_text(out / "lookahead.json", json.dumps({"results": results, "summary": s}, indent=1))
+    atomic_write_text(out / "lookahead.md", render(s) + "\n")
+    return s
+
+
 def run(out: Path, arms: list[str], batches: int, steps: int, *, config: Path, jobs: int = 2,
         extra: list[str] = (), sft_steps: int | None = None, baseline: str = "grpo") -> dict:
     from megatron_oar.repro.runner import sft_checkpoint, sft_start
@@ -155,13 +170,10 @@ def run(out: Path, arms: list[str], batches: int, steps: int, *, config: Path, j
         sft = sft_start(out, config, sft_steps)
         start = sft_checkpoint(out, sft, config, list(extra), starter)
         work = [(a, b) for b in range(batches) for a in arms]
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            results = list(pool.map(lambda ab: one_run(ab[0], ab[1], out, start, config, steps,
-                                                       list(extra), starter), work))
-    s = summarize(results, baseline, steps)
-    atomic_write_text(out / "lookahead.json", json.dumps({"results": results, "summary": s}, indent=1))
-    atomic_write_text(out / "lookahead.md", render(s) + "\n")
-    return s
+        with ThreadPoolExecutor(max_workers=jobs) as pool:  # batch by batch: a stopped screen
+            list(pool.map(lambda ab: one_run(ab[0], ab[1], out, start, config, steps,  # has whole ones
+                                             list(extra), starter), work))
+    return report(out, steps, baseline)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=1, help="RL steps per run (1: every arm on the same rollouts)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--sft-steps", type=int, help="the SFT start's warm-up steps (default: the demo's)")
+    p.add_argument("--report-only", action="store_true", help="the table from the finished runs in --out")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = p.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -191,8 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         print("oar analyze lookahead: --batches must be >= 2 (an interval) and --steps >= 1", file=sys.stderr)
         return 2
     config = args.config or resources.path(TESTBEDS[args.testbed])
-    s = run(args.out, arms, args.batches, args.steps, config=config, jobs=args.jobs,
-            extra=args.overrides, sft_steps=args.sft_steps, baseline=args.baseline)
+    if args.report_only:
+        s = report(args.out, args.steps, args.baseline)
+    else:
+        s = run(args.out, arms, args.batches, args.steps, config=config, jobs=args.jobs,
+                extra=args.overrides, sft_steps=args.sft_steps, baseline=args.baseline)
     print(render(s))
     print(f"\nwritten: {args.out}/lookahead.json, lookahead.md")
     return 0
