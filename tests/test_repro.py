@@ -8,7 +8,9 @@ steps, here), its conversion, 4 training runs and 1 oracle run, 2 at a time, eac
 forked from the harness's one warm interpreter (``repro/warm_start.py``: one import of torch,
 megatron-core, transformers and vLLM instead of 9). About 90 s on 2 busy cores for the chain
 testbed's tiny grid (6 runs, 2 oracle runs) when it was the end-to-end test; at a load average of
-about 10 (three agents on 2 cores) the chain's tiny grid took 263 s and this one 251 s.
+about 10 (three agents on 2 cores) the chain's tiny grid took 263 s and this one 251 s. The
+same test then runs the tiny lookahead (``oar analyze lookahead``: 2 arms x 2 batches x 1 step,
+4 more training runs on the same SFT start; not timed alone yet).
 """
 
 from __future__ import annotations
@@ -298,6 +300,22 @@ def test_tiny_grid_end_to_end(tmp_path):
     stamps = {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/result.json")}
     runner.run(tmp_path, g, jobs=2)
     assert stamps == {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/result.json")}
+    # the tiny lookahead (issue 54) on the same SFT start: 2 arms x 2 batches x 1 step, with the
+    # credit records on; every arm updates on the same rollouts, and oar analyze credit reads them
+    from megatron_oar.eval import credit_profile
+    from megatron_oar.repro import lookahead
+
+    s = lookahead.run(tmp_path, ["grpo", "oar_g"], 2, 1, config=g.config(), jobs=2,
+                      extra=[*g.overrides, "log.credit_records=1"], sft_steps=g.sft_steps)
+    assert s["rows"]["oar_g"]["batches"] == [0, 1] and s["rows"]["oar_g"]["same_rollouts"] == 2
+    assert set(s["rows"]["oar_g"]["vs_baseline"]) == {"mean", "half95", "n"}
+    records = credit_profile.read_credit_records(tmp_path / "lookahead" / "oar_g_b0")
+    assert len(records) == 16 * 8 and all(r["credit"] == "oar_g" for r in records)
+    for r in records:
+        assert len(r["weights"]) == len(r["tokens"]) == len(r["advantages"])
+        if r["seq_adv"] != 0:
+            assert r["importance"] is not None and any(r["scored"])
+    assert credit_profile.profile(records)["rollouts"] == 16 * 8
 
 
 def test_warm_started_runs_report_status_output_and_environment(tmp_path):

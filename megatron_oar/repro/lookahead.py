@@ -14,7 +14,8 @@ Per arm: the held-out accuracy after the updates, and the paired difference to t
 
 A run is ``python -m megatron_oar.commands.train`` on one process (forked from one warm
 interpreter on CPU, as ``oar repro``'s), resumable: a finished run (``result.json``) is never
-redone. Writes ``lookahead.json`` and ``lookahead.md`` in ``--out``.
+redone. Writes ``lookahead.json`` and ``lookahead.md`` in ``--out``, the runs under
+``--out/lookahead/`` (an ``oar repro`` out dir can hold both, sharing its SFT start).
 
 What it is not: a few updates from one start measure the first move of each scheme, not where
 it ends. docs/repro-credit.md says where this screen agreed with the 10-step grid.
@@ -52,6 +53,7 @@ ARMS: dict[str, tuple[str, ...]] = {
     "oar_g LT-Logits warm-up": ("credit=oar_g", "attribution.probe.warmup_steps=3"),
     "oar_g sign_aware (ours)": ("credit=oar_g", "shaping.variant=sign_aware"),
 }
+RUNS = "lookahead"  # the runs' directory in --out (not oar repro's runs/: the two can share an out dir)
 DEFAULT_ARMS = ("grpo", "oar_g", "oar_g tau=0 (boost-only)", "oar_g tau=1 (suppress-only)",
                 "oar_g beta=0 (no boost)", "oar_g floor=0.1 (authors' code)",
                 "oar_g LT-Logits warm-up", "oar_g sign_aware (ours)")
@@ -85,7 +87,7 @@ def one_run(arm: str, batch: int, out: Path, sft: Path, config: Path, steps: int
             starter=None) -> dict:
     from megatron_oar.repro.runner import _run_one_process
 
-    run_dir = out / "runs" / f"{slug(arm)}_b{batch}"
+    run_dir = out / RUNS / f"{slug(arm)}_b{batch}"
     if (run_dir / "result.json").is_file():
         return json.loads((run_dir / "result.json").read_text())
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -145,7 +147,7 @@ def _pm(d: dict) -> str:
 
 def finished(out: Path) -> list[dict]:
     """The results of the finished runs in ``out`` (an interrupted screen's, too)."""
-    return [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/result.json"))]
+    return [json.loads(p.read_text()) for p in sorted((out / RUNS).glob("*/result.json"))]
 
 
 def report(out: Path, steps: int, baseline: str = "grpo") -> dict:
