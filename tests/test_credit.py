@@ -140,6 +140,11 @@ def test_credit_metrics_only_count_nonzero_advantage_rows():
     assert m["frac_boosted"] == 0.5 and m["frac_suppressed"] == 0.5
     torch.testing.assert_close(m["ess_ratio"], torch.tensor(4 / (2 * 2.5)))
     torch.testing.assert_close(m["top10_mass"], torch.tensor(0.75))
+    assert float(m["max_weight"]) == 1.5 and float(m["max_weight_negative"]) == 0.0  # no A < 0 row
+    m = credit_metrics(torch.tensor([[0.5, 1.5], [3.0, 0.0], [1.2, 0.8]]), torch.ones(3, 2),
+                       torch.tensor([[1, 1], [1, 0], [1, 1]]), seq_adv=torch.tensor([1.0, -1.0, -2.0]))
+    assert float(m["max_weight"]) == pytest.approx((1.5 + 3.0 + 1.2) / 3)
+    assert float(m["max_weight_negative"]) == pytest.approx((3.0 + 1.2) / 2)
 
 
 def test_sign_aware_reshapes_only_positive_rows_and_keeps_every_sum():
