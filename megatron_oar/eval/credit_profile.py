@@ -2,7 +2,7 @@
 (``log.credit_records``, :mod:`megatron_oar.training.credit_records`).
 
     oar train --config X.yaml log.credit_records=1 train.steps=2
-    oar analyze credit RUN_DIR [--out DIR] [--kinds auto|chain|generic]
+    oar analyze credit RUN_DIR [RUN_DIR ...] [--out DIR] [--kinds auto|chain|generic]
 
 Over the rollouts with a non-zero sequence advantage (the ones the update sees):
 
@@ -449,18 +449,19 @@ def render(p: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="oar analyze credit", description=__doc__.split("\n\n")[0])
-    ap.add_argument("records", type=Path, help="a run dir, its credit_records/ dir or one step_*.jsonl")
+    ap.add_argument("records", type=Path, nargs="+",
+                    help="run dirs, credit_records/ dirs or step_*.jsonl files (read together)")
     ap.add_argument("--kinds", choices=["auto", "chain", "generic"], default="auto")
     ap.add_argument("--noise-floor", type=float, default=NOISE_FLOOR, help="nats (default %(default)g)")
     ap.add_argument("--out", type=Path, help="where credit.json and credit.md go (default: the records' dir)")
     args = ap.parse_args(argv)
     try:
-        records = read_credit_records(args.records)
+        records = [r for path in args.records for r in read_credit_records(path)]
     except CreditRecordError as e:
         print(f"oar analyze credit: {e}", file=sys.stderr)
         return 2
     p = profile(records, args.kinds, args.noise_floor)
-    out = args.out or record_files(args.records)[0].parent
+    out = args.out or record_files(args.records[0])[0].parent
     atomic_write_text(out / "credit.json", json.dumps(p, indent=1))
     text = render(p)
     atomic_write_text(out / "credit.md", text)
