@@ -120,6 +120,7 @@ def test_profile_on_hand_built_records():
     ts = p["threshold_scale"]
     assert 1e-6 <= ts["raw_at_threshold"] <= 0.3 and ts["raw_max"] == 6.0
     assert ts["suppressed_below_floor"] == 1.0  # every suppressed token is at 1e-6 < 1e-5
+    assert p["top_scored_kind"] == {"final_total": 2}  # imp 6.0 on " 19" / " 9" in both rows
     # deciles cover the scored tokens once
     assert sum(d["tokens"] for d in p["by_decile"].values()) == p["scored_tokens"]
     json.dumps(p)  # JSON-able

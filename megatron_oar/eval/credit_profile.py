@@ -313,6 +313,7 @@ def profile(records: list[dict], kinds: str = "auto", noise_floor: float = NOISE
     ess, top10, boosted, suppressed, n_scored = [], [], 0, 0, 0
     thr_raw, med_raw, max_raw, below, n_supp = [], [], [], 0, 0
     total_mass = 0.0
+    top_kind: dict[str, int] = defaultdict(int)
     for r in active:
         mask = r["loss_mask"]
         scored = r.get("scored") or [int(bool(v)) for v in mask]
@@ -329,6 +330,8 @@ def profile(records: list[dict], kinds: str = "auto", noise_floor: float = NOISE
         norm = _normalized(imp, scored, shaping.get("eps", 1e-6)) if imp is not None and any(scored) else None
         kind = token_kinds(r["tokens"], kinds)
         idx = [i for i, s in enumerate(scored) if s]
+        if imp is not None and idx:  # the kind of the rollout's top-scored token (first on ties)
+            top_kind[kind[max(idx, key=lambda i: (imp[i], -i))]] += 1
         for rank, i in enumerate(idx):
             for bucket in (by_kind[kind[i]], by_decile[min(9, rank * 10 // len(idx))]):
                 bucket["tokens"] += 1
@@ -381,6 +384,7 @@ def profile(records: list[dict], kinds: str = "auto", noise_floor: float = NOISE
         "by_kind": {k: finish(by_kind[k]) for k in order if k in by_kind},
         "by_decile": {str(d): finish(by_decile[d]) for d in sorted(by_decile)},
         "restated": rest,
+        "top_scored_kind": {k: top_kind[k] for k in order if k in top_kind},
         "figure6": {"ess_ratio": sum(ess) / len(ess) if ess else None,
                     "top10_mass": sum(top10) / len(top10) if top10 else None,
                     "frac_boosted": boosted / n_scored if n_scored else None,
@@ -423,6 +427,10 @@ def render(p: dict) -> str:
     for s, v in p["restated"].items():
         lines.append(f"| {s} | {v['rollouts']} | {v['with_restated']} | {_pct(v['token_share'])} | "
                      f"{_pct(v['abs_adv_share'])} |")
+    if p.get("top_scored_kind"):
+        n = sum(p["top_scored_kind"].values())
+        lines += ["", f"The kind of each rollout's top-scored token ({n} rollouts): " + ", ".join(
+            f"{k} {v} ({100 * v / n:.0f}%)" for k, v in p["top_scored_kind"].items()) + "."]
     f6, ts = p["figure6"], p["threshold_scale"]
     lines += ["", "## Concentration (the paper's Figure 6) and the gate", "",
               "| ESS ratio | top-10% abs(A) mass | boosted | suppressed |", "|---:|---:|---:|---:|",
