@@ -153,6 +153,10 @@ def test_locus_recall_ranks_the_first_wrong_token():
     # ties rank against the locus: a constant signal never recalls it in its top 1
     flat = _record(WRONG, seq_adv=-1.0, importance=[0.5] * n, accuracy=0.0, entropy=[1.0] * n)
     assert P.locus_recall([flat])["signals"]["entropy"]["top5"] == 0.0
+    # an all-wrong group's rollout (A = 0) was not scored: counted apart, ranked by no signal
+    unscored = {**bad, "seq_adv": 0.0, "scored": [0] * n}
+    assert P.locus_recall([unscored]) == {"signals": {}, "wrong_rollouts": {"not_scored": 1},
+                                          "median_scored_tokens": None}
 
 
 def test_read_credit_records_rejects_bad_lines(tmp_path):

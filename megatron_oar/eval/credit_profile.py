@@ -247,9 +247,12 @@ def locus_recall(records: Iterable[dict], k_percents=K_PERCENTS, top_n=TOP_N, se
         if pos is None:
             reasons[why] += 1
             continue
+        if not scored:  # A = 0 (an all-wrong group): not scored, no credit to rank
+            reasons["not_scored"] += 1
+            continue
         t = token_at(r["tokens"], pos)
         if t is None or t not in scored:
-            reasons["locus_not_scored"] += 1
+            reasons["locus_outside_scored"] += 1
             continue
         reasons["pivot"] += 1
         where = scored.index(t)
