@@ -144,6 +144,7 @@ def test_locus_recall_ranks_the_first_wrong_token():
     good = _record(RIGHT, seq_adv=1.0, importance=imp, accuracy=1.0)
     loc = P.locus_recall([bad, good])
     assert loc["wrong_rollouts"] == {"pivot": 1}
+    assert loc["locus_kinds"] == {"total": 1} and loc["locus_deciles"] == {"4": 1}  # token 7 of 15
     s = loc["signals"]
     assert s["oar_g"]["top1"] == 0.0 and s["oar_g"]["top5"] == 1.0
     assert s["entropy"]["top1"] == 1.0
@@ -156,6 +157,7 @@ def test_locus_recall_ranks_the_first_wrong_token():
     # an all-wrong group's rollout (A = 0) was not scored: counted apart, ranked by no signal
     unscored = {**bad, "seq_adv": 0.0, "scored": [0] * n}
     assert P.locus_recall([unscored]) == {"signals": {}, "wrong_rollouts": {"not_scored": 1},
+                                          "locus_kinds": {}, "locus_deciles": {},
                                           "median_scored_tokens": None}
 
 

@@ -237,6 +237,8 @@ def locus_recall(records: Iterable[dict], k_percents=K_PERCENTS, top_n=TOP_N, se
     signals: dict[str, list[int]] = defaultdict(list)  # signal -> rank of the locus per rollout
     sizes: list[int] = []
     reasons: dict[str, int] = defaultdict(int)
+    locus_kinds: dict[str, int] = defaultdict(int)
+    deciles: dict[int, int] = defaultdict(int)
     gen = torch.Generator().manual_seed(seed)
     for r in records:
         if r["accuracy"] > 0 or not is_chain_prompt(r["prompt"]):
@@ -256,6 +258,8 @@ def locus_recall(records: Iterable[dict], k_percents=K_PERCENTS, top_n=TOP_N, se
             continue
         reasons["pivot"] += 1
         where = scored.index(t)
+        locus_kinds[token_kinds(r["tokens"], "chain")[t]] += 1
+        deciles[min(9, where * 10 // len(scored))] += 1
         sizes.append(len(scored))
         if r.get("importance") is not None:
             signals[r["credit"]].append(_rank_of([r["importance"][i] for i in scored], where))
@@ -269,7 +273,8 @@ def locus_recall(records: Iterable[dict], k_percents=K_PERCENTS, top_n=TOP_N, se
         row |= {f"top{n}": sum(rk < n for rk in ranks) / len(ranks) for n in top_n}
         row["rollouts"] = len(ranks)
         table[name] = row
-    return {"signals": table, "wrong_rollouts": dict(reasons),
+    return {"signals": table, "wrong_rollouts": dict(reasons), "locus_kinds": dict(locus_kinds),
+            "locus_deciles": {str(d): deciles[d] for d in sorted(deciles)},
             "median_scored_tokens": float(torch.tensor(sizes, dtype=torch.float64).median()) if sizes else None}
 
 
@@ -449,8 +454,9 @@ def render(p: dict) -> str:
         ks = [c for c in next(iter(loc["signals"].values()), {}) if c != "rollouts"]
         lines += ["## Decision-locus recall (wrong rollouts: the first wrong token)", "",
                   f"Wrong rollouts by where they go wrong: {loc['wrong_rollouts']}; median scored "
-                  f"tokens per rollout {_f(loc['median_scored_tokens'], '{:.0f}')}. Ties rank against "
-                  "the locus.", "",
+                  f"tokens per rollout {_f(loc['median_scored_tokens'], '{:.0f}')}. The locus by token "
+                  f"kind: {loc.get('locus_kinds')}; by position decile of the scored tokens: "
+                  f"{loc.get('locus_deciles')}. Ties rank against the locus.", "",
                   "| signal | rollouts | " + " | ".join(ks) + " |", "|---|---:|" + "---:|" * len(ks)]
         for name, row in loc["signals"].items():
             lines.append(f"| {name} | {row['rollouts']} | " + " | ".join(_pct(row[c]) for c in ks) + " |")
