@@ -18,7 +18,8 @@ redone. Writes ``lookahead.json`` and ``lookahead.md`` in ``--out``, the runs un
 ``--out/lookahead/`` (an ``oar repro`` out dir can hold both, sharing its SFT start).
 
 What it is not: a few updates from one start measure the first move of each scheme, not where
-it ends. docs/repro-credit.md says where this screen agreed with the 10-step grid.
+it ends. docs/credit-evidence.md has its first measurement on the credit testbed; whether it
+agrees with the 10-step grid is not known yet (the ablation grid has not been run).
 """
 
 from __future__ import annotations
