@@ -392,6 +392,9 @@ def test_credit_ablations_grid_arms_validate_and_report(tmp_path):
     assert arm["auc_vs_paper"]["mean"] == pytest.approx(0.125 / 2)
     assert "accuracy_vs_paper" not in rep["arms"]["paper"] and rep["arms"]["paper"]["accuracy_vs_grpo"]
     assert "| beta=0 | 2 | 47.5 ± 31.8 | 12.5 ± 31.8 |" in report.render(rep)
+    from dataclasses import asdict
+
+    assert "oar_g's arms beta=0 x 2 seed(s)" in runner._axes(asdict(small))
 
 
 def test_lookahead_summary_pairs_batches(tmp_path):

@@ -408,6 +408,9 @@ def _axes(s: dict) -> str:
         out += f"; the loss axis: {', '.join(s['loss_methods'])} {', '.join(what)} x {s['loss_seeds']} seeds"
     if s.get("taus") or s.get("probes") or s.get("floors"):
         out += f"; ablations of {s['ablation_method']} with {s['ablation_seeds']} seed(s)"
+    if s.get("arms"):
+        out += (f"; {s['ablation_method']}'s arms {', '.join(a[0] for a in s['arms'])} x "
+                f"{s['ablation_seeds']} seed(s)")
     return out
 
 
