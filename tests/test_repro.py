@@ -10,7 +10,8 @@ megatron-core, transformers and vLLM instead of 9). About 90 s on 2 busy cores f
 testbed's tiny grid (6 runs, 2 oracle runs) when it was the end-to-end test; at a load average of
 about 10 (three agents on 2 cores) the chain's tiny grid took 263 s and this one 251 s. The
 same test then runs the tiny lookahead (``oar analyze lookahead``: 2 arms x 2 batches x 1 step,
-4 more training runs on the same SFT start; not timed alone yet).
+4 more training runs on the same SFT start): the whole test took 327 s on the shared 2 cores
+with them (issue 54's session).
 """
 
 from __future__ import annotations
