@@ -11,6 +11,11 @@
     oar analyze oracle --config X.yaml --model M [--trajectories 500] [--out DIR]
                                    causal-token oracle + recall of OAR-P/OAR-G/entropy/random
     oar analyze recall RECORDS.jsonl   the recall table and plot again from saved records
+    oar analyze credit RUN_DIR     where a run's credit went (log.credit_records=N): by token kind
+                                   and position, the answer's copy source, Figure 6, locus recall
+    oar analyze lookahead [--arms ...] [--batches 6] [--steps 1] [--out DIR]
+                                   credit schemes after a few updates from one start on the same
+                                   rollouts: held-out accuracy paired over batches, with intervals
     oar viz RECORDS.jsonl [--id ID | --index I] [--methods ...] [--out DIR]
                                    token-importance maps (HTML + PNG), OAR-P/OAR-G/entropy/oracle
     oar plot RUN_DIR [--out PNG]   training curves from RUN_DIR/logs/metrics.jsonl
@@ -141,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         "viz": ("megatron_oar.eval.viz.cli", "token-importance maps (HTML + PNG) from oracle records"),
         "repro": ("megatron_oar.repro.runner", "the paper's tables and figures in miniature on CPU"),
     }
-    analyses = {"oracle": "megatron_oar.eval.oracle", "recall": "megatron_oar.eval.recall"}
+    analyses = {"oracle": "megatron_oar.eval.oracle", "recall": "megatron_oar.eval.recall",
+                "credit": "megatron_oar.eval.credit_profile", "lookahead": "megatron_oar.repro.lookahead"}
     an = sub.add_parser("analyze", help="oracle: causal-token oracle and recall of importance "
-                        "signals (paper Sec. 5.1); recall: the table again from its records")
+                        "signals (paper Sec. 5.1); recall: the table again from its records; "
+                        "credit: where a run's credit went (log.credit_records); lookahead: credit "
+                        "schemes compared after a few updates on shared rollouts, paired over batches")
     an.add_argument("analysis", choices=list(analyses))
     an.add_argument("args", nargs=argparse.REMAINDER)
     for name, (_, text) in forwarded.items():

@@ -208,6 +208,8 @@ class LogConfig:
     console: bool = True            # one line per step, with its phase split (rank 0)
     phase_lines: bool = False       # and one line per phase as it ends (always at level=debug)
     level: str = "info"             # info | debug (debug: our DEBUG lines and vLLM's INFO ones)
+    credit_records: int = 0         # every N steps, each rollout's tokens, importance, weights and
+    #                                 advantages to {run_dir}/credit_records/ (`oar analyze credit`); 0: off
 
     def __post_init__(self):
         if self.level not in LOG_LEVELS:
@@ -722,6 +724,7 @@ def _check_optimizer_and_run(cfg: Config) -> None:
     _at_least(cfg, "optim.warmup_steps checkpoint.interval checkpoint.keep_last", 0)
     _one_of("checkpoint.optim_sharding", cfg.checkpoint.optim_sharding, OPTIM_SHARDINGS)
     _at_least(cfg, "log.interval")
+    _at_least(cfg, "log.credit_records", 0)
     _at_least(cfg, "launch.nodes launch.gpus_per_node")
     _at_least(cfg, "launch.max_restarts launch.preemption_grace_s train.phase_timeout_s", 0)
     _at_least(cfg, "parallel.timeout_minutes")

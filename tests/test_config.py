@@ -442,6 +442,7 @@ def test_lengths():
     (["data.fields=nope"], r"data.fields='nope'"),
     (["rollout.temperature=-1"], r"rollout.temperature"),
     (["shaping.entropy_kappa=1.0", "credit=entropy"], r"shaping.entropy_kappa=1.0: must be > 1"),
+    (["shaping.variant=signs"], r"shaping.variant='signs': must be one of \['paper', 'sign_aware'\]"),
     (["rewards.extractors=[nope]"], r"rewards.extractors"),
     (["loss.agg=seq_mean_token_sum_norm"], r"loss.norm_len"),
     (["loss.policy_loss=gspo"], r"loss.policy_loss=gspo with credit=oar_g: .* Use loss.policy_loss=gspo_token"),

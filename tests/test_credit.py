@@ -140,3 +140,29 @@ def test_credit_metrics_only_count_nonzero_advantage_rows():
     assert m["frac_boosted"] == 0.5 and m["frac_suppressed"] == 0.5
     torch.testing.assert_close(m["ess_ratio"], torch.tensor(4 / (2 * 2.5)))
     torch.testing.assert_close(m["top10_mass"], torch.tensor(0.75))
+    assert float(m["max_weight"]) == 1.5 and float(m["max_weight_negative"]) == 0.0  # no A < 0 row
+    m = credit_metrics(torch.tensor([[0.5, 1.5], [3.0, 0.0], [1.2, 0.8]]), torch.ones(3, 2),
+                       torch.tensor([[1, 1], [1, 0], [1, 1]]), seq_adv=torch.tensor([1.0, -1.0, -2.0]))
+    assert float(m["max_weight"]) == pytest.approx((1.5 + 3.0 + 1.2) / 3)
+    assert float(m["max_weight_negative"]) == pytest.approx((3.0 + 1.2) / 2)
+
+
+def test_sign_aware_reshapes_only_positive_rows_and_keeps_every_sum():
+    """``shaping.variant=sign_aware`` (ours): the paper's weights where A_i > 0, GRPO's uniform
+    weights where A_i < 0; every row still sums to T * A_i. The paper's variant reshapes both."""
+    imp = torch.tensor([[0.0, 0.1, 2.0, 0.5], [0.0, 0.1, 2.0, 0.5], [0.3, 0.1, 2.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]])
+    seq_adv = torch.tensor([1.0, -1.0, 0.0])
+    paper = assign_credit(ShapingConfig(), seq_adv, mask, importance=imp)
+    ours = assign_credit(ShapingConfig(variant="sign_aware"), seq_adv, mask, importance=imp)
+    expected = reference_weights(imp[0].tolist(), [1, 1, 1, 1], 0.4, 2.0, "quantile")
+    torch.testing.assert_close(ours.weights[0], torch.tensor(expected, dtype=ours.weights.dtype))
+    torch.testing.assert_close(ours.weights[0], paper.weights[0])
+    assert ours.weights[1].tolist() == [1.0, 1.0, 1.0, 1.0]          # no boost on the wrong rollout
+    assert ours.advantages[1].tolist() == [-1.0, -1.0, -1.0, -1.0]
+    assert paper.weights[1].max() > 1.5                             # the paper boosts it
+    assert ours.weights[2].tolist() == [1.0, 1.0, 1.0, 0.0]          # A = 0: uniform, padding 0
+    for c in (paper, ours):
+        torch.testing.assert_close(c.advantages.sum(-1), seq_adv * mask.sum(-1))
+    with pytest.raises(ValueError, match="shaping.variant='x'"):
+        ShapingConfig(variant="x")

@@ -8,7 +8,10 @@ steps, here), its conversion, 4 training runs and 1 oracle run, 2 at a time, eac
 forked from the harness's one warm interpreter (``repro/warm_start.py``: one import of torch,
 megatron-core, transformers and vLLM instead of 9). About 90 s on 2 busy cores for the chain
 testbed's tiny grid (6 runs, 2 oracle runs) when it was the end-to-end test; at a load average of
-about 10 (three agents on 2 cores) the chain's tiny grid took 263 s and this one 251 s.
+about 10 (three agents on 2 cores) the chain's tiny grid took 263 s and this one 251 s. The
+same test then runs the tiny lookahead (``oar analyze lookahead``: 2 arms x 2 batches x 1 step,
+4 more training runs on the same SFT start): the whole test took 327 s on the shared 2 cores
+with them (issue 54's session).
 """
 
 from __future__ import annotations
@@ -298,6 +301,22 @@ def test_tiny_grid_end_to_end(tmp_path):
     stamps = {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/result.json")}
     runner.run(tmp_path, g, jobs=2)
     assert stamps == {p: p.stat().st_mtime for p in (tmp_path / "runs").glob("*/result.json")}
+    # the tiny lookahead (issue 54) on the same SFT start: 2 arms x 2 batches x 1 step, with the
+    # credit records on; every arm updates on the same rollouts, and oar analyze credit reads them
+    from megatron_oar.eval import credit_profile
+    from megatron_oar.repro import lookahead
+
+    s = lookahead.run(tmp_path, ["grpo", "oar_g"], 2, 1, config=g.config(), jobs=2,
+                      extra=[*g.overrides, "log.credit_records=1"], sft_steps=g.sft_steps)
+    assert s["rows"]["oar_g"]["batches"] == [0, 1] and s["rows"]["oar_g"]["same_rollouts"] == 2
+    assert set(s["rows"]["oar_g"]["vs_baseline"]) == {"mean", "half95", "n"}
+    records = credit_profile.read_credit_records(tmp_path / "lookahead" / "oar_g_b0")
+    assert len(records) == 16 * 8 and all(r["credit"] == "oar_g" for r in records)
+    for r in records:
+        assert len(r["weights"]) == len(r["tokens"]) == len(r["advantages"])
+        if r["seq_adv"] != 0:
+            assert r["importance"] is not None and any(r["scored"])
+    assert credit_profile.profile(records)["rollouts"] == 16 * 8
 
 
 def test_warm_started_runs_report_status_output_and_environment(tmp_path):
@@ -330,3 +349,76 @@ def test_warm_started_runs_report_status_output_and_environment(tmp_path):
                                     "converting x", starter)
         with pytest.raises(ValueError, match="not a `python -m MODULE` command"):
             runner._run_one_process(["oar-convert", "nope"], log, "converting x", starter)
+
+
+def test_credit_ablations_grid_arms_validate_and_report(tmp_path):
+    """``--grid credit-ablations`` (issue 54): GRPO and OAR-G x 12 seeds, OAR-G's arms x 12 seeds
+    (tau 0, tau 1, beta 0, floor 0.1, the LT-Logits warm-up, sign-aware), each a config the
+    trainer accepts with the arm's setting in it; the arm table pairs each arm with OAR-G's main
+    run (the arm ``paper``) and with GRPO by seed."""
+    from megatron_oar.config import load_config, validate
+
+    g = runner.GRIDS["credit-ablations"]
+    specs = runner.grid(g)
+    arms = {s.label: s.overrides for s in specs if s.group == "arm"}
+    assert set(arms) == {"tau=0 (boost-only)", "tau=1 (suppress-only)", "beta=0 (no boost)",
+                         "floor=0.1 (authors' code)", "LT-Logits warm-up", "sign_aware (ours)"}
+    assert len(specs) == 2 * 12 + 6 * 12 and len({s.name for s in specs}) == len(specs)
+    checks = {"tau=0 (boost-only)": ("shaping", "tau", 0.0), "beta=0 (no boost)": ("shaping", "beta", 0.0),
+              "floor=0.1 (authors' code)": ("shaping", "floor", 0.1),
+              "sign_aware (ours)": ("shaping", "variant", "sign_aware")}
+    for spec in {s.label: s for s in specs if s.seed == 0}.values():
+        cfg = load_config(g.config(), runner.run_overrides(spec, Path("sft"), Path("run"), g))
+        validate(cfg, world_size=1)
+        if spec.label in checks:
+            section, key, value = checks[spec.label]
+            assert getattr(getattr(cfg, section), key) == value
+        if spec.label == "LT-Logits warm-up":
+            assert cfg.attribution.probe.warmup_steps == 3 and cfg.attribution.probe.kind == "answer_mean"
+    aliases = runner._baselines(specs, g)
+    assert {(a.group, a.label, a.name) for a in aliases} == {("arm", "paper", f"oar_g_s{s}") for s in range(12)}
+    # the report on hand-written runs: two seeds of grpo, oar_g and one arm
+    small = runner.Grid(methods=("grpo", "oar_g"), seeds=2, taus=(), probes=(), floors=(), losses=(),
+                        corrections=(), loss_seeds=0, ablation_seeds=2,
+                        arms=(("beta=0", ("shaping.beta=0.0",)),))
+    acc = {"grpo": (0.40, 0.50), "oar_g": (0.30, 0.40), "beta=0": (0.45, 0.50)}
+    for s in runner.grid(small):
+        _write_run(tmp_path, s, {0: 0.3, 4: acc[s.label][s.seed]}, 0.8, 1.0)
+    rep = report.build(tmp_path, {"pass_k": 4},
+                       aliases=[dict(a.__dict__) for a in runner._baselines(runner.grid(small), small)])
+    arm = rep["arms"]["beta=0"]
+    assert arm["accuracy"]["mean"] == pytest.approx(0.475)
+    assert arm["accuracy_vs_paper"]["mean"] == pytest.approx(0.125)  # (0.15 + 0.10) / 2
+    assert arm["accuracy_vs_grpo"]["mean"] == pytest.approx(0.025)   # (0.05 + 0.00) / 2
+    assert arm["auc_vs_paper"]["mean"] == pytest.approx(0.125 / 2)
+    assert "accuracy_vs_paper" not in rep["arms"]["paper"] and rep["arms"]["paper"]["accuracy_vs_grpo"]
+    assert "| beta=0 | 2 | 47.5 ± 31.8 | 12.5 ± 31.8 |" in report.render(rep)
+    from dataclasses import asdict
+
+    assert "oar_g's arms beta=0 x 2 seed(s)" in runner._axes(asdict(small))
+
+
+def test_lookahead_summary_pairs_batches(tmp_path):
+    """``oar analyze lookahead``'s table: per arm the held-out accuracy over batches, the paired
+    difference to the baseline, and the batches whose step-1 rollouts (training reward) equal the
+    baseline's; a run's overrides make a config the trainer accepts."""
+    from megatron_oar.config import load_config, validate
+    from megatron_oar.repro import lookahead as L
+
+    res = [{"arm": a, "batch": b, "start": 0.36, "accuracy": acc, "reward_step1": rw, "seconds": 10.0}
+           for a, b, acc, rw in (("grpo", 0, 0.50, 0.25), ("grpo", 1, 0.60, 0.5), ("grpo", 2, 0.55, 0.75),
+                                 ("oar_g", 0, 0.45, 0.25), ("oar_g", 1, 0.50, 0.5), ("oar_g", 2, 0.55, 0.70))]
+    s = L.summarize(res, "grpo", 1)
+    vs = s["rows"]["oar_g"]["vs_baseline"]
+    assert vs["mean"] == pytest.approx(-0.05) and vs["n"] == 3
+    assert vs["half95"] == pytest.approx(t975(2) * 0.05 / math.sqrt(3))  # diffs -0.05, -0.10, 0.00
+    assert s["rows"]["oar_g"]["same_rollouts"] == 2  # batch 2's step-1 reward differs
+    assert s["start_accuracy"] == pytest.approx(0.36)
+    assert "| oar_g | 3 | 50.0 ± 12.4 | -5.0 ± 12.4 | 2 | 10 |" in L.render(s)
+    # the oar_g arms' settings are validated in the grid test above; here the run overrides
+    for arm in ("grpo", "oar_p_screened", "oar_g sign_aware (ours)"):
+        cfg = load_config(runner.CONFIG.parent / "tiny_credit_cpu.yaml",
+                          L.run_overrides(arm, 1, Path("sft"), tmp_path / L.slug(arm), 1, []))
+        validate(cfg, world_size=1)
+        assert cfg.train.steps == cfg.train.eval_interval == 1 and cfg.rollout.seed == 1
+    assert len({L.slug(a) for a in L.ARMS}) == len(L.ARMS)

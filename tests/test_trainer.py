@@ -106,7 +106,7 @@ def _modes(ckpt: str, root: str, engine=None) -> tuple[dict, object]:
         # log-probs after the temperature (the engine's setting: the first run's), which at
         # temperature 1 are the raw ones
         cfg = _config(ckpt, str(run_dir), f"credit={credit}", "rollout.logprobs_mode=processed_logprobs",
-                      r"attribution.probe.answer_pattern=(\d+)", *loss)
+                      r"attribution.probe.answer_pattern=(\d+)", "log.credit_records=2", *loss)
         engine = engine or _engine(cfg)
         trainer = Trainer(cfg, engine=engine)
         before = _weights(trainer)
@@ -180,6 +180,22 @@ def test_every_credit_mode_trains(model, modes_and_guard):
             assert spans > 0, f"{credit}: no sequence was probed at an answer span"
         if credit == "oar_p":
             assert sum(r["attribution/masked_forwards"] for r in records) > 0
+        # log.credit_records=2: step 2's rollouts with the credit the update used, one file (DP 1,
+        # written by TP rank 0 only)
+        from megatron_oar.eval.credit_profile import read_credit_records, record_files
+
+        run_dir = modes_and_guard[0] / "modes" / credit
+        assert [f.name for f in record_files(run_dir)] == ["step_000002.dp0.jsonl"], credit
+        rows = read_credit_records(run_dir)
+        assert len(rows) == records[-1]["tokens/sequences"] and {r["step"] for r in rows} == {2}
+        for row in rows:
+            adv = row["seq_adv"]
+            assert sum(row["advantages"]) == pytest.approx(adv * sum(row["weights"]), abs=1e-4)
+            if credit != "entropy":  # Eq. 6 keeps no mass; the others keep T * A_i
+                assert sum(row["weights"]) == pytest.approx(sum(row["loss_mask"]), rel=1e-5)
+            assert (row["importance"] is not None) == credit.startswith("oar")
+            if credit.startswith("oar") and adv == 0:  # only rows the update sees are scored
+                assert not any(row["scored"]) and not any(row["importance"])
 
 
 # ---------------------------------------------------------------------------------- resume

@@ -9,6 +9,12 @@ scheme     token advantage ``A_t`` (weights ``w_t = A_t / A_i``)
 ``oar``     ``A_i * w_t`` with OAR's bi-level weights from importance scores (Eqs. 14-17)
 ========== ================================================================================
 
+``variant="sign_aware"`` (ours, not the paper's) applies the ``oar`` weights only to rows with
+``A_i > 0``; rows with ``A_i < 0`` get GRPO's uniform weights. Disabling only the boost on those
+rows could not keep the paper's sum ``T * A_i``: with some tokens suppressed below 1 and none
+above, the weights sum to less than T, and the renormalisation that restores T lifts the
+unsuppressed tokens above 1 again (a boost by another name). Uniform weights keep the sum exactly.
+
 The attribution method (OAR-G or OAR-P) only changes where the importance comes from; both use
 the ``oar`` scheme here.
 """
@@ -23,6 +29,9 @@ from megatron_oar.algorithms import oar
 from megatron_oar.algorithms.masking import as_bool_mask, check_2d, check_finite, sub_mask
 
 SCHEMES = ("grpo", "random", "entropy", "oar")
+# how ``oar`` applies its weights: ``paper`` on every row (Eqs. 14-17); ``sign_aware`` (ours, not the
+# paper's) only on rows with a positive sequence advantage, GRPO's uniform weights elsewhere
+VARIANTS = ("paper", "sign_aware")
 
 
 @dataclass
@@ -38,6 +47,9 @@ class ShapingConfig:
     # (the least important token gets 0); the authors' code uses 0.1 (see algorithms/oar.py)
     floor: float = 0.0
     eps: float = 1e-6
+    # paper: Eqs. 14-17 on every row | sign_aware (ours): reshape only rows with A_i > 0; rows with
+    # A_i < 0 keep GRPO's uniform weights (no boost, and so no suppression: see docs/algorithms.md)
+    variant: str = "paper"
     # entropy (Eq. 6): Cheng et al.'s alpha and kappa
     entropy_alpha: float = 0.4
     entropy_kappa: float = 2.0
@@ -47,6 +59,8 @@ class ShapingConfig:
             raise ValueError(f"credit scheme must be one of {SCHEMES}, got {self.scheme!r}")
         _check_entropy_options(self.entropy_alpha, self.entropy_kappa)
         oar._check_options(self.tau, self.beta, self.tau_mode, self.floor, self.eps)
+        if self.variant not in VARIANTS:
+            raise ValueError(f"shaping.variant={self.variant!r}: must be one of {list(VARIANTS)}")
 
 
 def _check_entropy_options(alpha: float, kappa: float) -> None:
@@ -116,6 +130,9 @@ def assign_credit(cfg: ShapingConfig, seq_adv: torch.Tensor, mask: torch.Tensor,
             raise ValueError("credit scheme 'oar' needs importance scores")
         weights = oar.oar_weights(importance, valid, cfg.tau, cfg.beta, cfg.tau_mode, cfg.floor,
                                   cfg.eps, score_mask)
+        if cfg.variant == "sign_aware":  # a wrong rollout's blame stays spread as GRPO spreads it
+            positive = (seq_adv > 0).to(weights.device).unsqueeze(-1)
+            weights = torch.where(positive, weights, ones.to(weights.dtype))
     else:
         if entropy is None:
             raise ValueError("credit scheme 'entropy' needs token entropies")

@@ -4,6 +4,9 @@
 - Top-10% advantage mass (Eq. 28): share of ``sum |A_t|`` carried by the ``K = max(1, floor(0.1 T))``
   tokens of largest ``|A_t|``.
 - Fractions of valid tokens boosted (``w > 1``) and suppressed (``w < 1``) relative to GRPO.
+- ``max_weight``: a row's largest weight, averaged over rows (1 for GRPO); with ``seq_adv``,
+  ``max_weight_negative`` over the rows with ``A_i < 0`` only (0 when there are none): how much of
+  a wrong rollout's blame its most-blamed token carries, in multiples of GRPO's.
 
 Per-sequence values are averaged over the sequences where they are defined: a sequence needs
 valid tokens, and for the mass metric a non-zero total advantage.
@@ -63,9 +66,16 @@ def credit_metrics(weights: torch.Tensor, token_adv: torch.Tensor, mask: torch.T
     if seq_adv is not None:
         mask = mask & (seq_adv != 0).unsqueeze(-1)
     w = weights.detach().float()
-    return {
+    row_max = torch.where(mask, w, torch.full_like(w, float("-inf"))).amax(dim=-1)
+    row_max = torch.where(mask.any(dim=-1), row_max, torch.full_like(row_max, float("nan")))
+    out = {
         "ess_ratio": nanmean(ess_ratio(w, mask)),
         "top10_mass": nanmean(top_mass(token_adv, mask, 0.1)),
         "frac_boosted": masked_mean((w > 1 + REL_TOL).float(), mask),
         "frac_suppressed": masked_mean((w < 1 - REL_TOL).float(), mask),
+        "max_weight": nanmean(row_max),
     }
+    if seq_adv is not None:  # the largest share of a wrong rollout's blame on one token
+        neg = (seq_adv < 0).to(row_max.device)
+        out["max_weight_negative"] = nanmean(torch.where(neg, row_max, torch.full_like(row_max, float("nan"))))
+    return out

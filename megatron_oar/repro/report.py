@@ -153,6 +153,31 @@ def ablation(runs: list[dict], group: str) -> dict:
         for label, seeds in _by(runs, group).items()}
 
 
+def arm_table(runs: list[dict], paper: str = "paper", baseline: str = "grpo") -> dict:
+    """The ``arm`` group (``Grid.arms``): per arm, the final held-out accuracy, the area under
+    the curve, and both paired by seed against the arm ``paper`` (the ablation method's main run)
+    and against GRPO's main runs."""
+    arms = _by(runs, "arm")
+    grpo = _by(runs, "main").get(baseline, {})
+
+    def final(seeds):
+        return {s: _final(r["records"], "eval/accuracy") for s, r in seeds.items()}
+
+    def auc(seeds):
+        return {s: area_under_curve(_evals(r["records"])) for s, r in seeds.items()}
+
+    out = {}
+    for label, seeds in arms.items():
+        row = {"seeds": sorted(seeds), "accuracy": _interval_dict(mean_ci(list(final(seeds).values()))),
+               "auc": _interval_dict(mean_ci(list(auc(seeds).values())))}
+        for name, other in ((paper, arms.get(paper)), (baseline, grpo)):
+            if other and label != name:
+                row[f"accuracy_vs_{name}"] = _interval_dict(paired_diff_ci(final(seeds), final(other)))
+                row[f"auc_vs_{name}"] = _interval_dict(paired_diff_ci(auc(seeds), auc(other)))
+        out[label] = row
+    return out
+
+
 def loss_table(runs: list[dict]) -> dict:
     """``{label: {"method", "seeds", "accuracy", "pass_at_k", "accuracy_vs_ppo_clip",
     "pass_at_k_vs_ppo_clip"}}`` of the loss axis; the baseline of ``m / loss [+ correction]``
@@ -318,6 +343,14 @@ def render(report: dict) -> str:
                   "|---|---:|---:|---:|"]
         lines += [f"| {label} | {len(r['seeds'])} | {_cell(r['accuracy'])} | {_cell(r['pass_at_k'])} |"
                   for label, r in rows.items()]
+    if report.get("arms"):
+        lines += ["", "## Ablation arms (paired by seed against the arm `paper` and against GRPO)", "",
+                  "| arm | seeds | greedy accuracy, last step | vs paper | vs GRPO | area under the curve | "
+                  "vs paper | vs GRPO |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {label} | {len(r['seeds'])} | {_cell(r['accuracy'])} | "
+                  f"{_cell(r.get('accuracy_vs_paper'))} | {_cell(r.get('accuracy_vs_grpo'))} | "
+                  f"{_cell(r['auc'])} | {_cell(r.get('auc_vs_paper'))} | {_cell(r.get('auc_vs_grpo'))} |"
+                  for label, r in report["arms"].items()]
     if report.get("losses"):
         lines += ["", "## Policy losses and rollout correction (GRPO and OAR-G)", "",
                   f"| method / loss | seeds | greedy accuracy | vs ppo_clip (paired) | pass@{k} | "
@@ -381,6 +414,7 @@ def build(out: Path, settings: dict, aliases: list[dict] = ()) -> dict:
               "table1": table1(runs),
               "learning": learning(runs, settings.get("threshold", 0.6)),
               "ablations": {g: ablation(runs, g) for g in ("tau", "probe", "floor")},
+              "arms": arm_table(runs),
               "losses": loss_table(runs),
               "cost": cost(runs), "curves": curves(runs), "oracle": {}}
     for d in sorted((out / "oracle").glob("*/recall.json")):

@@ -46,6 +46,17 @@ TESTBEDS = {"chain": "tiny_chain_cpu.yaml", "credit": "tiny_credit_cpu.yaml"}  #
 METHODS = CREDIT_METHODS
 
 
+PAPER_ARM = "paper"  # the arm group's baseline: the ablation method's main run
+
+
+def _ablation_arms() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The issue-54 arms of OAR-G (``repro/lookahead.py: ARMS``, without ``credit=``)."""
+    from megatron_oar.repro.lookahead import ARMS
+
+    return tuple((label.removeprefix("oar_g "), tuple(o for o in ovr if not o.startswith("credit=")))
+                 for label, ovr in ARMS.items() if label.startswith("oar_g "))
+
+
 @dataclass
 class Grid:
     """What ``oar repro`` trains. The default fits 2 CPU cores in about an hour (measured figures
@@ -60,6 +71,9 @@ class Grid:
     floors: tuple[float, ...] = (0.1,)               # plus the default 0 (A.1.4)
     ablation_method: str = "oar_g"
     ablation_seeds: int = 1
+    # named arms of ablation_method (label, overrides): any setting, e.g. lookahead.ARMS's;
+    # reported beside its main run (the arm "paper") and GRPO, paired by seed
+    arms: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # the loss axis: these methods under each loss, and each correction (the main runs are
     # ppo_clip without correction), with loss_seeds seeds
     loss_methods: tuple[str, ...] = ("grpo", "oar_g")
@@ -105,6 +119,14 @@ GRIDS = {"default": Grid(),
                         steps=10, eval_interval=2, taus=(), probes=(), floors=(), losses=(),
                         corrections=(), loss_seeds=0, pass_k=4, pass_k_problems=50,
                         oracle_trajectories=40, oracle_control=True, threshold=0.7, testbed="credit"),
+         # the paper's Table 3 and the authors' choices in miniature on the credit testbed, and
+         # our sign-aware variant (issue 54): GRPO and OAR-G (the arm "paper") as the credit grid
+         # runs them, and OAR-G's arms (lookahead.ARMS), all 12 seeds, 10 steps. 96 runs: about
+         # 2.7 h on the 2-core machine at the credit grid's pace (99 min for 60 runs)
+         "credit-ablations": Grid(methods=("grpo", "oar_g"), seeds=12, steps=10, eval_interval=2, taus=(),
+                                  probes=(), floors=(), losses=(), corrections=(), loss_seeds=0,
+                                  ablation_seeds=12, arms=_ablation_arms(), pass_k=4, pass_k_problems=50,
+                                  oracle_trajectories=40, threshold=0.7, testbed="credit"),
          # the test suite's credit grid (tests/test_repro.py): tiny's main runs on the credit
          # testbed, no ablations (tiny has them), the oracle with the default probe only
          "tiny-credit": Grid(methods=("grpo", "oar_g"), seeds=2, steps=2, eval_interval=1, taus=(),
@@ -139,14 +161,23 @@ def grid(g: Grid) -> list[RunSpec]:
                  for p in g.probes]
         runs += [RunSpec(f"{m}_floor{f}_s{s}", "floor", f"floor={f}", m, s, (f"shaping.floor={f}",))
                  for f in g.floors]
+        runs += [RunSpec(f"{m}_{arm_slug(label)}_s{s}", "arm", label, m, s, tuple(o)) for label, o in g.arms]
     return runs
+
+
+def arm_slug(label: str) -> str:
+    """A run directory's name for an arm's label (``tau=0 (boost-only)`` -> ``tau0_boost-only``)."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", label.replace("=", "")).strip("_")
 
 
 def _baselines(runs: list[RunSpec], g: Grid) -> list[RunSpec]:
     """The main runs that double as the ablations' default setting (tau 0.4, answer_mean, floor 0)
     and as the loss axis's ``ppo_clip`` rows."""
     groups = [(group, label) for group, label, values in (
-        ("tau", "tau=0.4", g.taus), ("probe", "answer_mean", g.probes), ("floor", "floor=0", g.floors))
+        ("tau", "tau=0.4", g.taus), ("probe", "answer_mean", g.probes), ("floor", "floor=0", g.floors),
+        ("arm", PAPER_ARM, g.arms))
         if values]
     out = [RunSpec(r.name, group, label, r.method, r.seed, ()) for r in runs for group, label in groups
            if r.group == "main" and r.method == g.ablation_method and r.seed < g.ablation_seeds]
@@ -377,9 +408,13 @@ def _axes(s: dict) -> str:
         out += f"; the loss axis: {', '.join(s['loss_methods'])} {', '.join(what)} x {s['loss_seeds']} seeds"
     if s.get("taus") or s.get("probes") or s.get("floors"):
         out += f"; ablations of {s['ablation_method']} with {s['ablation_seeds']} seed(s)"
+    if s.get("arms"):
+        out += (f"; {s['ablation_method']}'s arms {', '.join(a[0] for a in s['arms'])} x "
+                f"{s['ablation_seeds']} seed(s)")
     return out
 
 
+PUBLISH_NAMES = {"credit-ablations": "repro-credit-ablations"}  # grids with a page of their own
 KEEP = "<!-- oar repro --publish writes everything below this line -->"
 TITLES = {"chain": "the paper in miniature on the chain testbed",
           "credit": "the credit testbed (few pivots among much filler)"}
@@ -446,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     run(args.out, g, config=args.config, jobs=args.jobs, report_only=args.report_only)
     if args.publish:
         publish(args.out, args.publish, "oar repro " + " ".join(argv if argv is not None else sys.argv[1:]),
-                name="repro" if g.testbed == "chain" else f"repro-{g.testbed}")
+                name=PUBLISH_NAMES.get(args.grid) or ("repro" if g.testbed == "chain" else f"repro-{g.testbed}"))
     return 0
 
 

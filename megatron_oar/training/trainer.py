@@ -54,6 +54,7 @@ from megatron_oar.seeds import RANDOM_CREDIT, derive_seed
 from megatron_oar.testing import faults
 from megatron_oar.training import step_checkpoint as ckpt
 from megatron_oar.training.collect import collect, prefetch
+from megatron_oar.training.credit_records import record_rows, write_credit_records
 from megatron_oar.training.dp_split import dp_assignment
 from megatron_oar.training.evaluate import evaluate, load_eval_examples
 from megatron_oar.training.inputs import TrainBatch, build_train_batch, load_examples
@@ -290,6 +291,8 @@ class Trainer:
                                entropy=batch.entropy, score_mask=score_mask,
                                generator=self._generator())
         batch.advantages = credit.advantages
+        if cfg.log.credit_records and n % cfg.log.credit_records == 0:
+            self._record_credit(n, data.samples, batch, credit, importance, score_mask)
 
         with self.phase("update", n):
             updates = self.update(batch, routing)
@@ -300,6 +303,16 @@ class Trainer:
                             sync_seconds=sync.seconds,
                             sync_gib_per_rank=sync.max_received_bytes / 2**30, lengths=lengths, split=split, t0=t0,
                             routing=routing) | self._placement_metrics(data)
+
+    def _record_credit(self, n: int, samples, batch: TrainBatch, credit, importance, score_mask) -> None:
+        """``log.credit_records``: this DP replica's rollouts of step ``n`` with their credit
+        (``training/credit_records.py``), written by its first TP rank on the last stage."""
+        if ps.get_tensor_model_parallel_rank() != 0 or not ps.is_pipeline_last_stage():
+            return
+        rows = record_rows(samples, batch, credit, importance=importance, score_mask=score_mask,
+                           tokenizer=self.tokenizer, step=n, method=self.cfg.credit,
+                           shaping=self.cfg.shaping)
+        write_credit_records(self.cfg.run_dir, n, ps.get_data_parallel_rank(), rows)
 
     def _placement_metrics(self, data) -> dict[str, float]:
         """``rollout.placement=separate``: how many updates old the step's samples are (the
