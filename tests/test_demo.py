@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -76,7 +77,6 @@ def test_sft_warmup_prints_progress_by_the_clock(tmp_path, capsys):
     """Off a terminal ``oar demo`` passes ``progress_s``: a line (step, loss, elapsed) as soon as
     that many seconds have passed since the last one; a fake clock 4 s per step."""
     import itertools
-    import re
 
     hf = demo_model.make_demo_model(tmp_path / "tiny")
     ticks = itertools.count(0, 4)
@@ -90,15 +90,26 @@ def test_sft_warmup_prints_progress_by_the_clock(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_demo_runs_end_to_end(tmp_path, capsys):
+def test_demo_runs_end_to_end(tmp_path, capfd):
     from transformers import AutoConfig
 
     from megatron_oar.cli import main
 
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "--steps", "2", "--sft-steps", "40"]) == 0
-    printed = capsys.readouterr().out
+    printed, errors = capfd.readouterr()  # the torchrun ranks' output too
     assert "reward curve" in printed and "held-out greedy accuracy" in printed
+    # the console (issue 53): one line per step, the phase split in it, no phase lines of their
+    # own (log.level=debug), no warnings a user cannot act on
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in printed + errors and "MEMBIND" not in printed + errors
+    lines = printed.splitlines()
+    for step in (1, 2):
+        mine = [line for line in lines if line.startswith(f"step {step}/2")]
+        assert len(mine) == 1 and "time " in mine[0], mine
+    phase = re.compile(r"(step \d+/\d+ )?(wake_weights|sync|wake_kv_cache|generate|sleep|logprob|"
+                       r"attribution|update) \d+(\.\d+)?s")
+    assert not any(phase.match(line) for line in lines), lines
+    assert not any("Warning" in line for line in lines), lines
     records = [json.loads(line) for line in (out / "run" / "logs" / "metrics.jsonl").open()]
     assert [r["step"] for r in records] == [0, 1, 2]
     assert "eval/accuracy" in records[0] and "eval/accuracy" in records[2]
