@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_oar.models import QwenArch
-from megatron_oar.rollout.transfer import ALIGN, recv_object, send_object
+from megatron_oar.rollout.transfer import ALIGN, recv_buckets, send_object
 from megatron_oar.rollout.weight_sync import (
     SyncEntry,
     WeightBucket,
@@ -233,18 +233,7 @@ def recv_stages(roles, device: torch.device, end: dict) -> Iterator[WeightBucket
     :class:`WeightBucket`s of views into one received buffer each (``received_pp`` counts the
     bytes). Fills ``end`` with the last stage's end marker (the version)."""
     for control, data in zip(roles.senders, roles.senders_device):
-        while True:
-            header = recv_object(control, 0)
-            if header.get("end"):
-                end.update(header)
-                break
-            flat = torch.empty(header["total"], dtype=torch.uint8, device=device)
-            data.broadcast(flat, 0)
-            tensors = [(name, flat[offset:offset + nbytes].view(dtype).view(shape))
-                       for name, dtype, shape, offset, nbytes in header["entries"]]
-            nbytes = sum(e[4] for e in header["entries"])
-            yield WeightBucket(tensors=tensors, nbytes=nbytes, sources=header["sources"],
-                               received_pp=header["total"])
+        yield from recv_buckets(control, data, device, end)  # each stage's, as transfer sends them
 
 
 def sum_counts(counts: dict[str, int], group) -> dict[str, int]:
