@@ -350,19 +350,21 @@ def test_oar_train_validates_the_config_for_its_world_before_torchrun(capsys, mo
 
 
 _EXIT_WITH = """
-import os, sys
+import os, sys, time
 with open(sys.argv[1], "a") as f:  # one line per start of a rank
     f.write(os.environ["RANK"] + "\\n")
+if os.environ["RANK"] == "1":  # a rank slower to fail: the agent stops it (its "closing signal" record)
+    time.sleep(float(sys.argv[3]))
 sys.exit(int(sys.argv[2]))
 """
 
 
-def _torchrun(tmp_path, code: int) -> tuple[subprocess.CompletedProcess, int]:
-    script, starts = tmp_path / "rank.py", tmp_path / f"starts{code}"
+def _torchrun(tmp_path, code: int, slow_s: float = 0.0) -> tuple[subprocess.CompletedProcess, int]:
+    script, starts = tmp_path / "rank.py", tmp_path / f"starts{code}_{slow_s}"
     script.write_text(_EXIT_WITH)
     r = subprocess.run([sys.executable, "-m", "megatron_oar.commands.torchrun", "--standalone",
                         "--nproc-per-node=2", "--max-restarts=2", "--monitor-interval=0.1", str(script),
-                        str(starts), str(code)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                        str(starts), str(code), str(slow_s)], capture_output=True, text=True, timeout=300, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     return r, len(starts.read_text().split())
 
@@ -371,13 +373,17 @@ def _torchrun(tmp_path, code: int) -> tuple[subprocess.CompletedProcess, int]:
 def test_torchrun_never_restarts_a_config_error(tmp_path):
     """commands/torchrun.py: a rank that exits 2 (a config error) stops the group at once, with
     one line and exit 2 instead of torchrun's restarts and ChildFailedError report; any other
-    failure is restarted as torchrun does. Cost: two torchrun launches of trivial ranks (~10 s)."""
-    r, starts = _torchrun(tmp_path, 2)
-    assert r.returncode == 2 and starts <= 2, (starts, r.stderr)  # 2 ranks, started once
-    # one line: no restart, no ChildFailedError report, no torchrun "failed (exitcode: 2)" record
-    lines = r.stderr.splitlines()
-    assert len(lines) == 1 and re.fullmatch(r"oar train: stopped on the config error above \(rank "
-                                            r"(0|1|0, 1) exited 2\); not restarted", lines[0]), r.stderr
+    failure is restarted as torchrun does. Cost: three torchrun launches of trivial ranks (~15 s)."""
+    # both ranks fail at once, or rank 1 much later (the agent then stops it: under load it
+    # happened with the first too)
+    for slow_s in (0.0, 30.0):
+        r, starts = _torchrun(tmp_path, 2, slow_s)
+        assert r.returncode == 2 and starts <= 2, (starts, r.stderr)  # 2 ranks, started once
+        # one line: no restart, no ChildFailedError report, no torchrun "failed (exitcode: 2)"
+        # record, no "closing signal" record for the rank stopped
+        lines = r.stderr.splitlines()
+        assert len(lines) == 1 and re.fullmatch(r"oar train: stopped on the config error above \(rank "
+                                                r"(0|1|0, 1) exited 2\); not restarted", lines[0]), r.stderr
     # (the agent stops the other rank once one failed: it may not have started its script)
     r, starts = _torchrun(tmp_path, 3)
     assert r.returncode == 1 and starts >= 3, (starts, r.stderr)  # the first start + 2 restarts

@@ -16,7 +16,9 @@ report, exit status 1).
 torchrun has no switch for this: its agent (``SimpleElasticAgent._invoke_run`` in
 ``torch/distributed/elastic/agent/server/api.py``, torch 2.13) restarts a failed group while
 ``_remaining_restarts > 0`` whatever the exit status, so :func:`no_restart_on_config_error` wraps
-``LocalElasticAgent._monitor_workers``, which reports each failed rank's exit status.
+``LocalElasticAgent._monitor_workers``, which reports each failed rank's exit status, and
+``SubprocessContext._close`` (in ``torch/distributed/elastic/multiprocessing/api.py``), whose
+"closing signal" records for the other ranks it drops after a config error.
 """
 
 from __future__ import annotations
@@ -33,12 +35,18 @@ def config_error_ranks(failures: dict) -> list[int]:
 
 
 class _ConfigErrorExit(logging.Filter):
-    """Drops torchrun's "failed (exitcode: 2) local_rank: ..." record: the rank printed its config
-    error and the launcher says it stopped on it; every other exit status is still logged."""
+    """Drops torchrun's "failed (exitcode: 2) local_rank: ..." record (the rank printed its config
+    error and the launcher says it stopped on it) and, once a rank exited on a config error, its
+    "Sending process ... closing signal SIGTERM" records for the ranks still running (a rank that
+    was slower to read the config); every other exit status and shutdown is still logged."""
+
+    seen = False  # a rank exited on a config error (set by no_restart_on_config_error's _close)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg.startswith("failed (exitcode: %s)") and record.args
-                    and record.args[0] == EXIT_CONFIG)
+        msg = str(record.msg)
+        if msg.startswith("failed (exitcode: %s)") and record.args and record.args[0] == EXIT_CONFIG:
+            return False
+        return not (_ConfigErrorExit.seen and msg.startswith("Sending process %s closing signal"))
 
 
 def no_restart_on_config_error() -> None:
@@ -46,6 +54,7 @@ def no_restart_on_config_error() -> None:
     with :data:`EXIT_CONFIG`; idempotent."""
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
     failures = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     if not any(isinstance(f, _ConfigErrorExit) for f in failures.filters):
@@ -63,6 +72,18 @@ def no_restart_on_config_error() -> None:
 
     _monitor_workers._oar_config_errors = True
     LocalElasticAgent._monitor_workers = _monitor_workers
+
+    # the workers' context stops the ranks still running once one failed (``_close``, logging
+    # "Sending process ... closing signal"): the failed rank has exited by then, so its status
+    # says whether that was a config error
+    close = SubprocessContext._close
+
+    def _close(self, *args, **kwargs):
+        if any(h.proc.poll() == EXIT_CONFIG for h in self.subprocess_handlers.values()):
+            _ConfigErrorExit.seen = True
+        return close(self, *args, **kwargs)
+
+    SubprocessContext._close = _close
 
 
 def main(argv: list[str] | None = None) -> int:
