@@ -34,26 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from megatron_oar.fileio import atomic_write_text
+from megatron_oar.repro import credit_arms
 from megatron_oar.repro.stats import mean_ci, paired_diff_ci
 
-# arm -> config overrides. The paper's Table 3 and the authors' choices on OAR-G, and our
-# sign-aware variant (shaping.variant, docs/algorithms.md). The LT-Logits warm-up for the
-# answer_mean probe (paper Sec. 6.2) runs the last_token probe for its first steps; its length is
-# not given in the paper: 3 steps here (in a 1-step lookahead, every step)
-ARMS: dict[str, tuple[str, ...]] = {
-    "grpo": ("credit=grpo",),
-    "random": ("credit=random",),
-    "entropy": ("credit=entropy",),
-    "oar_g": ("credit=oar_g",),
-    "oar_p_screened": ("credit=oar_p_screened",),
-    "oar_p": ("credit=oar_p",),
-    "oar_g tau=0 (boost-only)": ("credit=oar_g", "shaping.tau=0.0"),
-    "oar_g tau=1 (suppress-only)": ("credit=oar_g", "shaping.tau=1.0"),
-    "oar_g beta=0 (no boost)": ("credit=oar_g", "shaping.beta=0.0"),
-    "oar_g floor=0.1 (authors' code)": ("credit=oar_g", "shaping.floor=0.1"),
-    "oar_g LT-Logits warm-up": ("credit=oar_g", "attribution.probe.warmup_steps=3"),
-    "oar_g sign_aware (ours)": ("credit=oar_g", "shaping.variant=sign_aware"),
-}
+ARMS = credit_arms.ARMS  # the credit schemes and settings compared (repro/credit_arms.py)
 RUNS = "lookahead"  # the runs' directory in --out (not oar repro's runs/: the two can share an out dir)
 DEFAULT_ARMS = ("grpo", "oar_g", "oar_g tau=0 (boost-only)", "oar_g tau=1 (suppress-only)",
                 "oar_g beta=0 (no boost)", "oar_g floor=0.1 (authors' code)",

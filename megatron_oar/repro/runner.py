@@ -50,8 +50,8 @@ PAPER_ARM = "paper"  # the arm group's baseline: the ablation method's main run
 
 
 def _ablation_arms() -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """The issue-54 arms of OAR-G (``repro/lookahead.py: ARMS``, without ``credit=``)."""
-    from megatron_oar.repro.lookahead import ARMS
+    """The issue-54 arms of OAR-G (``repro/credit_arms.py: ARMS``, without ``credit=``)."""
+    from megatron_oar.repro.credit_arms import ARMS
 
     return tuple((label.removeprefix("oar_g "), tuple(o for o in ovr if not o.startswith("credit=")))
                  for label, ovr in ARMS.items() if label.startswith("oar_g "))
@@ -71,7 +71,7 @@ class Grid:
     floors: tuple[float, ...] = (0.1,)               # plus the default 0 (A.1.4)
     ablation_method: str = "oar_g"
     ablation_seeds: int = 1
-    # named arms of ablation_method (label, overrides): any setting, e.g. lookahead.ARMS's;
+    # named arms of ablation_method (label, overrides): any setting, e.g. credit_arms.ARMS's;
     # reported beside its main run (the arm "paper") and GRPO, paired by seed
     arms: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # the loss axis: these methods under each loss, and each correction (the main runs are
@@ -121,7 +121,7 @@ GRIDS = {"default": Grid(),
                         oracle_trajectories=40, oracle_control=True, threshold=0.7, testbed="credit"),
          # the paper's Table 3 and the authors' choices in miniature on the credit testbed, and
          # our sign-aware variant (issue 54): GRPO and OAR-G (the arm "paper") as the credit grid
-         # runs them, and OAR-G's arms (lookahead.ARMS), all 12 seeds, 10 steps. 96 runs: about
+         # runs them, and OAR-G's arms (credit_arms.ARMS), all 12 seeds, 10 steps. 96 runs: about
          # 2.7 h on the 2-core machine at the credit grid's pace (99 min for 60 runs)
          "credit-ablations": Grid(methods=("grpo", "oar_g"), seeds=12, steps=10, eval_interval=2, taus=(),
                                   probes=(), floors=(), losses=(), corrections=(), loss_seeds=0,
