@@ -10,8 +10,8 @@ longest-response search against the FITS line, chosen token budgets at their bou
 in `oar train`'s start), exact OAR-P's cost warning at its threshold (about 5 s together, no
 processes). Context parallelism: per-rank activations, the K/V traffic by hand, DP and the
 optimizer's shards with CP, the CP knob and advice only where the credit runs under CP, and
-`oar train`'s budget under CP (about 10 s together, no processes). Cost: the fast tests about 20 s on 2 cores (the meta-device builds about 2 s); the
-slow one runs in one pooled world of 4 gloo ranks (about 10 s).
+`oar train`'s budget under CP (about 10 s together, no processes). Cost: the fast tests about
+30 s on 2 cores (the meta-device builds about 2 s); the slow one runs in one pooled world of 4 gloo ranks (about 10 s).
 """
 
 from __future__ import annotations
