@@ -785,7 +785,8 @@ def test_cp_kv_traffic_by_hand():
         assert plan.layout["dp"] == 2 and plan.cp["row_layer_mib"] * 2 ** 20 == row_layer
         for k, u in units.items():
             assert plan.cp["step_gib"][k] * 2 ** 30 == pytest.approx(u * rows * a.num_layers * row_layer, rel=1e-12)
-            assert plan.cp["seconds"][k] == pytest.approx(plan.cp["step_gib"][k] * 2 ** 30 / 360e9, rel=1e-12)
+            nvlink = P.Hardware().intra_node_gb_s * 1e9
+            assert plan.cp["seconds"][k] == pytest.approx(plan.cp["step_gib"][k] * 2 ** 30 / nvlink, rel=1e-12)
     assert not ring.cp["exposed"] and local.cp["exposed"]
     for k in units:
         assert local.time_s[k] - ring.time_s[k] == pytest.approx(local.cp["seconds"][k], rel=1e-9)
