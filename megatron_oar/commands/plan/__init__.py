@@ -8,10 +8,12 @@ preset, :mod:`megatron_oar.models.presets`); nothing is allocated. One file per 
   ``GPTModel`` shards them; the model's total and active parameters.
 * :mod:`.moe`: what a mixture-of-experts layer changes (experts per rank, expert DP, its
   activations, the dispatcher's bytes).
-* :mod:`.activations`: what each Megatron pass keeps on the GPU.
+* :mod:`.activations`: what each Megatron pass keeps on the GPU (under context parallelism, a
+  rank's ``1/CP`` of each row plus the K/V it gathers).
 * :mod:`.memory`: memory per GPU in each phase of the trainer's loop (Megatron's resident
   state, the phase's working set, what vLLM holds then, the reserve).
-* :mod:`.step_time`: time per phase of a step (FLOPs at a stated MFU, decode by a roofline).
+* :mod:`.step_time`: time per phase of a step (FLOPs at a stated MFU, decode by a roofline,
+  context parallelism's K/V exchange).
 * :mod:`.budget_search` and :mod:`.budgets`: the searches (largest token budget that fits, longest
   response) and the token budgets sized by the memory model (``oar train`` chooses with them too).
 * :mod:`.planner`: one config's :class:`Plan`: the above put together, the verdict, the advice,

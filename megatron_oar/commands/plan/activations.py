@@ -30,6 +30,17 @@ takes the largest of them):
 - OAR-P: forward only, ``attribution.max_tokens_per_copy_micro_batch`` tokens of masked
   copies (``padded``: ``attribution.perturb_micro_batch_size`` copies), one layer at a time.
 - screened OAR-P: OAR-G's activations, then OAR-P's (the larger of the two).
+- context parallelism (``parallel.cp``, ``models/context_parallel.py``): a row's tokens are
+  split over the CP ranks, each running ``padded row / CP`` of them (:func:`cp_local_tokens`),
+  so every per-layer term and the logits are taken at that length. Attention adds the K/V of
+  other ranks' tokens (:func:`cp_kv_bytes`): under the local spec's SDPA each rank gathers the
+  whole row's K/V of the layer it runs (``2 x kv_heads/TP x head_dim x 2 bytes x s``), and in
+  the backward their gradient as much again; SDPA saves the gathered K/V for the backward, so
+  without recompute every layer keeps it. Under the TE spec (ring attention, p2p) a rank holds
+  two blocks of ``s / CP`` tokens' K/V at a time (the one it attends to and the one arriving),
+  and in the backward their gradients. The per-token values gathered back to the whole row
+  (log-prob and entropy, fp32) add ``8 x s`` bytes per row. The attribution passes do not run
+  under CP (refused by the config), so they are sized as at ``CP = 1``.
 """
 
 from __future__ import annotations
@@ -76,16 +87,48 @@ def _one_layer_act_bytes(a: QwenArch, s: int, b: float, tp: int, sp: bool, flash
     return moe if all(a.moe_layers) else max(moe, dense)
 
 
+def cp_local_tokens(s: int, cp: int) -> int:
+    """The tokens one CP rank runs of a row of ``s``: the row padded to a multiple of ``2 x CP``,
+    over ``CP`` (``s`` itself at ``CP = 1``)."""
+    return s if cp == 1 else math.ceil(s / (2 * cp)) * 2
+
+
+def kv_bytes_per_token(a: QwenArch, tp: int) -> int:
+    """K and V of one token in one layer per TP rank, 16-bit."""
+    return 2 * max(1, a.num_kv_heads // tp) * a.head_dim * 2
+
+
+def cp_kv_bytes(a: QwenArch, *, s: int, b: float, tp: int, cp: int, ring: bool, backward: bool) -> float:
+    """The K/V (and in a ``backward`` their gradients) a CP rank holds beyond its own while one
+    layer runs on ``b`` rows of ``s`` tokens: the whole rows' (local spec, SDPA over the
+    all-gathered K/V) or two blocks of ``s / CP`` tokens (``ring``: TE's p2p). 0 at ``CP = 1``."""
+    if cp == 1:
+        return 0.0
+    held = 2 * cp_local_tokens(s, cp) if ring else s
+    return kv_bytes_per_token(a, tp) * held * b * (2 if backward else 1)
+
+
+def cp_gathered_bytes(s: int, b: float, cp: int) -> float:
+    """The per-token log-probs and entropies (fp32) gathered back to whole rows under CP."""
+    return 0.0 if cp == 1 else 8.0 * s * b
+
+
 def update_activation_bytes(a: QwenArch, *, s: int, b: float, tp: int, pp: int, sp: bool,
                             flash: bool, recompute: str | None, microbatches: int,
-                            etp: int = 1) -> float:
+                            etp: int = 1, cp: int = 1, ring: bool = True) -> float:
+    """Bytes the update keeps for ``b`` rows of ``s`` tokens per micro-batch (``cp``: split over
+    that many CP ranks, ``ring``: TE's ring attention, else the local spec's gathered K/V)."""
     layers = a.num_layers // pp
     in_flight = min(pp, microbatches)
+    sl = cp_local_tokens(s, cp)
+    kv = cp_kv_bytes(a, s=s, b=b, tp=tp, cp=cp, ring=ring, backward=True)  # one layer at a time
     if recompute == "full":
-        kept = 2 * a.hidden_size * s * b / (tp if sp else 1) * layers * in_flight
-        return kept + _one_layer_act_bytes(a, s, b, tp, sp, flash, etp)
+        kept = 2 * a.hidden_size * sl * b / (tp if sp else 1) * layers * in_flight
+        return kept + _one_layer_act_bytes(a, sl, b, tp, sp, flash, etp) + kv
+    if cp > 1 and not ring and recompute is None:  # SDPA saves every layer's gathered K/V
+        kv += kv_bytes_per_token(a, tp) * (s - sl) * b * layers * in_flight
     flash = flash or recompute == "selective"
-    return _stage_act_bytes(a, s, b, tp, pp, sp, flash, etp) * in_flight
+    return _stage_act_bytes(a, sl, b, tp, pp, sp, flash, etp) * in_flight + kv
 
 
 def logits_bytes(a: QwenArch, s: int, b: float, tp: int, vocab_multiple: int, chunk: int = 0) -> float:
@@ -115,14 +158,28 @@ def _act_setup(cfg):
     return par.tp, par.pp, par.sequence_parallel, flash, par.tp if par.etp is None else par.etp
 
 
+def cp_setup(cfg) -> tuple[int, bool]:
+    """``(cp, ring)``: the CP size and whether attention is TE's ring (the TE spec's attention;
+    ``model.spec: auto`` plans for a GPU cluster, where it is the TE spec) rather than SDPA over
+    the all-gathered K/V."""
+    from megatron_oar.models.builder import resolve_attention
+
+    m = cfg.model
+    return cfg.parallel.cp, resolve_attention(m.attention, "local" if m.spec == "local" else "te") == "te"
+
+
 def _train_activations(cfg, a: QwenArch, *, s: int, mbs: float, microbatches: int) -> tuple[float, float]:
     """``(update, old-logprob)`` activation bytes for micro-batches of ``mbs`` full-length rows."""
     tp, pp, sp, flash, etp = _act_setup(cfg)
+    cp, ring = cp_setup(cfg)
     chunk, vm = cfg.train.logits_chunk_tokens, cfg.model.vocab_multiple
+    sl = cp_local_tokens(s, cp)  # this rank's tokens of each row
+    logits = logits_bytes(a, sl, mbs, tp, vm, chunk) + cp_gathered_bytes(s, mbs, cp)
     update = update_activation_bytes(a, s=s, b=mbs, tp=tp, pp=pp, sp=sp, flash=flash,
-                                     recompute=cfg.model.recompute, microbatches=microbatches, etp=etp)
-    update += logits_bytes(a, s, mbs, tp, vm, chunk)
-    forward = _one_layer_act_bytes(a, s, mbs, tp, sp, flash, etp) + logits_bytes(a, s, mbs, tp, vm, chunk)
+                                     recompute=cfg.model.recompute, microbatches=microbatches, etp=etp,
+                                     cp=cp, ring=ring) + logits
+    forward = (_one_layer_act_bytes(a, sl, mbs, tp, sp, flash, etp) + logits
+               + cp_kv_bytes(a, s=s, b=mbs, tp=tp, cp=cp, ring=ring, backward=False))
     return update, forward
 
 

@@ -39,12 +39,12 @@ def budget_specs(cfg, a: QwenArch, *, world: int, hw: Hardware) -> tuple[list[Bu
     left to the training budget as before) and OAR-P's copies."""
     par, t = cfg.parallel, cfg.train
     world = cfg.rollout.training_world_size(world)  # rollout.placement=separate: the GPUs that train
-    dp = world // (par.tp * par.pp)
+    dp = world // (par.tp * par.pp * par.cp)  # the CP ranks of a DP rank share its rows
     s = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     samples = t.prompts_per_step * t.group_size
     rows = samples // t.mini_batches // dp  # per rank per optimizer step
     experts = plan_moe.expert_layout(a, world, par.tp, par.pp, par.ep, par.etp)
-    base = (sum(_resident_memory(cfg, a, dp, experts["edp"]).values())
+    base = (sum(_resident_memory(cfg, a, dp * par.cp, experts["edp"]).values())
             + _vllm_memory(cfg, a, hw, world=world, samples=samples)["asleep"] + hw.reserve_gib * GIB)
     specs = []
     if t.batching != "padded":

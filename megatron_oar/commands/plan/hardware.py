@@ -20,3 +20,6 @@ class Hardware:
     # the separate placement's weight broadcast (training rank 0 -> rollout ranks): one
     # 400 Gb/s NIC at 80%, as an InfiniBand NDR link per GPU would give
     net_gb_s: float = 40.0
+    # inside a node: context parallelism's K/V all-gather (and its gradients' reduce-scatter)
+    # over NVLink 4, 450 GB/s per direction per H100 SXM, at 80%
+    intra_node_gb_s: float = 360.0

@@ -6,7 +6,9 @@ Per GPU it adds up:
   :mod:`megatron_oar.commands.plan.params`). Bytes per parameter as in Megatron-LM's
   distributed-optimizer notes (docs/source/api-guide/dist_optimizer.md): bf16/fp16 weights 2 +
   fp32 gradient buffer 4 (``grad_reduce_in_fp32``) + Adam state 12 (fp32 master, m, v) divided by
-  DP with the distributed optimizer; fp32 weights 4 + 4 + 8. FP8 adds TE's 1-byte weight copy and
+  DP x CP with the distributed optimizer (context parallelism splits sequences, not weights: the
+  CP ranks of a DP rank hold the same weights and gradients, and megatron shards the optimizer
+  over the DP x CP group); fp32 weights 4 + 4 + 8. FP8 adds TE's 1-byte weight copy and
   its transpose (2 bytes per linear weight). A reference model (``loss.kl_coef > 0``) adds one
   more copy of the weights. A MoE model's experts keep their Adam state sharded over the
   expert-data-parallel group (:mod:`megatron_oar.commands.plan.moe`).
@@ -49,7 +51,7 @@ VLLM_ASLEEP_GIB = 1.0    # what a sleeping engine keeps on the GPU
 def _resident_memory(cfg, a: QwenArch, dp: int, edp: int = 1) -> dict[str, float]:
     """Bytes per GPU of Megatron's resident state on the heaviest pipeline stage. A MoE model's
     expert parameters keep their Adam state sharded over the expert-data-parallel group
-    (``edp``), the others over DP."""
+    (``edp``), the others over ``dp`` (the caller's DP x CP)."""
     m, par = cfg.model, cfg.parallel
     wbytes = 4 if m.dtype == "fp32" else 2
     opt_bytes = 12 if wbytes == 2 else 8

@@ -27,7 +27,7 @@ from megatron_oar.commands.plan.memory import (
     trainer_phases,
 )
 from megatron_oar.commands.plan.params import active_params, stage_param_split, total_params
-from megatron_oar.commands.plan.step_time import estimate_time
+from megatron_oar.commands.plan.step_time import cp_kv_traffic, estimate_time
 from megatron_oar.models import QwenArch, parse_arch
 from megatron_oar.models.families import family_of
 from megatron_oar.rollout.stage_send import largest_unit_bytes, separate_sync_traffic
@@ -52,6 +52,7 @@ class Plan:
     time_s: dict = field(default_factory=dict)       # per step, by phase
     hardware: dict = field(default_factory=dict)
     budgets: dict = field(default_factory=dict)      # token budgets: tokens, chosen (keys), phase_gib
+    cp: dict = field(default_factory=dict)           # parallel.cp > 1: the K/V exchange (step_time.cp_kv_traffic)
     longest_response_tokens: int | None = None      # the longest response that fits (--response-tokens)
     warnings: list = field(default_factory=list)
     fits: bool = True
@@ -89,7 +90,7 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     budgets = choose_token_budgets(cfg, hf_config, world=gpus, hw=hw, source=source)
     cfg = with_budgets(cfg, budgets.tokens)  # the unset ones chosen, the set ones kept
     m, par, t, r = cfg.model, cfg.parallel, cfg.train, cfg.rollout
-    dp = world // (par.tp * par.pp)
+    dp = world // (par.tp * par.pp * par.cp)  # the CP ranks of a DP rank share its rows
     prompt = prompt_tokens if prompt_tokens is not None else cfg.data.max_prompt_tokens
     resp = response_tokens if response_tokens is not None else r.max_new_tokens
     s = prompt + resp
@@ -98,7 +99,7 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     microbatches = _train_microbatches(cfg, rows=rows, s=s)
 
     experts = plan_moe.expert_layout(a, world, par.tp, par.pp, par.ep, par.etp)
-    mem = _resident_memory(cfg, a, dp, experts["edp"])
+    mem = _resident_memory(cfg, a, dp * par.cp, experts["edp"])
     resident = sum(mem.values())
     act = _activation_memory(cfg, a, s=s, dp=dp, samples=samples, microbatches=microbatches)
     mem.update({f"activations: {k}": v for k, v in act.items()})
@@ -113,7 +114,7 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
         source=source, params_b=total_params(a) / 1e9, active_params_b=active_params(a) / 1e9,
         layout={"nodes": nodes, "gpus": gpus, "training_gpus": world, "placement": r.placement,
                 "rollout_gpus": r.ranks if r.separate else world, "max_staleness": r.max_staleness,
-                "tp": par.tp, "pp": par.pp, "dp": dp,
+                "tp": par.tp, "pp": par.pp, "cp": par.cp, "dp": dp,
                 "sequence_parallel": par.sequence_parallel, "recompute": m.recompute, "fp8": m.fp8,
                 "rollout_tp": r.tp, "engines": v["engines"], "seq_len": s, "sleep_level": r.sleep_level,
                 "micro_batches_per_rank": microbatches,
@@ -140,7 +141,10 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
     plan.flops, plan.time_s = estimate_time(
         cfg, a, hw, world=world, samples=samples, prompt=prompt, resp=resp,
         longest=cfg.data.max_prompt_tokens + r.max_new_tokens, engines=v["engines"],
-        concurrent=max(1, v["concurrent"]), kv_per_token=v["kv_per_token"], vllm_weights=v["weights"])
+        concurrent=max(1, v["concurrent"]), kv_per_token=v["kv_per_token"], vllm_weights=v["weights"],
+        gpus_per_node=gpus_per_node)
+    plan.cp = cp_kv_traffic(cfg, a, hw, world=world, samples=samples, s=s, gpus_per_node=gpus_per_node,
+                            longest=cfg.data.max_prompt_tokens + r.max_new_tokens)
     if r.separate:
         plan.time_s = separate_step_time(plan.time_s, r.max_staleness,
                                          broadcast_s=total_params(a) * 2 / (hw.net_gb_s * 1e9))
@@ -315,6 +319,14 @@ def _verdict(plan: Plan, cfg, hw: Hardware, v: dict[str, float]) -> None:
                             f"{r.max_model_len}")
 
 
+def cp_refusals(cfg) -> list[str]:
+    """What in ``cfg`` does not run under context parallelism yet (the config's own refusals,
+    ``config._cp_unsupported``): empty when ``parallel.cp > 1`` would run."""
+    from megatron_oar.config import _cp_unsupported
+
+    return _cp_unsupported(cfg)
+
+
 def _advice(plan, cfg, mem, act_update, act_attr) -> list[str]:
     tips = []
     if plan.train_peak_gib >= plan.rollout_peak_gib:
@@ -332,6 +344,12 @@ def _advice(plan, cfg, mem, act_update, act_attr) -> list[str]:
             tips.append("a smaller train.micro_batch_size")
         if cfg.train.batching != "padded" and cfg.micro_batch_tokens > s:
             tips.append(f"a smaller train.max_tokens_per_micro_batch (now {cfg.micro_batch_tokens} tokens)")
+        if cfg.parallel.cp == 1:
+            why = cp_refusals(cfg) + (["a mixture-of-experts model"] if plan.moe else [])
+            tips.append("parallel.cp=2 or 4 (each rank runs 1/CP of a row)" if not why else
+                        f"not parallel.cp yet: it does not run with {'; '.join(why)} (needs attribution "
+                        "under CP, issue 50)" if cfg.uses_attribution else
+                        f"not parallel.cp yet: it does not run with {'; '.join(why)}")
     else:
         tips.append("a smaller rollout.gpu_memory_utilization (if the KV cache still holds a "
                     "sequence)")

@@ -7,7 +7,14 @@ import copy
 
 from megatron_oar.commands.plan.budget_search import ATTRIBUTION_BUDGET, COPY_BUDGET, TRAIN_BUDGET, at_length
 from megatron_oar.commands.plan.hardware import Hardware
-from megatron_oar.commands.plan.planner import OAR_P_MAX_COST, Plan, longest_response, make_plan, oar_p_over_cost
+from megatron_oar.commands.plan.planner import (
+    OAR_P_MAX_COST,
+    Plan,
+    cp_refusals,
+    longest_response,
+    make_plan,
+    oar_p_over_cost,
+)
 from megatron_oar.models import parse_arch
 from megatron_oar.training.phases import WEIGHTS_KV_CACHE
 
@@ -18,7 +25,7 @@ def render(plan: Plan, name: str) -> str:
     experts = f", EP {L['ep']} x ETP {L['etp']} (expert DP {L['edp']})" if moe else ""
     lines = [f"# plan: {name} ({plan.params_b:.2f}B parameters{active}, {plan.source})",
              f"{L['nodes']} node(s), {L['gpus']} GPUs of {plan.hardware['gpu_mem_gib']:g} GiB; "
-             f"TP {L['tp']} x PP {L['pp']} x DP {L['dp']}{experts}, "
+             f"TP {L['tp']} x PP {L['pp']}{cp_part(L)} x DP {L['dp']}{experts}, "
              f"SP {'on' if L['sequence_parallel'] else 'off'}, "
              f"recompute {L['recompute'] or 'none'}, FP8 {L['fp8'] or 'off'}; vLLM TP {L['rollout_tp']} "
              f"({L['engines']} engines); sequences of {L['seq_len']} tokens, "
@@ -38,6 +45,8 @@ def render(plan: Plan, name: str) -> str:
               f"{v['sequences_per_engine']} sequences at once; host memory for sleeping weights "
               f"{v['host_offload_gib_per_node']:.0f} GiB per node", "",
               sync_line(plan.sync), ""]
+    if plan.cp:
+        lines += [cp_line(plan), ""]
     if moe:
         lines += moe_lines(moe) + [""]
     lines += ["| phase | PFLOP | s |", "|---|---:|---:|"]
@@ -74,6 +83,24 @@ def placement_lines(plan: Plan) -> list[str]:
             f"{plan.rollout_gpu_gib:.1f} GiB; per step generation {t.get('generate', 0):.1f} s, "
             f"training {train:.1f} s, weight broadcast {t['sync']:.1f} s: {how} "
             f"(rollout.max_staleness={L['max_staleness']})"]
+
+
+def cp_part(L: dict) -> str:
+    """`` x CP n`` in the layout where ``parallel.cp > 1``."""
+    return f" x CP {L['cp']}" if L.get("cp", 1) > 1 else ""
+
+
+def cp_line(plan: Plan) -> str:
+    """Context parallelism's K/V exchange: per layer and row, per step, and what it costs."""
+    c, L = plan.cp, plan.layout
+    gib = sum(c["step_gib"].values())
+    sec = sum(c["seconds"].values())
+    how = (f"{sec:.1f} s added to the step (the local spec's SDPA gathers K/V before attention: "
+           "not overlapped)" if c["exposed"] else
+           f"{sec:.1f} s of transfers assumed hidden behind attention (TE's ring attention)")
+    return (f"context parallelism: CP {L['cp']}, each rank runs 1/{L['cp']} of every row; K/V exchange "
+            f"{c['row_layer_mib']:.1f} MiB received per rank per layer of a full-length row (forward; "
+            f"the backward as much), {gib:.1f} GiB per rank per step at {c['gb_s']:g} GB/s: {how}")
 
 
 def budget_lines(plan: Plan) -> list[str]:
@@ -127,7 +154,8 @@ def summary_row(name: str, plan: Plan) -> str:
     L = plan.layout
     model_states = plan.memory_gib['weights'] + plan.memory_gib['gradients'] + plan.memory_gib['optimizer']
     experts = f", EP {L['ep']}" if plan.moe else ""
-    return (f"| {name} | {L['nodes']}x{L['gpus'] // L['nodes']} | {L['tp']}/{L['pp']}/{L['dp']}{experts} | "
+    cp = f", CP {L['cp']}" if L.get("cp", 1) > 1 else ""
+    return (f"| {name} | {L['nodes']}x{L['gpus'] // L['nodes']} | {L['tp']}/{L['pp']}/{L['dp']}{cp}{experts} | "
             f"{L['rollout_tp']} | {model_states:.1f} | "
             f"{plan.rollout_peak_gib:.1f} | {plan.train_peak_gib:.1f} | "
             f"{plan.vllm['kv_tokens'] // 1000}k | {plan.time_s['total']:.0f} | "
@@ -144,11 +172,16 @@ TABLE_HEADER = ("| config | longest response | response tokens | verdict | peak 
                 "(train / OAR-G / OAR-P copies) | otherwise |\n|---|---:|---:|---|---:|---|---|")
 
 
+CP_KNOBS = (2, 4)  # parallel.cp values --table tries, where the config runs under CP
+
+
 def _knob_plans(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, **kw):
     """``(knob, plan)`` for the knobs :func:`length_rows` tries on a plan that does not fit, in
-    order: sequence parallelism (TP > 1), full recompute, both, then 2x and 4x the nodes (more data
+    order: sequence parallelism (TP > 1), full recompute, both, then context parallelism
+    (``parallel.cp`` 2 and 4, each alone and with both; only where the config runs under CP:
+    not the attribution credits, not a MoE model), then 2x and 4x the nodes (more data
     parallelism: less optimizer state per GPU) alone and with both; a knob the config already has,
-    or a layout the batch does not divide into, is skipped."""
+    or a layout the batch does not divide into (or the config refuses), is skipped."""
     from megatron_oar.config import ConfigError, validate
 
     memory = [[]]
@@ -158,15 +191,20 @@ def _knob_plans(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, **kw):
         memory.append(["model.recompute=full"])
     if len(memory) == 3:
         memory.append(memory[1] + memory[2])
+    both = memory[-1]
+    if cfg.parallel.cp == 1 and not cp_refusals(cfg):
+        for cp in CP_KNOBS:
+            memory += [[f"parallel.cp={cp}"]] + ([both + [f"parallel.cp={cp}"]] if both else [])
     for mult in (1, 2, 4):
-        for knobs in (memory if mult == 1 else [[], memory[-1]] if len(memory) > 1 else [[]]):
+        for knobs in (memory if mult == 1 else [[], both] if both else [[]]):
             if mult == 1 and not knobs:
                 continue
             c = copy.deepcopy(cfg)
             for knob in knobs:
                 key, value = knob.split("=")
                 section, name = key.split(".")
-                setattr(getattr(c, section), name, True if value == "true" else value)
+                setattr(getattr(c, section), name,
+                        True if value == "true" else int(value) if value.isdigit() else value)
             c.sync()
             try:
                 validate(c, world_size=nodes * mult * gpus_per_node, hf_config=hf_config)
@@ -198,8 +236,11 @@ def length_rows(name: str, cfg, hf_config: dict, *, nodes: int, gpus_per_node: i
         otherwise = []
         if not plan.fits:
             knob = next((k for k, pl in _knob_plans(c, hf_config, **kw) if pl.fits), None)
-            otherwise.append(f"needs {knob}" if knob else "fits with none of SP, full recompute, 4x nodes: "
-                             + "; ".join(plan.reasons))
+            cp_note = ("CP 2/4, " if c.parallel.cp == 1 and not cp_refusals(c) else "")
+            if c.parallel.cp == 1 and c.uses_attribution:
+                cp_note = "(not parallel.cp: needs attribution under CP, issue 50) "
+            otherwise.append(f"needs {knob}" if knob else f"fits with none of SP, full recompute, {cp_note}"
+                             "4x nodes: " + "; ".join(plan.reasons))
         cost = oar_p_over_cost(c, hf_config, plan, max_cost=oar_p_max_cost, **kw)
         if cost:
             otherwise.append(f"screened OAR-P: {cost['screened']:,.0f} s per step against exact OAR-P's "

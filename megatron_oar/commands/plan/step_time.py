@@ -9,6 +9,16 @@ more forward in the update's and OAR-G's backward; OAR-P one forward per scored 
 screened OAR-P OAR-G plus ``screen_fraction`` of OAR-P), generation by a roofline
 over decode steps (weights and KV cache read once per step at a stated fraction of HBM bandwidth,
 or compute-bound at the MFU).
+
+Context parallelism (``parallel.cp``): the FLOPs of a row are split over its CP ranks (the rate
+above is the whole world's, CP ranks included), and the passes that run under CP add the K/V
+exchange (:func:`cp_kv_traffic`): per layer, row and pass, each rank receives
+``(CP - 1)/CP x s x 2 x kv_heads/TP x head_dim x 2 bytes`` in the forward (all-gather) and as much
+in the backward (the gradients' reduce-scatter), a recomputed forward gathers again; at
+``Hardware.intra_node_gb_s`` (NVLink) where the TP x CP ranks fit in a node, else at
+``Hardware.net_gb_s``. Under the local spec (SDPA over the gathered K/V) the exchange is not
+overlapped and adds its time to the pass; under the TE spec the ring passes K/V while attention
+runs, and the plan assumes it hidden (it reports the traffic, adds no time).
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 import math
 
 from megatron_oar.commands.plan import moe as plan_moe
+from megatron_oar.commands.plan.activations import cp_local_tokens, cp_setup, kv_bytes_per_token
 from megatron_oar.commands.plan.hardware import Hardware
 from megatron_oar.commands.plan.moe import expert_params
 from megatron_oar.commands.plan.params import total_params
@@ -23,8 +34,36 @@ from megatron_oar.models import QwenArch
 from megatron_oar.models.flops import forward_flops, matmul_params
 
 
+def cp_kv_row_layer_bytes(a: QwenArch, *, s: int, tp: int, cp: int) -> float:
+    """Bytes one CP rank receives in one layer's K/V all-gather for a row of ``s`` tokens
+    (padded to a multiple of ``2 x CP``): the other ranks' ``(CP - 1)/CP`` of it."""
+    padded = cp_local_tokens(s, cp) * cp
+    return (cp - 1) / cp * padded * kv_bytes_per_token(a, tp)
+
+
+def cp_kv_traffic(cfg, a: QwenArch, hw: Hardware, *, world: int, samples: int, longest: int,
+                  s: int, gpus_per_node: int) -> dict:
+    """Context parallelism's K/V exchange per step: ``{}`` at ``CP = 1``; else the bytes a rank
+    receives per layer of one full-length row (forward), per step by pass (GiB), the bandwidth
+    (GB/s), the seconds by pass, and whether they add to the step (``exposed``: the local spec)."""
+    par, t = cfg.parallel, cfg.train
+    cp, ring = cp_setup(cfg)
+    if cp == 1:
+        return {}
+    rows = samples / (world // (par.tp * par.pp * cp))  # every CP rank runs its DP rank's rows
+    length = longest if t.batching == "padded" else s
+    per_layer = cp_kv_row_layer_bytes(a, s=length, tp=par.tp, cp=cp)
+    recompute = 1.0 if cfg.model.recompute == "full" else 0.0
+    # forward gathers; a backward reduce-scatters as much; a recomputed forward gathers again
+    units = {"logprob": 1.0 + (1.0 if cfg.loss.kl_coef > 0 else 0.0), "update": t.ppo_epochs * (2.0 + recompute)}
+    gb_s = hw.intra_node_gb_s if par.tp * cp <= gpus_per_node else hw.net_gb_s
+    step = {k: u * rows * (a.num_layers / par.pp) * per_layer for k, u in units.items()}
+    return {"row_layer_mib": per_layer / 2 ** 20, "step_gib": {k: v / 2 ** 30 for k, v in step.items()},
+            "gb_s": gb_s, "seconds": {k: v / (gb_s * 1e9) for k, v in step.items()}, "exposed": not ring}
+
+
 def estimate_time(cfg, a: QwenArch, hw: Hardware, *, world, samples, prompt, resp, longest,
-                  engines, concurrent, kv_per_token, vllm_weights) -> tuple[dict, dict]:
+                  engines, concurrent, kv_per_token, vllm_weights, gpus_per_node: int = 8) -> tuple[dict, dict]:
     """``(flops, time_s)`` of one step by phase: PFLOP, and seconds (with their ``total``)."""
     s = prompt + resp
     n_mm = matmul_params(a)
@@ -51,6 +90,11 @@ def estimate_time(cfg, a: QwenArch, hw: Hardware, *, world, samples, prompt, res
     megatron_flop = {k: v * fwd_seq[k] * samples for k, v in fe.items()}
     rate = world * hw.peak_tflops * 1e12 * hw.mfu
     times = {k: v / rate for k, v in megatron_flop.items()}
+    cp = cp_kv_traffic(cfg, a, hw, world=world, samples=samples, longest=longest, s=s,
+                       gpus_per_node=gpus_per_node)
+    if cp.get("exposed"):
+        for k, sec in cp["seconds"].items():
+            times[k] += sec
 
     # generation: prefill at the MFU, decode by a roofline per step
     seqs = math.ceil(samples / engines)
