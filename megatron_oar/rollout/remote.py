@@ -395,8 +395,9 @@ class RemoteRollout:
 
     def sync_weights(self, model, *, step: int | None = None, version: int | None = None) -> SyncStats:
         """Collective over the training world: Megatron's weights, as full HF tensors in
-        ``rollout.bucket_mb`` buckets (``iter_hf_buckets``), broadcast by training rank 0 to every
-        rollout rank; they load them after the requests sent before. ``version``: the policy
+        ``rollout.bucket_mb`` buckets, broadcast to every rollout rank by each pipeline stage's
+        first rank for its stage (``rollout/stage_send.py``); they load them after the requests
+        sent before. ``version``: the policy
         version (updates so far) the rollouts generated from these weights record. Raises
         ``WeightSyncError`` on every training rank when a rollout rank failed to load.
 

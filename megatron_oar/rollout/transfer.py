@@ -5,9 +5,11 @@ Objects are pickled into a byte tensor and broadcast from one member of a
 :class:`~megatron_oar.runtime.roles.CrossGroup` (its length first). A weight bucket is a header
 object (names, dtypes, shapes, byte offsets) and one flat byte tensor holding every tensor of the
 bucket, each at an offset aligned to 16 bytes, so the receiver's tensors are views of one buffer.
-The buckets are the ones :func:`~megatron_oar.rollout.weight_sync.iter_hf_buckets` makes for the
-colocated sync (the converter's HF names and layouts), gathered on the training ranks and sent by
-training rank 0.
+In training, each pipeline stage's first rank builds its stage's buckets in their flat buffer and
+sends them itself (``rollout/stage_send.py``; the receiver is :func:`recv_buckets`, once per
+stage). :func:`send_buckets` sends buckets of separate tensors (the colocated sync's
+:func:`~megatron_oar.rollout.weight_sync.iter_hf_buckets`) by the same protocol: the tests use it
+as the reference the stage senders are measured against.
 """
 
 from __future__ import annotations
