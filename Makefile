@@ -61,11 +61,13 @@ test-kernels: $(STAMP)
 	bash tests/kernels.sh
 
 # CI's share of it (make test-all): the level that moves the numbers most on x86 (ATen's scalar
-# kernels with MKL's reproducible path) on the tolerance check, test_padding and test_loss_layouts
-# (95 s on 2 cores)
+# kernels with MKL's reproducible path) on the tolerance check, test_padding and test_loss_layouts,
+# and one vLLM rollout (vLLM's compiled sampler kernels under that level, after make test filled
+# the native level's inductor cache: runtime/inductor_cache.py)
 test-kernels-quick: $(STAMP)
 	KERNEL_TABLE=0 KERNEL_LEVELS="ATEN_CPU_CAPABILITY=default+MKL_CBWR=COMPATIBLE" bash tests/kernels.sh \
-		-m "not e2e" tests/test_tolerances.py tests/test_padding.py tests/test_loss_layouts.py
+		-m "not e2e" tests/test_tolerances.py tests/test_padding.py tests/test_loss_layouts.py \
+		tests/test_inductor_cache.py tests/test_rollout.py::test_rollout_tp1_sync_seeds_stop_strings
 
 # the lock's header comment (its leading '#' lines) is kept above the new freeze
 lock:

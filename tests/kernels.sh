@@ -12,11 +12,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 targets=("$@")
-# the tests whose tolerances tests/tolerances.py derives (not the e2e command runs)
+# the tests whose tolerances tests/tolerances.py derives (not the e2e command runs), and one vLLM
+# rollout (vLLM's compiled kernels at each level: megatron_oar/runtime/inductor_cache.py)
 [[ ${#targets[@]} -eq 0 ]] && targets=(-m "not e2e" tests/test_padding.py tests/test_micro_batches.py
     tests/test_packing.py tests/test_chunked_logits.py tests/test_sdpa_attention.py
     tests/test_loss_layouts.py tests/test_routing_replay.py tests/test_resume_layout.py tests/test_attribution.py
-    tests/test_tolerances.py)
+    tests/test_tolerances.py tests/test_inductor_cache.py tests/test_rollout.py::test_rollout_tp1_sync_seeds_stop_strings)
 # ATen's vectorised kernels (scalar, AVX2, AVX-512: a level above the CPU's runs the CPU's), MKL's
 # reproducible path (its GEMMs blocked and vectorised otherwise), and MKL capped at AVX2 (on an
 # Intel AVX-512 CPU its own dispatch; on an AMD CPU MKL takes its generic path anyway). Each

@@ -38,6 +38,7 @@ from megatron_oar.rollout.weight_sync import (
     iter_hf_buckets,
 )
 from megatron_oar.runtime import gloo_group
+from megatron_oar.runtime.inductor_cache import separate_cache_per_cpu_capability
 from megatron_oar.seeds import ENGINE, derive_seed
 from megatron_oar.testing import faults
 
@@ -209,6 +210,7 @@ class RolloutEngine:
         cfg = self.config
         # external_launcher requires the engine core in this process (vLLM asserts it).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        separate_cache_per_cpu_capability()  # before vLLM compiles its sampler's kernels
         import vllm
         from vllm import LLM
         from vllm.engine.arg_utils import EngineArgs
