@@ -140,6 +140,31 @@ def test_sync_check_refuses_processed_logprobs_at_other_temperatures():
         logprob_agreement(None, b, vocab_size=1000)
 
 
+def test_engine_refuses_to_generate_after_vllm_failed_inside_generate():
+    """A generate call that raised inside vLLM may leave its requests in vLLM's scheduler, where
+    the next call's engine loop spins on them forever (seen when vLLM's compiled sampler failed to
+    build): the engine refuses further calls with the first failure's cause instead."""
+    from megatron_oar.rollout import engine as engine_mod
+    from megatron_oar.rollout.config import RolloutConfig
+
+    calls = []
+
+    class LLM:
+        def generate(self, prompts, params, use_tqdm):
+            calls.append(len(prompts))
+            raise RuntimeError("C++ compile error")
+
+    eng = engine_mod.RolloutEngine.__new__(engine_mod.RolloutEngine)
+    eng.config, eng._llm, eng.tp, eng._calls = RolloutConfig(), LLM(), 1, 0
+    eng._broken, eng._failed_generate, eng._weights_loaded, eng._asleep = None, None, True, set()
+    eng.dp_rank = 0
+    with pytest.raises(RuntimeError, match="C\\+\\+ compile error"):
+        eng.generate([[1, 2, 3]], n=1, max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="earlier generate call failed inside vLLM .RuntimeError: C"):
+        eng.generate([[1, 2, 3]], n=1, max_new_tokens=2)
+    assert calls == [1]  # the second call never reached vLLM
+
+
 @pytest.mark.parametrize("missing", ["reload_weights", "logprobs_mode"])
 def test_engine_names_the_vllm_version_it_needs(monkeypatch, tmp_path, missing):
     """A vLLM without the weight-iterator reload (older runners take no arguments) or without

@@ -197,6 +197,9 @@ class RolloutEngine:
         self._calls = 0
         self._weights_loaded = cfg.load_format != "dummy"
         self._broken: str | None = None  # a failed weight sync's message: weights undefined
+        # a generate call that raised inside vLLM: its requests may be left in vLLM's scheduler,
+        # where the next call's engine loop would spin on them forever
+        self._failed_generate: str | None = None
         self._llm = self._build(tokenizer)
         log.info("rollout engine on rank %d: platform=%s rollout tp=%d (group %d of %d, ranks %s), "
                  "sleep mode %s, %s", self.rank, self.platform, cfg.tp, self.dp_rank, self.dp_size,
@@ -538,6 +541,9 @@ class RolloutEngine:
             from megatron_oar.rollout.sync_check import WeightSyncError
 
             raise WeightSyncError(f"{self._broken} (this engine refuses to generate)")
+        if self._failed_generate is not None:
+            raise RuntimeError(f"an earlier generate call failed inside vLLM ({self._failed_generate}); "
+                               "this engine refuses to generate again: build a new one")
         if not self._weights_loaded:
             raise RuntimeError("vLLM holds no policy weights yet (load_format='dummy' or after a "
                                "level-2 sleep): call sync_weights(model) first")
@@ -563,8 +569,12 @@ class RolloutEngine:
                                  stop=args["stop"] or None, stop_token_ids=args["stop_token_ids"] or None,
                                  seed=s, logprobs=0) for s, budget in zip(seeds, budgets)]
         t0 = time.perf_counter()
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                    use_tqdm=False)
+        try:
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                        use_tqdm=False)
+        except BaseException as e:
+            self._failed_generate = f"{type(e).__name__}: {str(e)[:200]}"
+            raise
         seconds = time.perf_counter() - t0
         return RolloutBatch(prompt_ids=prompts, seeds=seeds, logprobs_mode=self.config.logprobs_mode,
                             gen_seconds=seconds, **_completions(prompts, outputs, n), **sampling)
