@@ -28,6 +28,14 @@ def test_each_dispatch_level_gets_its_own_cache(monkeypatch, tmp_path):
     assert len(set(seen.values())) == 3
     assert all(p.startswith(str(tmp_path)) and "torchinductor_" in p for p in seen.values())
     assert seen["AVX2"].endswith("_avx2")
+    # inductor writes its default into the variable on first lookup (importing megatron-core
+    # does one): that is torch's choice, not a user's, and is replaced
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    torch_default = cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == torch_default
+    assert separate_cache_per_cpu_capability() == seen["avx512"] != torch_default
 
 
 def test_native_level_and_a_users_directory_are_left_alone(monkeypatch):
