@@ -530,8 +530,6 @@ def _check_model_and_layout(cfg: Config, world_size: int | None) -> int:
 # what parallel.cp > 1 does not run yet (docs/scaling.md, "Context parallelism"): key -> why
 def _cp_unsupported(cfg: Config) -> list[str]:
     m, out = cfg.model, []
-    if cfg.uses_attribution:
-        out.append(f"credit={cfg.credit} (the attribution passes do not split sequences over CP yet)")
     if cfg.train.batching == "packed":
         out.append("train.batching=packed (THD sequences are not split over CP yet; use token_budget)")
     if m.routing_replay != "none":

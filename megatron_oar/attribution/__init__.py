@@ -15,7 +15,9 @@
 - :mod:`.schedule`  running probe passes through ``get_forward_backward_func()`` on any TP/PP
 
 Only sequences with a non-zero advantage are scored; the others keep weight 1 (their token
-advantages are zero anyway). Importance is returned on every rank of the model-parallel group.
+advantages are zero anyway). Importance is returned on every rank of the model-parallel group
+(context-parallel ranks included: under ``parallel.cp`` every pass runs each rank's chunks of
+every sequence, :mod:`.importance_passes`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from megatron_oar.attribution.probes import NONE, ProbeConfig, ProbeOutput, Prob
 from megatron_oar.attribution.schedule import RouteFn
 from megatron_oar.attribution.spans import SpanFinder
 from megatron_oar.methods import ATTRIBUTION_METHODS
-from megatron_oar.models.context_parallel import cp_size
 from megatron_oar.models.equal_calls import equal_calls
 from megatron_oar.models.parallel import unwrap
 from megatron_oar.models.sequence_batch import SequenceBatch
@@ -145,9 +146,6 @@ def compute_importance(model, batch: SequenceBatch, cfg: AttributionConfig, *, v
     ``cfg``'s null batching keys: the trainer passes ``Config.attribution_config()`` (filled from
     the training keys); a config used on its own gets :meth:`AttributionConfig.resolve`'s defaults.
     """
-    if cp_size() > 1:  # the config refuses it first (config._check_context_parallel)
-        raise ValueError(f"attribution (credit={cfg.method}) is not yet supported with parallel.cp > 1: "
-                         "its passes run whole sequences on each rank")
     start = time.perf_counter()
     cfg = cfg.resolve()  # no-op for a resolved config
     if sites is None:

@@ -4,6 +4,12 @@ Where results live (pipeline parallelism): the teacher ``ProbeOutput`` is on the
 only (it is vocab-parallel, one slice per TP rank). OAR-G's input gradients exist on the first
 stage and OAR-P's divergences on the last; both importance tensors are broadcast over the
 pipeline group, so every rank of the model-parallel group returns the same ``[B, L]`` tensor.
+
+Context parallelism (``parallel.cp``): every pass runs each micro-batch (OAR-P: each micro-batch
+of masked copies) split over the CP ranks as the training passes do (``models.forward.MicroInput``),
+and reads its probes from the last stage's output gathered over CP (``schedule.probe_logits``),
+so every CP rank holds the same teacher and OAR-P divergences; OAR-G's per-position scores are
+each CP rank's own, summed over the CP group.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from megatron_oar.attribution.schedule import (
     output_weight,
     run_probe_schedule,
 )
+from megatron_oar.models import context_parallel as cpx
 from megatron_oar.models.equal_calls import agreed_count, equal_calls
+from megatron_oar.models.forward import MicroInput
 from megatron_oar.models.micro_batches import micro_batches
 from megatron_oar.models.padding import padded_length, sequence_multiple
 from megatron_oar.models.parallel import broadcast_from_stage, unwrap
@@ -118,24 +126,37 @@ def oar_g(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput |
     (``model.recompute``: full or selective, as the update; ``models.recompute``). Micro-batches of whole sequences:
     ``padded``, ``micro_batch_size`` rows at the longest scored row; ``token_budget``, at most
     ``max_tokens`` padded tokens (default: ``micro_batch_size`` x the longest), each at its own
-    longest row. ``route``: how a MoE model routes (``schedule.run_probe_schedule``). Returns
-    ``[B, L]`` on every stage."""
+    longest row. ``route``: how a MoE model routes (``schedule.run_probe_schedule``).
+
+    Under context parallelism each CP rank holds the (noisy) embeddings of its own two chunks of
+    every row (the noise drawn for the whole row, as at CP 1, and split), the probe is read from
+    the output gathered over CP (the answer span may live on another rank), and the backward
+    through that gather and through attention's K/V gather brings each rank the gradient of its
+    own positions; their scores are summed over the CP group into the whole row.
+    Returns ``[B, L]`` on every stage and CP rank."""
     importance = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
     micros = _sequence_micros(batch, sites, rows, micro_batch_size, batching, max_tokens,
                               sequence_multiple(model.config))
     lengths, sample_ids = batch.lengths.tolist(), batch.sample_ids.tolist()  # one device sync
 
-    def first_stage(gpt, micro: Micro) -> torch.Tensor:
-        emb = clean_embeddings(gpt, micro.tokens)  # [s, m, h]
-        s, _, h = emb.shape
+    def first_stage(gpt, micro: Micro, inp: MicroInput) -> torch.Tensor:
+        # this CP rank's positions of the padded micro-batch (all of them at CP 1); zeros past
+        # the micro-batch's rows, as the padding to the sequence multiple
+        emb = clean_embeddings(gpt, inp)  # [s / CP, m, h]
+        valid = inp.local_valid()
+        emb = emb * valid[:, None, None].to(emb.dtype)
         noise = torch.zeros(emb.shape, dtype=torch.float32, device=emb.device)
+        width, h = inp.tokens.shape[1], emb.shape[-1]
         for j, r in enumerate(micro.rows):
+            # the row's whole noise (the generator is sequential), this rank's positions of it
             n = int(lengths[r])
-            noise[:n, j] = sample_noise(derive_seed(OAR_G_NOISE, seed, step, sample_ids[r]), n, h, sigma,
-                                        device=emb.device)
-        noise *= micro.sites.score_mask[:, :s].T.unsqueeze(-1).to(emb.device)
+            full = torch.zeros(width, h, dtype=torch.float32, device=emb.device)
+            full[:n] = sample_noise(derive_seed(OAR_G_NOISE, seed, step, sample_ids[r]), n, h, sigma,
+                                    device=emb.device)
+            full[:n] *= micro.sites.score_mask[j, :n].unsqueeze(-1).to(emb.device)
+            noise[:, j] = cpx.split(full, 0)
         x = (emb + noise.to(emb.dtype)).requires_grad_(True)
-        micro.extra = (x, emb)
+        micro.extra = (x, emb, inp.local_positions[0][valid], valid)
         return x
 
     def last_stage(micro: Micro, probe: ProbeOutput) -> torch.Tensor:
@@ -148,10 +169,15 @@ def oar_g(model, batch: SequenceBatch, sites: ProbeSites, teacher: ProbeOutput |
                            last_stage=last_stage, filler=_filler(batch, rows), route=route)
     if parallel_state.is_pipeline_first_stage():
         for micro in micros:
-            x, emb = micro.extra
+            x, emb, positions, valid = micro.extra
             grad = x.grad if x.grad is not None else torch.zeros_like(x)
-            scores = (grad.float() * emb.float()).sum(dim=-1).abs().T  # [m, s]
-            importance[micro.rows, :scores.shape[1]] = scores
+            scores = (grad.float() * emb.float()).sum(dim=-1).abs().T  # [m, s / CP]
+            at = torch.tensor(micro.rows, device=importance.device)[:, None]
+            importance[at, positions.to(importance.device)[None, :]] = scores[:, valid].to(importance.device)
+        # each CP rank scored its own positions: summed, every rank holds every position's
+        # score (one rank's value plus zeros: exact)
+        if cpx.cp_size() > 1:
+            dist.all_reduce(importance, group=parallel_state.get_context_parallel_group())
     importance *= sites.score_mask
     return broadcast_from_stage(importance, first=True)
 

@@ -7,7 +7,9 @@ the probe positions only (``sites.pos``), so the ``[s, b, V/TP]`` logits of the 
 are never formed. A last-stage callback turns the probe output into a scalar objective (OAR-G
 differentiates it) and records per-row results. Tokens (and a first-stage decoder input) are
 right-padded to the model's sequence multiple (``models.padding``); probe positions lie before
-the padding, so it is never read.
+the padding, so it is never read. Under context parallelism (``parallel.cp``) the model runs each
+CP rank's two chunks of a micro-batch (``models.forward.MicroInput``, as the training passes),
+and the probes read the last stage's hidden states gathered over CP.
 
 :func:`attribution_mode` puts the model in the state every attribution pass needs: eval mode,
 parameter gradients off, no gradient scaling/reduction hooks, FP8 autocast off (unless allowed),
@@ -32,9 +34,10 @@ from megatron.core.tensor_parallel import (
 )
 
 from megatron_oar.attribution.probes import ProbeOutput, ProbeSites
+from megatron_oar.models import context_parallel as cpx
 from megatron_oar.models.chunked_logits import output_weight
 from megatron_oar.models.forward import MicroInput, run_schedule, schedule_calls
-from megatron_oar.models.padding import pad_to, padded_length, sequence_multiple, trim
+from megatron_oar.models.padding import sequence_multiple
 from megatron_oar.models.parallel import unwrap
 from megatron_oar.models.recompute import eval_recompute
 
@@ -73,28 +76,31 @@ def attribution_mode(model, allow_fp8: bool = False, recompute: bool = False):
             p.requires_grad_(flag)
 
 
-def clean_embeddings(gpt, tokens: torch.Tensor) -> torch.Tensor:
-    """Full ``[s, b, h]`` input embeddings of ``tokens [b, s]``, detached (first stage only)."""
-    s = tokens.shape[1]
-    tokens = pad_to(tokens, padded_length(s, sequence_multiple(gpt.config)))  # SP scatters along s
-    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+def clean_embeddings(gpt, inp: MicroInput) -> torch.Tensor:
+    """This CP rank's ``[s / CP, m, h]`` input embeddings of the micro-batch ``inp`` (padded to
+    the sequence multiple; its own two chunks under context parallelism, all of it at CP 1),
+    detached, gathered over TP under SP (first stage only)."""
     with torch.no_grad():
-        emb = gpt.embedding(input_ids=tokens, position_ids=positions)
+        emb = gpt.embedding(input_ids=inp.local_tokens, position_ids=inp.local_positions)
         if gpt.config.sequence_parallel:
             emb = gather_from_sequence_parallel_region(emb, tensor_parallel_output_grad=False)
-    return trim(emb, s, dim=0).detach()
+    return emb.detach()
 
 
-def to_decoder_input(gpt, full: torch.Tensor) -> torch.Tensor:
-    """A full ``[s, b, h]`` tensor as the first stage's decoder input (scattered under SP;
-    the scatter's backward gathers the gradient back to the full tensor)."""
-    return scatter_to_sequence_parallel_region(full) if gpt.config.sequence_parallel else full
+def to_decoder_input(gpt, local: torch.Tensor) -> torch.Tensor:
+    """This CP rank's ``[s / CP, b, h]`` (:func:`clean_embeddings`) as the first stage's decoder
+    input (scattered under SP; the scatter's backward gathers the gradient back to it)."""
+    return scatter_to_sequence_parallel_region(local) if gpt.config.sequence_parallel else local
 
 
 def probe_logits(gpt, hidden: torch.Tensor, sites: ProbeSites) -> torch.Tensor:
-    """Vocab-parallel logits ``[N, V/TP]`` at ``sites``'s positions from last-stage hidden states."""
+    """Vocab-parallel logits ``[N, V/TP]`` at ``sites``'s positions from last-stage hidden states
+    (this CP rank's positions: gathered over CP first, so a probe reads its position wherever it
+    lives; every CP rank then computes the same probe, and the gather's backward gives each rank
+    the gradient of its own positions, ``models.context_parallel.gather``)."""
     if gpt.config.sequence_parallel:
         hidden = gather_from_sequence_parallel_region(hidden)  # backward: reduce-scatter sums TP parts
+    hidden = cpx.gather(hidden, 0, replicated=True)  # [s, b, h] in sample order (CP > 1)
     picked = hidden.transpose(0, 1)[sites.row.to(hidden.device), sites.pos.to(hidden.device)]
     if not gpt.config.sequence_parallel:
         picked = copy_to_tensor_model_parallel_region(picked)  # backward: all-reduce sums TP parts
@@ -135,10 +141,13 @@ def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_o
     """Run ``micros`` through megatron's schedule, inside attribution_mode. Micro-batches may
     differ in rows and length (pipeline stages then exchange shapes: ``variable_shapes``).
 
-    ``first_stage(gpt, micro)`` returns the full ``[s, m, h]`` decoder input (or None for the
-    model's own embedding); ``last_stage(micro, probe_output)`` returns a scalar whose gradient
-    the backward pass propagates (ignored when ``forward_only``). Both see ``micro`` unpadded:
-    the padding to the sequence multiple is added here (zeros in the decoder input).
+    ``first_stage(gpt, micro, inp)`` returns the decoder input of ``micro`` as the model runs it
+    (``inp``, its :class:`~megatron_oar.models.forward.MicroInput`: padded to the sequence
+    multiple, and under context parallelism this CP rank's two chunks of it, ``[s / CP, m, h]``,
+    as :func:`clean_embeddings` gives them), or None for the model's own embedding;
+    ``last_stage(micro, probe_output)`` returns a scalar whose gradient the backward pass
+    propagates (ignored when ``forward_only``); it sees ``micro`` unpadded and the probe read
+    from the whole sequence (gathered over CP, :func:`probe_logits`), identical on every CP rank.
 
     Where the DP ranks must run equally many model calls (``models.equal_calls``) a rank with
     fewer runs filler calls on ``filler`` (tokens ``[1, s]``, :func:`filler_tokens`; default: its
@@ -152,30 +161,31 @@ def run_probe_schedule(model, micros: list[Micro], vocab_size: int, *, forward_o
     multiple = sequence_multiple(gpt.config)
     inputs = [MicroInput(m.tokens, multiple) for m in micros]
     n = schedule_calls(model, len(micros), forward_only)
+    # megatron's schedule divides a loss by the number of model calls and multiplies it by the
+    # CP size (each CP rank's loss standing for its share of a token average): undo both, so
+    # every sequence's gradient is d J_i / d input, whatever the micro-batching and the CP size
+    # (every CP rank computes the whole J_i from the gathered output: probe_logits)
+    scale = n / cpx.cp_size()
 
     def step(data_iter, chunk):
         micro, inp = next(data_iter)
         decoder_input = None
         if first_stage is not None and parallel_state.is_pipeline_first_stage():
-            length = inp.tokens.shape[1]
-            decoder_input = to_decoder_input(gpt, pad_to(first_stage(gpt, micro), length, dim=0))
-        hidden = chunk(inp.tokens, inp.position_ids, attention_mask=None, decoder_input=decoder_input)
+            decoder_input = to_decoder_input(gpt, first_stage(gpt, micro, inp))
+        hidden = inp(chunk, decoder_input=decoder_input)
 
         def loss(out):
             probe = ProbeOutput.from_position_logits(probe_logits(gpt, out, micro.sites), micro.sites,
                                                      vocab_size)
-            objective = last_stage(micro, probe)
-            # the schedule divides by the number of model calls: undo it so every
-            # sequence's gradient is d J_i / d input, whatever the micro-batching
-            return objective * n, {}
+            return last_stage(micro, probe) * scale, {}
 
         return hidden, loss
 
     def call_filler(chunk, inp: MicroInput) -> torch.Tensor:
         decoder_input = None
         if not forward_only and parallel_state.is_pipeline_first_stage():
-            decoder_input = to_decoder_input(gpt, clean_embeddings(gpt, inp.tokens).requires_grad_(True))
-        return chunk(inp.tokens, inp.position_ids, attention_mask=None, decoder_input=decoder_input)
+            decoder_input = to_decoder_input(gpt, clean_embeddings(gpt, inp).requires_grad_(True))
+        return inp(chunk, decoder_input=decoder_input)
 
     with route([m.rows for m in micros]) if route is not None else contextlib.nullcontext():
         run_schedule(model, step, list(zip(micros, inputs)), inputs, forward_only=forward_only, num_calls=n,

@@ -79,9 +79,16 @@ class MicroInput:
             self.tokens, self.position_ids = self.packed.tokens, self.packed.position_ids
         self.local_tokens, self.local_positions = (cpx.split(t, 1) for t in (self.tokens, self.position_ids))
 
-    def __call__(self, chunk) -> torch.Tensor:
+    def __call__(self, chunk, **kwargs) -> torch.Tensor:
+        """``chunk`` (the model) on this CP rank's tokens; ``kwargs`` go to the model's forward
+        (e.g. ``decoder_input``: this rank's ``[s / CP, m, h]``)."""
         extra = {} if self.packed is None else {"packed_seq_params": packed_seq_params(self.packed)}
-        return chunk(self.local_tokens, self.local_positions, attention_mask=None, **extra)
+        return chunk(self.local_tokens, self.local_positions, attention_mask=None, **extra, **kwargs)
+
+    def local_valid(self) -> torch.Tensor:
+        """``[s / CP]`` bool: which of this CP rank's positions lie inside the micro-batch (not in
+        the padding to the sequence multiple; padded, not packed, micro-batches)."""
+        return self.local_positions[0] < self.width
 
     def restore(self, logits: torch.Tensor) -> torch.Tensor:
         logits = cpx.gather(logits, 1, replicated=True)  # [m, s, ...] in sample order (CP > 1)

@@ -39,8 +39,13 @@ takes the largest of them):
   without recompute every layer keeps it. Under the TE spec (ring attention, p2p) a rank holds
   two blocks of ``s / CP`` tokens' K/V at a time (the one it attends to and the one arriving),
   and in the backward their gradients. The per-token values gathered back to the whole row
-  (log-prob and entropy, fp32) add ``8 x s`` bytes per row. The attribution passes do not run
-  under CP (refused by the config), so they are sized as at ``CP = 1``.
+  (log-prob and entropy, fp32) add ``8 x s`` bytes per row. The attribution passes run under CP
+  as the update does: OAR-G's layers at ``padded row / CP`` tokens with the whole row's K/V (as
+  the update's, under its recompute), its fp32 input-embedding gradient of this rank's tokens
+  only, and the probes read from the last stage's hidden states gathered over CP
+  (:func:`cp_probe_hidden_bytes`: the whole rows' hidden states, bf16, and in OAR-G's backward
+  their gradient); OAR-P's copies (and the teacher) one layer at a time at ``padded row / CP``
+  tokens, with the forward's K/V and the gathered hidden states.
 """
 
 from __future__ import annotations
@@ -111,6 +116,14 @@ def cp_kv_bytes(a: QwenArch, *, s: int, b: float, tp: int, cp: int, ring: bool, 
 def cp_gathered_bytes(s: int, b: float, cp: int) -> float:
     """The per-token log-probs and entropies (fp32) gathered back to whole rows under CP."""
     return 0.0 if cp == 1 else 8.0 * s * b
+
+
+def cp_probe_hidden_bytes(a: QwenArch, s: int, b: float, cp: int, backward: bool) -> float:
+    """The last stage's hidden states of ``b`` whole rows of ``s`` tokens, gathered over CP so
+    the attribution probes read wherever a row's answer lives (``attribution/schedule.py``,
+    bf16), and in a ``backward`` (OAR-G) their gradient; 0 at ``CP = 1`` (the probes read the
+    stage's own output)."""
+    return 0.0 if cp == 1 else 2.0 * a.hidden_size * s * b * (2 if backward else 1)
 
 
 def update_activation_bytes(a: QwenArch, *, s: int, b: float, tp: int, pp: int, sp: bool,
@@ -186,18 +199,26 @@ def _train_activations(cfg, a: QwenArch, *, s: int, mbs: float, microbatches: in
 def _oar_g_activations(cfg, a: QwenArch, *, s: int, seqs: float, samples: int, dp: int) -> float:
     """OAR-G: a forward keeping activations for the input-gradient backward under the update's
     recompute (``model.recompute``), ``seqs`` full-length rows per micro-batch, plus the fp32
-    input-embedding gradient."""
+    input-embedding gradient (of this CP rank's tokens) and, under CP, the gathered hidden
+    states the probes read."""
     tp, pp, sp, flash, etp = _act_setup(cfg)
+    cp, ring = cp_setup(cfg)
     microbatches = max(1, math.ceil(samples / (seqs * dp)))
     return (update_activation_bytes(a, s=s, b=seqs, tp=tp, pp=pp, sp=sp, flash=flash,
-                                    recompute=cfg.model.recompute, microbatches=microbatches, etp=etp)
-            + 4.0 * s * seqs * a.hidden_size)
+                                    recompute=cfg.model.recompute, microbatches=microbatches, etp=etp,
+                                    cp=cp, ring=ring)
+            + 4.0 * cp_local_tokens(s, cp) * seqs * a.hidden_size
+            + cp_probe_hidden_bytes(a, s, seqs, cp, backward=True))
 
 
 def _oar_p_activations(cfg, a: QwenArch, *, s: int, copies: float) -> float:
-    """OAR-P: forward only over ``copies`` full-length masked copies, one layer at a time."""
+    """OAR-P: forward only over ``copies`` full-length masked copies, one layer at a time (under
+    CP: this rank's tokens of each, the whole copies' K/V and gathered hidden states)."""
     tp, _, sp, flash, etp = _act_setup(cfg)
-    return _one_layer_act_bytes(a, s, copies, tp, sp, flash, etp)
+    cp, ring = cp_setup(cfg)
+    return (_one_layer_act_bytes(a, cp_local_tokens(s, cp), copies, tp, sp, flash, etp)
+            + cp_kv_bytes(a, s=s, b=copies, tp=tp, cp=cp, ring=ring, backward=False)
+            + cp_probe_hidden_bytes(a, s, copies, cp, backward=False))
 
 
 def _train_microbatches(cfg, *, rows: int, s: int) -> int:

@@ -144,7 +144,7 @@ def make_plan(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, hw: Hardw
         concurrent=max(1, v["concurrent"]), kv_per_token=v["kv_per_token"], vllm_weights=v["weights"],
         gpus_per_node=gpus_per_node)
     plan.cp = cp_kv_traffic(cfg, a, hw, world=world, samples=samples, s=s, gpus_per_node=gpus_per_node,
-                            longest=cfg.data.max_prompt_tokens + r.max_new_tokens)
+                            longest=cfg.data.max_prompt_tokens + r.max_new_tokens, resp=resp)
     if r.separate:
         plan.time_s = separate_step_time(plan.time_s, r.max_staleness,
                                          broadcast_s=total_params(a) * 2 / (hw.net_gb_s * 1e9))
@@ -347,8 +347,6 @@ def _advice(plan, cfg, mem, act_update, act_attr) -> list[str]:
         if cfg.parallel.cp == 1:
             why = cp_refusals(cfg) + (["a mixture-of-experts model"] if plan.moe else [])
             tips.append("parallel.cp=2 or 4 (each rank runs 1/CP of a row)" if not why else
-                        f"not parallel.cp yet: it does not run with {'; '.join(why)} (needs attribution "
-                        "under CP, issue 50)" if cfg.uses_attribution else
                         f"not parallel.cp yet: it does not run with {'; '.join(why)}")
     else:
         tips.append("a smaller rollout.gpu_memory_utilization (if the KV cache still holds a "

@@ -179,7 +179,7 @@ def _knob_plans(cfg, hf_config: dict, *, nodes: int, gpus_per_node: int, **kw):
     """``(knob, plan)`` for the knobs :func:`length_rows` tries on a plan that does not fit, in
     order: sequence parallelism (TP > 1), full recompute, both, then context parallelism
     (``parallel.cp`` 2 and 4, each alone and with both; only where the config runs under CP:
-    not the attribution credits, not a MoE model), then 2x and 4x the nodes (more data
+    not a MoE model, not packed batching), then 2x and 4x the nodes (more data
     parallelism: less optimizer state per GPU) alone and with both; a knob the config already has,
     or a layout the batch does not divide into (or the config refuses), is skipped."""
     from megatron_oar.config import ConfigError, validate
@@ -237,8 +237,6 @@ def length_rows(name: str, cfg, hf_config: dict, *, nodes: int, gpus_per_node: i
         if not plan.fits:
             knob = next((k for k, pl in _knob_plans(c, hf_config, **kw) if pl.fits), None)
             cp_note = ("CP 2/4, " if c.parallel.cp == 1 and not cp_refusals(c) else "")
-            if c.parallel.cp == 1 and c.uses_attribution:
-                cp_note = "(not parallel.cp: needs attribution under CP, issue 50) "
             otherwise.append(f"needs {knob}" if knob else f"fits with none of SP, full recompute, {cp_note}"
                              "4x nodes: " + "; ".join(plan.reasons))
         cost = oar_p_over_cost(c, hf_config, plan, max_cost=oar_p_max_cost, **kw)

@@ -14,7 +14,9 @@ Context parallelism (``parallel.cp``): the FLOPs of a row are split over its CP 
 above is the whole world's, CP ranks included), and the passes that run under CP add the K/V
 exchange (:func:`cp_kv_traffic`): per layer, row and pass, each rank receives
 ``(CP - 1)/CP x s x 2 x kv_heads/TP x head_dim x 2 bytes`` in the forward (all-gather) and as much
-in the backward (the gradients' reduce-scatter), a recomputed forward gathers again; at
+in the backward (the gradients' reduce-scatter), a recomputed forward gathers again (the
+attribution pass too: OAR-G's forward, input-gradient backward and recompute, each OAR-P copy's
+forward); at
 ``Hardware.intra_node_gb_s`` (NVLink) where the TP x CP ranks fit in a node, else at
 ``Hardware.net_gb_s``. Under the local spec (SDPA over the gathered K/V) the exchange is not
 overlapped and adds its time to the pass; under the TE spec the ring passes K/V while attention
@@ -41,24 +43,45 @@ def cp_kv_row_layer_bytes(a: QwenArch, *, s: int, tp: int, cp: int) -> float:
     return (cp - 1) / cp * padded * kv_bytes_per_token(a, tp)
 
 
+def attribution_forwards(cfg, resp: int) -> float:
+    """Forward-equivalents per row of the attribution pass (0 without attribution): OAR-G's
+    noisy forward and input-gradient backward (and its recomputed forward under full recompute),
+    OAR-P's one forward per scored token (upper bound: every response token), screened OAR-P
+    OAR-G's and ``screen_fraction`` of OAR-P's."""
+    if not cfg.uses_attribution:
+        return 0.0
+    at = cfg.attribution_config()
+    oar_g = 2.0 + (1.0 if cfg.model.recompute == "full" else 0.0)
+    if at.method == "oar_g":
+        return oar_g
+    if at.method == "oar_p_screened":  # OAR-G, then its top fraction
+        return oar_g + math.ceil(at.screen_fraction * resp)
+    return float(resp)
+
+
 def cp_kv_traffic(cfg, a: QwenArch, hw: Hardware, *, world: int, samples: int, longest: int,
-                  s: int, gpus_per_node: int) -> dict:
+                  s: int, gpus_per_node: int, resp: int | None = None) -> dict:
     """Context parallelism's K/V exchange per step: ``{}`` at ``CP = 1``; else the bytes a rank
     receives per layer of one full-length row (forward), per step by pass (GiB), the bandwidth
-    (GB/s), the seconds by pass, and whether they add to the step (``exposed``: the local spec)."""
+    (GB/s), the seconds by pass, and whether they add to the step (``exposed``: the local spec).
+    ``resp``: the response tokens (OAR-P's copies; default ``rollout.max_new_tokens``)."""
     par, t = cfg.parallel, cfg.train
     cp, ring = cp_setup(cfg)
     if cp == 1:
         return {}
     rows = samples / (world // (par.tp * par.pp * cp))  # every CP rank runs its DP rank's rows
-    length = longest if t.batching == "padded" else s
-    per_layer = cp_kv_row_layer_bytes(a, s=length, tp=par.tp, cp=cp)
+    padded = {"logprob": t.batching == "padded", "update": t.batching == "padded",
+              "attribution": cfg.attribution_config().batching == "padded"}
+    per_layer = {k: cp_kv_row_layer_bytes(a, s=longest if p else s, tp=par.tp, cp=cp) for k, p in padded.items()}
     recompute = 1.0 if cfg.model.recompute == "full" else 0.0
     # forward gathers; a backward reduce-scatters as much; a recomputed forward gathers again
-    units = {"logprob": 1.0 + (1.0 if cfg.loss.kl_coef > 0 else 0.0), "update": t.ppo_epochs * (2.0 + recompute)}
+    # (the attribution pass: attribution_forwards counts them alike)
+    units = {"logprob": 1.0 + (1.0 if cfg.loss.kl_coef > 0 else 0.0), "update": t.ppo_epochs * (2.0 + recompute),
+             "attribution": attribution_forwards(cfg, cfg.rollout.max_new_tokens if resp is None else resp)}
+    units = {k: u for k, u in units.items() if u}
     gb_s = hw.intra_node_gb_s if par.tp * cp <= gpus_per_node else hw.net_gb_s
-    step = {k: u * rows * (a.num_layers / par.pp) * per_layer for k, u in units.items()}
-    return {"row_layer_mib": per_layer / 2 ** 20, "step_gib": {k: v / 2 ** 30 for k, v in step.items()},
+    step = {k: u * rows * (a.num_layers / par.pp) * per_layer[k] for k, u in units.items()}
+    return {"row_layer_mib": per_layer["update"] / 2 ** 20, "step_gib": {k: v / 2 ** 30 for k, v in step.items()},
             "gb_s": gb_s, "seconds": {k: v / (gb_s * 1e9) for k, v in step.items()}, "exposed": not ring}
 
 
@@ -77,21 +100,12 @@ def estimate_time(cfg, a: QwenArch, hw: Hardware, *, world, samples, prompt, res
                "attribution": forward_flops(a, [longest if at.batching == "padded" else s])}
     recompute = 1.0 if cfg.model.recompute == "full" else 0.0  # one more forward in a backward
     fe = {"logprob": 1.0 + (1.0 if cfg.loss.kl_coef > 0 else 0.0),  # old-logprob (+ reference)
-          "update": t.ppo_epochs * (3.0 + recompute)}
-    oar_g = 2.0 + recompute  # noisy forward + input-gradient-only backward (+ its recompute)
-    if cfg.uses_attribution and at.method == "oar_g":
-        fe["attribution"] = oar_g
-    elif cfg.uses_attribution and at.method == "oar_p_screened":  # OAR-G, then its top fraction
-        fe["attribution"] = oar_g + math.ceil(at.screen_fraction * resp)
-    elif cfg.uses_attribution:
-        fe["attribution"] = float(resp)  # one forward per scored token (upper bound: all)
-    else:
-        fe["attribution"] = 0.0
+          "update": t.ppo_epochs * (3.0 + recompute), "attribution": attribution_forwards(cfg, resp)}
     megatron_flop = {k: v * fwd_seq[k] * samples for k, v in fe.items()}
     rate = world * hw.peak_tflops * 1e12 * hw.mfu
     times = {k: v / rate for k, v in megatron_flop.items()}
     cp = cp_kv_traffic(cfg, a, hw, world=world, samples=samples, longest=longest, s=s,
-                       gpus_per_node=gpus_per_node)
+                       gpus_per_node=gpus_per_node, resp=resp)
     if cp.get("exposed"):
         for k, sec in cp["seconds"].items():
             times[k] += sec
