@@ -355,9 +355,11 @@ def test_context_parallel_layout_and_refusals():
                        (("model.attention=unfused",), "model.attention=unfused")):
         with raises(rf"parallel.cp=2 > 1 is not yet supported with {key}"):
             validate(example("qwen2.5-7b_oar_g.yaml", *grpo, "model.spec=local", *extra), world_size=8)
-    with raises(r"parallel.cp=2 > 1 is not yet supported with a mixture-of-experts model"):
+    # mixture-of-experts models run under CP, with and without routing replay (each CP rank
+    # replays its own chunks' routing: tests/test_routing_replay.py)
+    for replay in ("none", "training", "rollout"):
         validate(example("qwen3-30b-a3b_oar_g.yaml", "credit=grpo", "parallel.cp=2",
-                         "model.routing_replay=none"), hf_config=HF["qwen3-30b-a3b"])
+                         f"model.routing_replay={replay}"), hf_config=HF["qwen3-30b-a3b"])
 
 
 def test_batch_must_divide():

@@ -31,9 +31,10 @@ from tests.test_micro_batches import GRAD_TOL, LOGPROB_TOL, LR, _passes, assert_
 from tests.tolerances import assert_close_to_rounding
 
 LAYOUTS = [(1, 1, 1), (1, 1, 2)]  # (tp, pp, cp) in a world of 2: DP2, CP2
-# both batchings, chunked (None: the passes' default) and whole logits; the sharded run below
-# adds token_budget with chunked logits
-GROUPINGS = [("padded", None, 1.0), ("token_budget", 0, 0.7)]  # (batching, chunk, temperature)
+# every batching, chunked (None: the passes' default) and whole logits; the sharded run below
+# adds token_budget with chunked logits. Packed (THD) with the probe teacher, whose sites read the
+# output gathered over CP into packed order
+GROUPINGS = [("padded", None, 1.0), ("token_budget", 0, 0.7), ("packed", 0, 1.0)]  # (batching, chunk, temperature)
 # a world of 4: TP2 x DP2 against TP2 x CP2, PP2 x DP2 against PP2 x CP2
 LAYOUTS4 = [(2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2)]
 GROUPINGS4 = [("padded", 0, 1.0), ("token_budget", None, 0.7)]
@@ -52,6 +53,16 @@ def test_chunks_are_load_balanced_and_gather_back():
         assert len({int(p.sum()) for p in pos}) == 1
     with pytest.raises(ValueError, match="does not split into 2 x parallel.cp = 4"):
         cpx.split(torch.zeros(1, 10), 1, 2, 0)
+    # packed rows of 8, 4 and 12 (each a multiple of 4): every row split on its own
+    cu = [0, 8, 12, 24]
+    assert cpx.thd_local_index(cu, 2, 0).tolist() == [0, 1, 6, 7, 8, 11, 12, 13, 14, 21, 22, 23]
+    assert cpx.thd_local_index(cu, 2, 1).tolist() == [2, 3, 4, 5, 9, 10, 15, 16, 17, 18, 19, 20]
+    for cp in (1, 2, 3):
+        cu = [0, 6 * cp, 8 * cp, 20 * cp]
+        held = torch.cat([cpx.thd_local_index(cu, cp, r) for r in range(cp)])
+        assert torch.equal(held[cpx.thd_global_order(cu, cp)], torch.arange(cu[-1]))
+    with pytest.raises(ValueError, match="does not split into 2 x parallel.cp = 4"):
+        cpx.thd_local_index([0, 8, 14], 2, 0)
 
 
 def _sync_check(ckpt: str) -> tuple[float, float, int]:
@@ -94,8 +105,8 @@ def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, out: str) 
         rows = list(range(d, 5, dp))  # the trainer's split over DP; CP ranks share their rows
         for batching, chunk, temp in groupings:  # DDP all-reduces whole gradients: comparable grads
             results[(tp, pp, cp, batching, chunk, temp)] = {"rows": rows, **_passes(
-                ckpt, rows, batching, sharded_optimizer=False, logits_chunk=chunk, probe_sites=False,
-                temperature=temp)}
+                ckpt, rows, batching, sharded_optimizer=False, logits_chunk=chunk,
+                probe_sites=batching == "packed", temperature=temp)}
         if sharded:
             results[(tp, pp, cp, "sync")] = _sync_check(ckpt)
         if sharded and cp > 1:  # a library caller: the attribution passes refuse CP
@@ -139,12 +150,28 @@ def _assert_cp_equals_dp(runs, groupings, tp: int, pp: int) -> None:
                 assert got[name].shape[1] >= want[name].shape[1]
                 ours = got[name][mine][:, :valid.shape[1]]
                 _close(ours[valid], want[name][valid], f"{where}: {name}")
+            assert len(got["teacher"]) == len(want["teacher"]), where
+            for g, w in zip(got["teacher"], want["teacher"]):  # the probe teacher (packed)
+                _close(g[mine], w, f"{where}: teacher")
             assert_same_update(got, want, where)
 
 
 @pytest.mark.slow
 def test_cp2_passes_equal_cp1(runs):
     _assert_cp_equals_dp(runs, GROUPINGS, 1, 1)
+
+
+@pytest.mark.slow
+def test_packed_cp2_equals_padded(runs):
+    """Packed (THD) at CP2 against padded micro-batches at CP1 (DP2): every row split on its own
+    into 2 x CP chunks, with its own positions and attention, is the row run alone."""
+    for rank, res in enumerate(runs):
+        want, got = res[(1, 1, 1, "padded", None, 1.0)], res[(1, 1, 2, "packed", 0, 1.0)]
+        mine, valid = torch.tensor(want["rows"]), want["valid"]
+        where = f"rank {rank} packed CP2 against padded CP1"
+        for name in ("logprobs", "entropy", "ref_logprobs"):
+            _close(got[name][mine][:, :valid.shape[1]][valid], want[name][valid], f"{where}: {name}")
+        assert_same_update(got, want, where)
 
 
 @pytest.mark.slow
