@@ -532,8 +532,6 @@ def _cp_unsupported(cfg: Config) -> list[str]:
     m, out = cfg.model, []
     if cfg.uses_attribution:
         out.append(f"credit={cfg.credit} (the attribution passes do not split sequences over CP yet)")
-    if cfg.train.batching == "packed":
-        out.append("train.batching=packed (THD sequences are not split over CP yet; use token_budget)")
     spec = resolve_spec(m) if m.spec == "auto" else m.spec
     if resolve_attention(m.attention, spec) == "unfused":
         out.append("model.attention=unfused (megatron's unfused attention has no context "

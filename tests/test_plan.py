@@ -809,8 +809,9 @@ def test_cp_layout_dp_and_optimizer_shards():
 
 
 def test_cp_knob_only_where_the_credit_runs_under_cp(monkeypatch):
-    """--table's knobs: parallel.cp=2 and 4 come after recompute and before more nodes for GRPO,
-    and never for OAR-G (attribution does not run under CP: the config refuses it)."""
+    """--table's knobs: parallel.cp=2 and 4 come after recompute and before more nodes for GRPO
+    (a MoE model and packed batching too), and never for OAR-G (attribution does not run under
+    CP: the config refuses it)."""
     from megatron_oar.commands.plan import report
 
     monkeypatch.setattr(report, "make_plan", lambda c, hf, **kw: c)  # the labels, not the plans
@@ -824,6 +825,11 @@ def test_cp_knob_only_where_the_credit_runs_under_cp(monkeypatch):
     first_cp = grpo.index("parallel.cp=2")
     assert grpo.index("model.recompute=full") < first_cp < grpo.index("2x nodes (16 GPUs)")
     assert labels["oar_g"] == [k for k in grpo if "parallel.cp" not in k]
+    # a mixture-of-experts model and packed batching run under CP: their knobs include it
+    for example, extra in (("qwen3-30b-a3b_oar_g", "model.routing_replay=training"),
+                           ("qwen2.5-7b_oar_g", "train.batching=packed")):
+        cfg, hf, kw = _cfg_hf(example, "credit=grpo", "model.recompute=null", extra)
+        assert "parallel.cp=2" in [k for k, _ in report._knob_plans(cfg, hf, **kw)], example
     # the advice of a plan that does not fit names CP for GRPO, and for OAR-G why not
     from megatron_oar.commands.plan.budget_search import at_length
 
