@@ -1,13 +1,14 @@
 """Context parallelism (``parallel.cp``, ``models/context_parallel.py``): the trainer's Megatron
 passes at CP2 give what they give at CP1.
 
-The layout helpers on plain tensors (Megatron-LM's load-balanced chunks, sample order back);
-then, in one pooled world of 2 ranks, the old-logprob pass (with and without the probe teacher),
-the reference log-probs and one ``update_step`` (KL and entropy terms on) on the scaled tiny
-Qwen2 at DP2 (CP1) and at CP2 (DP1: both ranks on the same rows, each running two of the four
-chunks of every row): padded and token-budget micro-batches, chunked and whole logits, rollout
-temperatures 1 and 0.7, megatron's DDP and its distributed optimizer; and the rollout sync
-check. In the pooled world of 4, CP2 x TP2 and CP2 x PP2 against TP2 x DP2 and PP2 x DP2. The
+The layout helpers on plain tensors (Megatron-LM's load-balanced chunks, sample order back; the
+packed THD layout, each row split on its own); then, in one pooled world of 2 ranks, the
+old-logprob pass (with and without the probe teacher), the reference log-probs and one
+``update_step`` (KL and entropy terms on) on the scaled tiny Qwen2 at DP2 (CP1) and at CP2 (DP1:
+both ranks on the same rows, each running two of the four chunks of every row): padded,
+token-budget and packed (THD, with the probe teacher) micro-batches, chunked and whole logits,
+rollout temperatures 1 and 0.7, megatron's DDP and its distributed optimizer; packed at CP2 also
+against padded at CP1; and the rollout sync check. In the pooled world of 4, CP2 x TP2 and CP2 x PP2 against TP2 x DP2 and PP2 x DP2. The
 test rows are 13..29 tokens, most not a multiple of 2 x CP = 4, so the padding to the CP
 multiple is exercised. Log-probs, entropies, reference log-probs, the teacher, the loss, the
 gradient norm, the gradients and the updated weights agree to fp32 rounding
