@@ -8,10 +8,11 @@ old-logprob pass (with and without the probe teacher), the reference log-probs a
 both ranks on the same rows, each running two of the four chunks of every row): padded,
 token-budget and packed (THD, with the probe teacher) micro-batches, chunked and whole logits,
 rollout temperatures 1 and 0.7, megatron's DDP and its distributed optimizer; packed at CP2 also
-against padded at CP1; and the rollout sync check. In the pooled world of 4, CP2 x TP2 and CP2 x PP2 against TP2 x DP2 and PP2 x DP2. The
-test rows are 13..29 tokens, most not a multiple of 2 x CP = 4, so the padding to the CP
-multiple is exercised. Log-probs, entropies, reference log-probs, the teacher, the loss, the
-gradient norm, the gradients and the updated weights agree to fp32 rounding
+against padded at CP1; and the rollout sync check. In the pooled world of 4, CP2 x TP2 and
+CP2 x PP2 against TP2 x DP2 and PP2 x DP2. The test rows are 13..29 tokens, most not a multiple
+of 2 x CP = 4, so the padding to the CP multiple is exercised. Log-probs, entropies, reference
+log-probs, the teacher, the loss, the gradient norm, the gradients and the updated weights agree
+to fp32 rounding
 (``tests/tolerances.py``: bounds derived from float32's epsilon and the reductions the compared
 values go through, as ``tests/test_micro_batches.py``'s).
 

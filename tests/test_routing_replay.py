@@ -9,8 +9,10 @@ vLLM returns them) into ``routed [B, L, n, k]`` and through ``RolloutBatch`` -> 
 the batch, and the config key's refusals.
 
 Slow (one pooled world of 2 gloo ranks, one job running EP2 (as DP2 for the dense part), PP2,
-TP2 with sequence parallelism and PP2 with full recompute; the whole file 28 s at low load, up to
-70 s at load 6-12 on the shared 2 cores, the world's start included; the conversion 1 s):
+TP2 with sequence parallelism, PP2 with full recompute, and under context parallelism CP2 and
+CP2 x EP2 (each rank routes its two chunks of every row; packed THD micro-batches too); the whole
+file 28 s at low load before the CP layouts, up to 70 s at load 6-12 on the shared 2 cores, the
+world's start included; the CP layouts add 2 of the job's 6 policy builds; the conversion 1 s):
 the old-logprob pass records the routing transformers computes (at TP2 the ranks exchange one
 byte per value of their own tokens); the update on unchanged weights
 reproduces the old log-probs exactly (ratio 1, agreement 1); after the
@@ -486,6 +488,17 @@ def _replay_layouts(ckpt: str, layouts: list, out: str, waits: _HostWaits) -> No
                            max_tokens=40, routing=log1)
         res["ratio"] = (step.stats["ratio_mean"], step.stats["ratio_max"])
         res["agree_unchanged"] = log1.metrics(torch.device("cpu"))
+        if cp > 1:  # packed (THD) under CP, each row split on its own: the same routing recorded,
+            # and the packed update replays it exactly
+            packed = make_batch(arch.vocab_size, list(range(r, len(LENGTHS), dp)))
+            packed.old_logprobs, _, _ = old_logprob_pass(model, packed, arch.vocab_size, 2, batching="packed",
+                                                         max_tokens=40, routing=RoutingLog("training"))
+            res["packed_routed"] = packed.routed_experts.clone()
+            log_p = RoutingLog("training")
+            step = update_step(policy, packed, loss_cfg, arch.vocab_size, 2, batching="packed", max_tokens=30,
+                               routing=log_p)
+            res["packed_ratio"] = (step.stats["ratio_mean"], step.stats["ratio_max"])
+            res["packed_agree"] = log_p.metrics(torch.device("cpu"))
 
         # the routers' expert rows rolled by one: every token's own top-k moves to (e + 1) mod E
         with torch.no_grad():
@@ -828,6 +841,12 @@ def test_training_replay_world2(tiny_moe):
             assert mean == pytest.approx(1.0, abs=LOGPROB_TOL) and peak == pytest.approx(1.0, abs=LOGPROB_TOL), name
             # a count of equal expert ids over a count of tokens: exact
             assert res["agree_unchanged"]["routing/agree_old_update"] == 1.0
+            if "packed_routed" in res:  # CP: packed records the token-budget routing, replays it exactly
+                known = res["routed"] >= 0
+                assert torch.equal(res["packed_routed"] >= 0, known), name
+                assert torch.equal(res["packed_routed"][known], res["routed"][known]), name
+                assert res["packed_agree"]["routing/agree_old_update"] == 1.0, name
+                assert all(v == pytest.approx(1.0, abs=LOGPROB_TOL) for v in res["packed_ratio"]), name
             assert res["agree_rolled"]["routing/agree_old_update"] < 0.9
         for i in range(full.size):
             n = int(full.lengths[i])
