@@ -783,10 +783,13 @@ def test_training_replay_world2(tiny_moe):
 
 @pytest.mark.slow
 def test_training_replay_sp_cp_world4(tiny_moe):
-    """TP2 + SP x CP2 x EP2 (expert TP 2) on the pooled world of 4: each TP rank routes its share
-    of its CP rank's two chunks of every row, and a recording is gathered over CP, then TP (one
-    policy build and its passes; about 20 s at a load average near 35 on the 2 shared cores)."""
-    _check_replay(tiny_moe, 4, [(2, 1, 2, None, 2)])
+    """On the pooled world of 4: TP2 + SP x CP2 x EP2 (expert TP 2), where each TP rank routes its
+    share of its CP rank's two chunks of every row and a recording is gathered over CP, then TP;
+    and CP2 x DP2 x EP4, whose expert group spans the CP and the DP ranks (the DP ranks' calls
+    paired, ``models/equal_calls.py``). Two policy builds and their passes: the first alone took
+    15-32 s at load averages of 35-60 on the 2 shared cores, both 241 s with this test starting
+    the pool of 4 at a load average of 60-110."""
+    _check_replay(tiny_moe, 4, [(2, 1, 2, None, 2), (1, 1, 4, None, 2)])
 
 
 def _check_replay(tiny_moe, world: int, layouts: list) -> None:
