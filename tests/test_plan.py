@@ -808,9 +808,9 @@ def test_cp_layout_dp_and_optimizer_shards():
     assert not cp1.cp and "CP" not in P.render(cp1, "cp1").split("\n")[1]
 
 
-def test_cp_knob_order_for_grpo_and_oar_g(monkeypatch):
-    """--table's knobs: parallel.cp=2 and 4 come after recompute and before more nodes, for GRPO
-    and for OAR-G alike (attribution runs under CP), and not for packed batching (refused)."""
+def test_cp_knob_order_for_every_credit(monkeypatch):
+    """--table's knobs: parallel.cp=2 and 4 come after recompute and before more nodes, for GRPO,
+    OAR-G (attribution runs under CP), packed batching and a MoE model alike."""
     from megatron_oar.commands.plan import report
 
     monkeypatch.setattr(report, "make_plan", lambda c, hf, **kw: c)  # the labels, not the plans
@@ -825,14 +825,16 @@ def test_cp_knob_order_for_grpo_and_oar_g(monkeypatch):
     first_cp = grpo.index("parallel.cp=2")
     assert grpo.index("model.recompute=full") < first_cp < grpo.index("2x nodes (16 GPUs)")
     assert labels["oar_g"] == grpo
-    assert labels["packed"] == [k for k in grpo if "parallel.cp" not in k]
-    # the advice of a plan that does not fit names CP, for GRPO and OAR-G alike, and for packed
-    # batching why not
+    assert labels["packed"] == grpo
+    # a mixture-of-experts model runs under CP: its knobs include it
+    cfg, hf, kw = _cfg_hf("qwen3-30b-a3b_oar_g", "credit=grpo", "model.recompute=null",
+                          "model.routing_replay=training")
+    assert "parallel.cp=2" in [k for k, _ in report._knob_plans(cfg, hf, **kw)]
+    # the advice of a plan that does not fit names CP, for GRPO, OAR-G and packed batching alike
     from megatron_oar.commands.plan.budget_search import at_length
 
     for credit, extra, tip in (("grpo", (), "parallel.cp=2 or 4"), ("oar_g", (), "parallel.cp=2 or 4"),
-                               ("grpo", ("train.batching=packed",), "not parallel.cp yet: it does not run "
-                                                                     "with train.batching=packed")):
+                               ("grpo", ("train.batching=packed",), "parallel.cp=2 or 4")):
         cfg, hf, kw = _cfg_hf("qwen2.5-7b_oar_g", f"credit={credit}", "model.recompute=null", *extra)
         plan = P.make_plan(at_length(cfg, 65536), hf, **kw)
         assert not plan.fits and any(tip in a for a in plan.advice), (credit, extra, plan.advice)

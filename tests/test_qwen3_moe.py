@@ -20,9 +20,10 @@ measured under a load average near 20; the whole file about 35 s): one world of 
 at EP1, EP2 and TP2 with sequence parallelism through megatron's DDP and ``finalize_model_grads``
 (gradients finite and equal; at TP2 those of the TP-replicated norms and routers, which megatron
 sums over TP by their ``sequence_parallel`` mark); one world of 4 runs EP2xPP2 and EP4 for both,
-TP2 x EP2 (expert TP 2) for A. Measured: max |dlogit| 2.4e-7 (A) and 2.8e-7 (B) at the TP1
-layouts, at most 4.2e-7 at TP2; EP2 vs EP1 gradients within 3e-7 of each tensor's largest, TP2's
-(replicated parameters) within 1.1e-6.
+TP2 x EP2 (expert TP 2) for A, and under context parallelism CP2 x EP4 and TP2 x CP2 x EP2 for
+A (routing and the dispatch on each rank's chunks; two more builds, a few seconds). Measured:
+max |dlogit| 2.4e-7 (A) and 2.8e-7 (B) at the TP1 layouts, at most 4.2e-7 at TP2; EP2 vs EP1
+gradients within 3e-7 of each tensor's largest, TP2's (replicated parameters) within 1.1e-6.
 """
 
 from __future__ import annotations
@@ -413,14 +414,15 @@ def _load_hf(model, arch, hf_dir: str, spec: str) -> None:
             p.copy_(t)
 
 
-def _build(hf_dir: str, tp: int, pp: int, ep: int, etp: int | None = None, ckpt: str | None = None):
+def _build(hf_dir: str, tp: int, pp: int, ep: int, etp: int | None = None, ckpt: str | None = None,
+           cp: int = 1):
     """This rank's shard at the layout: HF weights through the mapping (TP=1), or at TP > 1 (with
     sequence parallelism) the converter's checkpoint ``ckpt``."""
     from megatron_oar.models import ModelOptions, build_gpt_model
     from megatron_oar.models.model_checkpoint import load_model
     from megatron_oar.runtime import ParallelConfig, init_runtime
 
-    init_runtime(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp))
+    init_runtime(ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp))
     arch = parse_arch(read_config(Path(hf_dir)))
     model = build_gpt_model(arch, ModelOptions(spec="local", sequence_parallel=tp > 1))
     if tp == 1:
@@ -431,16 +433,17 @@ def _build(hf_dir: str, tp: int, pp: int, ep: int, etp: int | None = None, ckpt:
 
 
 def _logits_worker(jobs: list, tokens: torch.Tensor) -> None:
-    """Each (hf_dir, ckpt, (tp, pp, ep, etp), out) in this one world: the logits on data- and
-    tensor-parallel rank 0 of the last stage."""
+    """Each (hf_dir, ckpt, (tp, pp, ep, etp[, cp]), out) in this one world: the logits on data-,
+    tensor- and context-parallel rank 0 of the last stage (under CP gathered over it)."""
     from megatron.core import parallel_state as ps
 
     from megatron_oar.models.forward import forward_logits
 
-    for hf_dir, ckpt, (tp, pp, ep, etp), out in jobs:
-        model, arch = _build(hf_dir, tp, pp, ep, etp, ckpt)
+    for hf_dir, ckpt, (tp, pp, ep, etp, *cp), out in jobs:
+        model, arch = _build(hf_dir, tp, pp, ep, etp, ckpt, *cp)
         logits = forward_logits(model, tokens, micro_batch_size=1, vocab_size=arch.vocab_size)
-        if logits is not None and ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0:
+        if (logits is not None and ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+                and ps.get_context_parallel_rank() == 0):
             torch.save(logits, out)
 
 
@@ -510,7 +513,7 @@ def moe_models(tmp_path_factory):
 
 def _jobs(root: Path, models: dict, layouts: dict[str, list]) -> list:
     return [(str(models[name]["hf"]), str(models[name]["ckpt"]), layout,
-             str(root / f"{name}_tp{layout[0]}pp{layout[1]}ep{layout[2]}etp{layout[3]}.pt"))
+             str(root / f"{name}_tp{layout[0]}pp{layout[1]}ep{layout[2]}etp{layout[3]}cp{(layout[4:] or (1,))[0]}.pt"))
             for name, mine in layouts.items() for layout in mine]
 
 
@@ -570,10 +573,13 @@ def test_logits_and_gradients_world2(moe_models):
 @pytest.mark.slow
 def test_logits_world4(moe_models):
     """EP2 x PP2 and EP4 (one expert per rank) logits, and TP2 x EP2 (sequence parallel, expert
-    TP 2) for A, equal transformers'."""
+    TP 2) for A, equal transformers'; under context parallelism for A, CP2 x EP4 (the expert
+    group spans the CP and DP ranks) and TP2 x CP2 x EP2 (sequence parallel: each TP rank routes
+    its share of its CP rank's chunks)."""
     root, tokens, models = moe_models
     both = [(1, 2, 2, None), (1, 1, 4, None)]
-    jobs = _jobs(root, models, {"A": both + [(2, 1, 2, None)], "B": both})
+    jobs = _jobs(root, models, {"A": both + [(2, 1, 2, None), (1, 1, 4, None, 2), (2, 1, 2, None, 2)],
+                                "B": both})
     launch(_logits_worker, 4, jobs, tokens)
     _check_logits(jobs, models)
 

@@ -15,8 +15,8 @@ same passes routing on their own score up to 0.039 (OAR-G) and 2.75 (OAR-P).
 
 Tiny random Qwen3-MoE (2 layers, both MoE, 4 experts, top-2, ``norm_topk_prob``; weights std
 0.3 as in tests/test_attribution.py, routers std 0.2), HF weights loaded into each rank's shard
-(``tests/test_qwen3_moe._load_hf``). Slow: one pooled world of 2 gloo ranks runs EP1 (as DP2)
-and EP2, both ranks scoring the same batch (megatron's allgather dispatcher gathers over the EP
+(``tests/test_qwen3_moe._load_hf``). Slow: one pooled world of 2 gloo ranks runs EP1 (as DP2),
+EP2 and CP2, both ranks scoring the same batch (megatron's allgather dispatcher gathers over the EP
 ranks, which then hold equal shapes); measured 6 s on the shared 2 cores at load 4 (14 s at
 load 8) in a warm world, plus the transformers reference (about 1 s); the R3 test 23 s at load 20
 (four old-logprob passes and eight attribution runs over EP1 and EP2).
@@ -33,9 +33,12 @@ from tests.distributed import launch, save_gathered
 from tests.tiny import make_tiny_qwen3_moe
 
 ATTR_CASES = ("oar_g_answer_mean", "oar_p_answer_mean")
+# (ep, cp) in the world of 2: EP1 (as DP2), EP2, and context parallelism CP2 (each rank runs two of
+# the four chunks of every row; the routing recorded and replayed per CP rank's own tokens)
+LAYOUTS = [(1, 1), (2, 1), (1, 2)]
 
 
-def _worker(hf_dir: str, eps: list[int], out: str) -> None:
+def _worker(hf_dir: str, layouts: list[tuple[int, int]], out: str) -> None:
     from transformers import AutoTokenizer
 
     from megatron_oar.attribution import compute_importance
@@ -51,8 +54,8 @@ def _worker(hf_dir: str, eps: list[int], out: str) -> None:
     batch = make_batch(tok)
     arch = parse_arch(read_config(Path(hf_dir)))
     results = {}
-    for ep in eps:
-        init_runtime(ParallelConfig(ep=ep))
+    for ep, cp in layouts:
+        init_runtime(ParallelConfig(ep=ep, cp=cp))
         model = build_gpt_model(arch, ModelOptions(spec="local", routing_replay="training"))
         _load_hf(model, arch, hf_dir, "local")
         # a recording pass first (as the trainer's old-logprob pass): attribution must not replay it
@@ -76,7 +79,7 @@ def _worker(hf_dir: str, eps: list[int], out: str) -> None:
         after = forward_logits(model, batch.tokens, micro_batch_size=1, vocab_size=arch.vocab_size)
         res["grads_untouched"] = all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in model.parameters())
         res["outputs_unchanged"] = before is None or torch.equal(before, after)
-        results[ep] = res
+        results[f"ep{ep} cp{cp}"] = res
     save_gathered(results, out)
 
 
@@ -95,7 +98,7 @@ def test_oar_through_the_router_matches_reference(moe_attribution):
 
     root, hf, refs = moe_attribution
     out = root / "attr.pt"
-    launch(_worker, 2, str(hf), [1, 2], str(out))
+    launch(_worker, 2, str(hf), LAYOUTS, str(out))
     ranks = torch.load(out, weights_only=False)
     for rank, results in enumerate(ranks):
         for ep, res in results.items():
@@ -113,7 +116,7 @@ def test_oar_through_the_router_matches_reference(moe_attribution):
 SIGMA_ZERO = 1e-30  # OAR-G's noise std: the noise vanishes in fp32 next to the embeddings
 
 
-def _r3_worker(hf_dir: str, eps: list[int], out: str) -> None:
+def _r3_worker(hf_dir: str, layouts: list[tuple[int, int]], out: str) -> None:
     """Per EP size: the teacher from the old-logprob pass replaying "vLLM's" routing (every
     recorded expert moved one on, so it differs from the model's own), then OAR-G with vanishing
     noise and OAR-P copies whose mask token is the token already there (nothing masked), routed as
@@ -145,8 +148,8 @@ def _r3_worker(hf_dir: str, eps: list[int], out: str) -> None:
     unmasked = scored & (seqs.tokens == same)
     p_cfg = AttributionConfig(method="oar_p", pad_id=same, perturb_micro_batch_size=8, length_bucket=8)
     results = {"unmasked_positions": int(unmasked.sum())}
-    for ep in eps:
-        init_runtime(ParallelConfig(ep=ep))
+    for ep, cp in layouts:
+        init_runtime(ParallelConfig(ep=ep, cp=cp))
         model = build_gpt_model(arch, ModelOptions(spec="local", routing_replay="rollout"))
         _load_hf(model, arch, hf_dir, "local")
         batch = TrainBatch(seqs.tokens, seqs.prompt_lens, seqs.lengths, seqs.sample_ids,
@@ -167,7 +170,7 @@ def _r3_worker(hf_dir: str, eps: list[int], out: str) -> None:
                                           tokenizer=tok, sites=sites, teacher=teacher, external_teacher=True,
                                           teacher_fp8=False, route=route)
                 res[f"{name}_{arm}"] = float(attr.importance[where].abs().max())
-        results[ep] = res
+        results[f"ep{ep} cp{cp}"] = res
     save_gathered(results, out)
 
 
@@ -179,7 +182,7 @@ def test_r3_attribution_routes_as_its_teacher(moe_attribution):
     students differ from the teacher without any perturbation."""
     root, hf, _ = moe_attribution
     out = root / "r3.pt"
-    launch(_r3_worker, 2, str(hf), [1, 2], str(out))
+    launch(_r3_worker, 2, str(hf), LAYOUTS, str(out))
     for rank, results in enumerate(torch.load(out, weights_only=False)):
         assert results.pop("unmasked_positions") >= 3
         for ep, res in results.items():

@@ -9,8 +9,10 @@ vLLM returns them) into ``routed [B, L, n, k]`` and through ``RolloutBatch`` -> 
 the batch, and the config key's refusals.
 
 Slow (one pooled world of 2 gloo ranks, one job running EP2 (as DP2 for the dense part), PP2,
-TP2 with sequence parallelism and PP2 with full recompute; the whole file 28 s at low load, up to
-70 s at load 6-12 on the shared 2 cores, the world's start included; the conversion 1 s):
+TP2 with sequence parallelism, PP2 with full recompute, and under context parallelism CP2 and
+CP2 x EP2 (each rank routes its two chunks of every row; packed THD micro-batches too); the whole
+file 28 s at low load before the CP layouts, up to 70 s at load 6-12 on the shared 2 cores, the
+world's start included; the CP layouts add 2 of the job's 6 policy builds; the conversion 1 s):
 the old-logprob pass records the routing transformers computes (at TP2 the ranks exchange one
 byte per value of their own tokens); the update on unchanged weights
 reproduces the old log-probs exactly (ratio 1, agreement 1); after the
@@ -26,6 +28,7 @@ and its stage's layers of vLLM's routing.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,7 +39,7 @@ import torch
 from megatron_oar.training.routing_replay import RoutingLog, _overlap, rollout_routing, router_tokens
 from tests.distributed import launch, launch_and_load, save_gathered
 from tests.tiny import SMALL_QWEN3_MOE, make_tiny_qwen3_moe
-from tests.tolerances import ModelShape
+from tests.tolerances import ModelShape, assert_close_to_rounding
 
 # DP rank r takes rows r, r + 2, ...: equal lengths pairwise, since megatron's allgather dispatcher
 # (the CPU one) gathers the routing over the EP ranks, which must then hold equally many tokens
@@ -71,7 +74,8 @@ def test_overlap_and_metrics_arithmetic():
 
 def test_router_token_layout():
     """Padded micro-batches: the routers see ``[s, b]`` flattened sequence-first; packed: the
-    rows back to back at their padded offsets; SP: each TP rank its contiguous share."""
+    rows back to back at their padded offsets; SP: each TP rank its contiguous share; CP: each
+    CP rank its two chunks of every row, at their global columns."""
     from megatron_oar.models.packing import pack, packed_seq_params
 
     lengths = [5, 3, 4]
@@ -87,6 +91,17 @@ def test_router_token_layout():
     assert row.tolist() == [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]
     assert col.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]
     assert valid.tolist() == [True, True, True, False, True, True, True, True, True, False]
+    # CP2, rank 1: its chunks 1 and 2 of 4 (columns 2..5 of 8), of every row; packed, of each row
+    row, col, valid = router_tokens((torch.zeros(2, 4, dtype=torch.long),), {}, [2, 0], lengths, 0, 1, False,
+                                    cp_rank=1, cp_size=2)
+    assert row.tolist() == [2, 0] * 4 and col.tolist() == [2, 2, 3, 3, 4, 4, 5, 5]
+    assert valid.tolist() == [True, True, True, True, False, True, False, False]
+    packed = pack(torch.zeros(2, 5, dtype=torch.long), [3, 5], multiple=4)  # rows of 4 and 8
+    kw = {"packed_seq_params": packed_seq_params(packed)}
+    row, col, valid = router_tokens((packed.tokens[:, :6],), kw, [1, 0], lengths, 0, 1, False,
+                                    cp_rank=0, cp_size=2)
+    assert row.tolist() == [1, 1, 0, 0, 0, 0] and col.tolist() == [0, 3, 0, 1, 6, 7]
+    assert valid.tolist() == [True, False, True, True, False, False]
 
 
 def test_tokens_without_routing_spread_over_experts():
@@ -283,7 +298,8 @@ class _Capture:
 
 def _layout(model, batch, groups):
     """``(row, col, valid)`` of the router tokens of each micro-batch of ``groups`` (token budget;
-    this TP rank's share under SP), built as the update builds its inputs."""
+    this CP rank's chunks under CP, this TP rank's share under SP), built as the update builds
+    its inputs."""
     from megatron.core import parallel_state as ps
 
     from megatron_oar.models.forward import MicroInput
@@ -293,8 +309,10 @@ def _layout(model, batch, groups):
     for g in groups:
         width = int(batch.lengths[g].max())
         inp = MicroInput(batch.tokens[g, :width], sequence_multiple(model.config))
-        out.append(router_tokens((inp.tokens,), {}, g, batch.lengths.tolist(), ps.get_tensor_model_parallel_rank(),
-                                 ps.get_tensor_model_parallel_world_size(), model.config.sequence_parallel))
+        out.append(router_tokens((inp.local_tokens,), {}, g, batch.lengths.tolist(),
+                                 ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                                 model.config.sequence_parallel, cp_rank=ps.get_context_parallel_rank(),
+                                 cp_size=ps.get_context_parallel_world_size()))
     return out
 
 
@@ -422,14 +440,15 @@ def _replay_layouts(ckpt: str, layouts: list, out: str, waits: _HostWaits) -> No
     import megatron_oar.training.routing_replay as rr
     from megatron_oar.algorithms import PolicyLossConfig
     from megatron_oar.models.micro_batches import micro_batches
+    from megatron_oar.models.padding import sequence_multiple
     from megatron_oar.runtime import ParallelConfig, init_runtime
     from megatron_oar.training.policy_passes import old_logprob_pass, update_step
     from megatron_oar.training.routing_replay import attach_rollout_routing, moe_routers, stage_moe_layers
 
     results = {}
     loss_cfg = PolicyLossConfig()
-    for tp, pp, ep, recompute in layouts:
-        init_runtime(ParallelConfig(tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1))
+    for tp, pp, ep, recompute, cp in layouts:
+        init_runtime(ParallelConfig(tp=tp, pp=pp, ep=ep, cp=cp, sequence_parallel=tp > 1))
         policy, arch = _policy(ckpt, "training", tp, recompute)
         model = policy.model
         dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -448,9 +467,11 @@ def _replay_layouts(ckpt: str, layouts: list, out: str, waits: _HostWaits) -> No
                                          max_tokens=40, routing=log)
         # what the TP ranks exchange: each the others' shares of the router tokens, one byte per
         # (token, MoE layer, slot) (4 experts fit uint8)
-        groups = micro_batches(batch.lengths.tolist(), batching="token_budget", rows_per_micro=2, max_tokens=40)
+        groups = micro_batches(batch.lengths.tolist(), batching="token_budget", rows_per_micro=2, max_tokens=40,
+                               multiple=sequence_multiple(policy.gpt.config))  # the passes' grouping
         share = sum(row.numel() for row, _, _ in _layout(policy.gpt, batch, groups))
-        res["routing_bytes"] = (traffic.bytes, (tp - 1) * share * len(res["layers"]) * arch.moe_topk)
+        # (under CP each TP rank sends its share of every CP rank's tokens, gathered over CP first)
+        res["routing_bytes"] = (traffic.bytes, (tp - 1) * cp * share * len(res["layers"]) * arch.moe_topk)
         if tp > 1:  # ids of a model with more than 256 experts (int16) over TP: as bytes (no NCCL int16)
             ids = [(torch.arange(24, device=torch.cuda.current_device()).view(4, 3, 2) * 37 + 300 * q)
                    .to(rr.ROUTED_DTYPE) for q in range(tp)]
@@ -468,12 +489,24 @@ def _replay_layouts(ckpt: str, layouts: list, out: str, waits: _HostWaits) -> No
                            max_tokens=40, routing=log1)
         res["ratio"] = (step.stats["ratio_mean"], step.stats["ratio_max"])
         res["agree_unchanged"] = log1.metrics(torch.device("cpu"))
+        if cp > 1:  # packed (THD) under CP, each row split on its own: the same routing recorded,
+            # and the packed update replays it exactly
+            packed = make_batch(arch.vocab_size, list(range(r, len(LENGTHS), dp)))
+            packed.old_logprobs, _, _ = old_logprob_pass(model, packed, arch.vocab_size, 2, batching="packed",
+                                                         max_tokens=40, routing=RoutingLog("training"))
+            res["packed_routed"] = packed.routed_experts.clone()
+            log_p = RoutingLog("training")
+            step = update_step(policy, packed, loss_cfg, arch.vocab_size, 2, batching="packed", max_tokens=30,
+                               routing=log_p)
+            res["packed_ratio"] = (step.stats["ratio_mean"], step.stats["ratio_max"])
+            res["packed_agree"] = log_p.metrics(torch.device("cpu"))
 
         # the routers' expert rows rolled by one: every token's own top-k moves to (e + 1) mod E
         with torch.no_grad():
             for router in moe_routers(model):
                 router.weight.copy_(torch.roll(router.weight, 1, dims=0))
-        groups = micro_batches(batch.lengths.tolist(), batching="token_budget", rows_per_micro=2, max_tokens=30)
+        groups = micro_batches(batch.lengths.tolist(), batching="token_budget", rows_per_micro=2, max_tokens=30,
+                               multiple=sequence_multiple(policy.gpt.config))  # the passes' grouping
         layout = _layout(policy.gpt, batch, groups)
         # replayed: every layer routes as recorded; without replay, the first MoE layer routes
         # exactly one expert on from what was recorded
@@ -498,6 +531,10 @@ def _replay_layouts(ckpt: str, layouts: list, out: str, waits: _HostWaits) -> No
                 res["loss"] = step.stats["loss"]
                 res["router_grads"] = {layer: router.weight.main_grad.clone() for layer, router in
                                        zip(res["layers"], moe_routers(model))}
+                # every gradient, experts by their global number (EP ranks hold E / EP of them)
+                first = ps.get_expert_model_parallel_rank() * arch.num_experts // ep
+                res["grads"] = {re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m[1]) + first}.", n):
+                                p.main_grad.clone() for n, p in policy.gpt.named_parameters()}
         # rollout mode: vLLM-style ids ([len - 1, num_hidden_layers, k] per row: the recorded
         # routing of the original weights) replayed by the old-logprob pass
         gathered = [torch.full((len(LENGTHS), max(LENGTHS), 1, arch.moe_topk), -1, dtype=torch.int32,
@@ -519,7 +556,7 @@ def _replay_layouts(ckpt: str, layouts: list, out: str, waits: _HostWaits) -> No
         res["host_waits"] = waits.count  # in the router hooks of every pass above
         if pp > 1:  # OAR-G replaying the recorded routing, compared between PP2 with and without recompute
             res["oar_g_replayed"] = _oar_g_replayed(model, batch, arch.vocab_size)
-        results[_name(tp, pp, ep, recompute)] = res
+        results[_name(tp, pp, ep, recompute, cp)] = res
     save_gathered(results, out)
     del dist
 
@@ -730,22 +767,41 @@ def _hf_forced(hf_dir, batch, routed: dict | None, roll: bool):
     return lps, model, own
 
 
-def _name(tp: int, pp: int, ep: int, recompute: str | None) -> str:
-    return f"tp{tp}pp{pp}ep{ep}" + (f"-recompute_{recompute}" if recompute else "")
+def _name(tp: int, pp: int, ep: int, recompute: str | None, cp: int = 1) -> str:
+    return f"tp{tp}pp{pp}ep{ep}" + (f"cp{cp}" if cp > 1 else "") + (f"-recompute_{recompute}" if recompute else "")
 
 
 @pytest.mark.slow
 def test_training_replay_world2(tiny_moe):
+    # (tp, pp, ep, model.recompute, cp): EP2 (its dense part DP2), PP2, TP2 + SP; PP2 with full
+    # recompute (megatron's 1F1B holds two micro-batches' replayed targets on the first stage);
+    # CP2 and CP2 x EP2 (both ranks on every row, each routing its two chunks of each: the
+    # expert group is the CP group)
+    _check_replay(tiny_moe, 2, [(1, 1, 2, None, 1), (1, 2, 1, None, 1), (2, 1, 1, None, 1),
+                                (1, 2, 1, "full", 1), (1, 1, 1, None, 2), (1, 1, 2, None, 2)])
+
+
+@pytest.mark.slow
+def test_training_replay_sp_cp_world4(tiny_moe):
+    """On the pooled world of 4: TP2 + SP x CP2 x EP2 (expert TP 2), where each TP rank routes its
+    share of its CP rank's two chunks of every row and a recording is gathered over CP, then TP;
+    and CP2 x DP2 x EP4, whose expert group spans the CP and the DP ranks (the DP ranks' calls
+    paired, ``models/equal_calls.py``). Two policy builds and their passes: the first alone took
+    15-32 s at load averages of 35-60 on the 2 shared cores, both 241 s with this test starting
+    the pool of 4 at a load average of 60-110."""
+    _check_replay(tiny_moe, 4, [(2, 1, 2, None, 2), (1, 1, 4, None, 2)])
+
+
+def _check_replay(tiny_moe, world: int, layouts: list) -> None:
+    """Runs ``_replay_worker`` over ``layouts`` in the pooled world of ``world`` ranks and checks
+    each against transformers (and the layouts against each other where both are there)."""
     from megatron_oar.algorithms import PolicyLossConfig, policy_loss
     from megatron_oar.models import parse_arch
     from tests.tiny import read_config
 
     root, hf = tiny_moe
-    # (tp, pp, ep, model.recompute): EP2 (its dense part DP2), PP2, TP2 + SP; PP2 with full
-    # recompute (megatron's 1F1B holds two micro-batches' replayed targets on the first stage)
-    layouts = [(1, 1, 2, None), (1, 2, 1, None), (2, 1, 1, None), (1, 2, 1, "full")]
-    out = str(root / "replay.pt")
-    launch(_replay_worker, 2, str(root / "ckpt"), layouts, out)
+    out = str(root / f"replay{world}.pt")
+    launch(_replay_worker, world, str(root / "ckpt"), layouts, out)
     ranks = torch.load(out, weights_only=False)
     arch = parse_arch(read_config(hf))
     full = make_batch(arch.vocab_size, None)
@@ -757,13 +813,14 @@ def test_training_replay_world2(tiny_moe):
 
     widest = max(arch.hidden_size, arch.intermediate_size, arch.moe_intermediate_size)
     tol = recompute_tolerance(widest, arch.num_layers)
-    for rank in ranks:
+    names = {_name(*layout) for layout in layouts}
+    for rank in ranks if {_name(1, 2, 1, None), _name(1, 2, 1, "full")} <= names else ():
         want, got = rank[_name(1, 2, 1, None)]["oar_g_replayed"], rank[_name(1, 2, 1, "full")]["oar_g_replayed"]
         assert want.abs().max() > 0
         err = float(((got - want).abs().amax(-1) / want.abs().amax(-1).clamp_min(1e-30)).max())
         print(f"OAR-G replayed at PP2, full recompute against none: rel err {err:.2e} (tolerance {tol:.2e})")
         assert err <= tol, err
-    ref = None
+    ref, olds = None, {}
     for name in (_name(*layout) for layout in layouts):
         routed = torch.full((full.size, full.tokens.shape[1], arch.num_layers, arch.moe_topk), -1, dtype=torch.int16)
         old = torch.zeros(full.tokens.shape)
@@ -774,6 +831,9 @@ def test_training_replay_world2(tiny_moe):
             for j, layer in enumerate(res["layers"]):
                 routed[ids, :w, layer] = res["routed"][:, :, j]
             old[ids, :res["old"].shape[1]] = res["old"].float()
+        olds[name] = old
+        for rank in ranks:
+            res = rank[name]
             assert res["match_training"], f"{name}: the update did not route as recorded"
             assert res["match_none"], f"{name}: without replay the update must route on its own"
             # without recompute nothing re-runs the router in the backward: the replayed targets
@@ -799,6 +859,12 @@ def test_training_replay_world2(tiny_moe):
             assert mean == pytest.approx(1.0, abs=LOGPROB_TOL) and peak == pytest.approx(1.0, abs=LOGPROB_TOL), name
             # a count of equal expert ids over a count of tokens: exact
             assert res["agree_unchanged"]["routing/agree_old_update"] == 1.0
+            if "packed_routed" in res:  # CP: packed records the token-budget routing, replays it exactly
+                known = res["routed"] >= 0
+                assert torch.equal(res["packed_routed"] >= 0, known), name
+                assert torch.equal(res["packed_routed"][known], res["routed"][known]), name
+                assert res["packed_agree"]["routing/agree_old_update"] == 1.0, name
+                assert all(v == pytest.approx(1.0, abs=LOGPROB_TOL) for v in res["packed_ratio"]), name
             assert res["agree_rolled"]["routing/agree_old_update"] < 0.9
         for i in range(full.size):
             n = int(full.lengths[i])
@@ -841,3 +907,28 @@ def test_training_replay_world2(tiny_moe):
                 rel = float((g - want).abs().max() / want.abs().max())
                 print(f"{name}: router gradient of layer {layer} vs transformers forced: rel {rel:.2e}")
                 assert rel <= GRAD_TOL, (name, layer, rel)
+    if {_name(1, 1, 2, None), _name(1, 1, 1, None, 2), _name(1, 1, 2, None, 2)} <= names:
+        _assert_cp_equals_cp1(ranks, olds, full)
+
+
+def _assert_cp_equals_cp1(ranks: list, olds: dict, full) -> None:
+    """CP2 and CP2 x EP2 against DP2 x EP2 (CP1) in the job above: the old-logprob pass's
+    log-probs (recorded routing), the replayed update's loss (rolled routers) and every gradient
+    (experts by their global number; DDP reduced them over the data x context parallel ranks,
+    the experts' over the expert data-parallel group), to fp32 rounding. The routing each
+    recorded, and the replayed update's agreement of exactly 1.0, the loop above checks per
+    layout."""
+    want = _name(1, 1, 2, None)
+    valid = torch.arange(full.tokens.shape[1]) < full.lengths[:, None]
+    grads_want = {k: v for rank in ranks for k, v in rank[want]["grads"].items()}
+    for got in (_name(1, 1, 1, None, 2), _name(1, 1, 2, None, 2)):
+        scale = float(olds[want][valid].abs().max())
+        err = float((olds[got] - olds[want])[valid].abs().max())
+        print(f"{got} vs {want}: old log-probs max|d| {err:.2e} of {scale:.2f}")
+        assert err <= LOGPROB_TOL * scale, got
+        assert ranks[0][got]["loss"] == pytest.approx(ranks[0][want]["loss"], rel=LOGPROB_TOL), got
+        grads = {k: v for rank in ranks for k, v in rank[got]["grads"].items()}
+        assert grads.keys() == grads_want.keys(), got
+        for k, w in grads_want.items():
+            assert w.abs().max() > 0, k
+            assert_close_to_rounding(grads[k], w, GRAD_TOL, f"{got}: grad {k}")

@@ -9,7 +9,9 @@ rotary embedding takes the same two chunks of the positions itself (``RotaryEmbe
 model on its ``s / CP`` tokens and RoPE sees their global positions.
 
 * :func:`split` / :func:`local_positions`: this rank's two chunks of a ``[.., s, ..]`` tensor,
-  and their global positions.
+  and their global positions. Packed (THD) sequences: :func:`thd_local_index`, the same two
+  chunks of every packed row (Transformer Engine's THD layout; megatron's THD rotary embedding,
+  ``_apply_rotary_pos_emb_thd``, takes each row's positions on this rank alike).
 * :func:`gather`: the ranks' chunks back in sample order ``[.., s, ..]`` (an all-gather over the
   CP group), autograd-aware in one of two ways. ``replicated=True`` (the model's output, which
   every CP rank then processes identically into the same loss): the backward keeps this rank's
@@ -71,6 +73,32 @@ def local_positions(s: int, cp: int | None = None, rank: int | None = None,
     return split(torch.arange(s, device=device), 0, cp, rank)
 
 
+def thd_local_index(cu_seqlens_padded, cp: int | None = None, rank: int | None = None,
+                    device=None) -> torch.Tensor:
+    """Packed (THD) sequences under CP, Transformer Engine's layout
+    (``thd_get_partitioned_indices``): the positions in the packed sequence ``[T]`` (rows at the
+    offsets ``cu_seqlens_padded``, each a multiple of ``2 x cp`` long) that CP rank ``rank``
+    holds, in its local order: of every row in turn, its chunks ``rank`` and ``2 x cp - 1 -
+    rank`` (each row split on its own, as :func:`split` splits one sequence)."""
+    cp = cp_size() if cp is None else cp
+    rank = cp_rank() if rank is None else rank
+    cu = [int(x) for x in (cu_seqlens_padded.tolist() if torch.is_tensor(cu_seqlens_padded)
+                           else cu_seqlens_padded)]
+    parts = []
+    for start, end in zip(cu, cu[1:]):
+        _check_length(end - start, cp)
+        c = (end - start) // (2 * cp)
+        parts += [torch.arange(start + k * c, start + (k + 1) * c) for k in chunk_ids(cp, rank)]
+    return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)).to(device)
+
+
+def thd_global_order(cu_seqlens_padded, cp: int, device=None) -> torch.Tensor:
+    """Index into the rank-major concatenation of every rank's local packed sequence
+    (:func:`thd_local_index`) that puts it in packed order."""
+    held = torch.cat([thd_local_index(cu_seqlens_padded, cp, r) for r in range(cp)])
+    return torch.argsort(held).to(device)
+
+
 def global_order(cp: int, c: int, device=None) -> torch.Tensor:
     """Index into the rank-major concatenation of every rank's local sequence (chunks of ``c``)
     that puts it in sample order."""
@@ -83,7 +111,7 @@ def global_order(cp: int, c: int, device=None) -> torch.Tensor:
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, replicated: bool, group) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, dim: int, replicated: bool, group, order) -> torch.Tensor:
         cp = dist.get_world_size(group)
         ctx.dim, ctx.replicated, ctx.group = dim, replicated, group
         ctx.local = x.shape[dim]
@@ -91,7 +119,7 @@ class _Gather(torch.autograd.Function):
         parts = [torch.empty_like(moved) for _ in range(cp)]
         dist.all_gather(parts, moved, group=group)
         full = torch.cat(parts)  # rank-major
-        order = global_order(cp, ctx.local // 2, full.device)
+        order = global_order(cp, ctx.local // 2, full.device) if order is None else order.to(full.device)
         ctx.save_for_backward(order)
         return full.index_select(0, order).movedim(0, dim)
 
@@ -109,14 +137,16 @@ class _Gather(torch.autograd.Function):
             if not ctx.replicated:  # gloo has no reduce-scatter: all-reduce, keep this rank's part
                 dist.all_reduce(rank_major, group=ctx.group)
             mine = rank_major.narrow(0, dist.get_rank(ctx.group) * ctx.local, ctx.local)
-        return mine.movedim(0, ctx.dim).contiguous(), None, None, None
+        return mine.movedim(0, ctx.dim).contiguous(), None, None, None, None
 
 
-def gather(x: torch.Tensor, dim: int = 1, *, replicated: bool) -> torch.Tensor:
+def gather(x: torch.Tensor, dim: int = 1, *, replicated: bool, order: torch.Tensor | None = None) -> torch.Tensor:
     """Every CP rank's local sequence of ``x`` (along ``dim``) in sample order (module doc:
-    ``replicated`` says what the backward does). ``x`` itself at ``CP = 1``."""
+    ``replicated`` says what the backward does). ``x`` itself at ``CP = 1``. ``order``: the
+    index that puts the rank-major concatenation in sample order, for packed sequences
+    (:func:`thd_global_order`); default one sequence's (:func:`global_order`)."""
     if cp_size() == 1:
         return x
     from megatron.core import parallel_state as ps
 
-    return _Gather.apply(x, dim, replicated, ps.get_context_parallel_group())
+    return _Gather.apply(x, dim, replicated, ps.get_context_parallel_group(), order)

@@ -64,20 +64,31 @@ class MicroInput:
     ``local_positions``: ``models.context_parallel``), and ``restore`` first gathers the ranks'
     outputs back into sample order (the backward keeps this rank's part: every CP rank computes
     the same loss from the gathered output). ``tokens`` stays the whole padded micro-batch (the
-    schedule's shapes are of whole sequences; megatron divides them by CP)."""
+    schedule's shapes are of whole sequences; megatron divides them by CP). Packed, each row of
+    the THD sequence (padded to a multiple of ``2 x CP`` by ``multiple``) is split on its own
+    (Transformer Engine's THD layout, ``context_parallel.thd_local_index``): the rank holds two
+    chunks of every row, megatron's THD rotary embedding gives them their positions in the row,
+    and the attention (``models.sdpa_attention``) keeps the rows apart at their global offsets."""
 
     def __init__(self, tokens: torch.Tensor, multiple: int, lengths: list[int] | None = None):
         self.width = tokens.shape[1]
         self.packed = None if lengths is None else pack(tokens, lengths, multiple)
         self.cp = cpx.cp_size()
+        self.local_index = self.order = None  # packed under CP: this rank's THD positions
         if self.packed is None:
             self.tokens = pad_to(tokens, padded_length(self.width, multiple))
             self.position_ids = position_ids_for(self.tokens)
         else:
-            if self.cp > 1:
-                raise ValueError("packed (THD) micro-batches are not split over parallel.cp > 1 yet")
             self.tokens, self.position_ids = self.packed.tokens, self.packed.position_ids
-        self.local_tokens, self.local_positions = (cpx.split(t, 1) for t in (self.tokens, self.position_ids))
+            if self.cp > 1:
+                cu, dev = self.packed.cu_seqlens_padded, self.tokens.device
+                self.local_index = cpx.thd_local_index(cu, device=dev)
+                self.order = cpx.thd_global_order(cu, self.cp, dev)
+        self.local_tokens, self.local_positions = (self._local(t) for t in (self.tokens, self.position_ids))
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        """This CP rank's positions of a ``[.., s, ..]`` tensor along dim 1 (all at CP 1)."""
+        return cpx.split(t, 1) if self.local_index is None else t.index_select(1, self.local_index)
 
     def __call__(self, chunk, **kwargs) -> torch.Tensor:
         """``chunk`` (the model) on this CP rank's tokens; ``kwargs`` go to the model's forward
@@ -91,7 +102,7 @@ class MicroInput:
         return self.local_positions[0] < self.width
 
     def restore(self, logits: torch.Tensor) -> torch.Tensor:
-        logits = cpx.gather(logits, 1, replicated=True)  # [m, s, ...] in sample order (CP > 1)
+        logits = cpx.gather(logits, 1, replicated=True, order=self.order)  # [m, s, ...] in sample order (CP > 1)
         return trim(logits, self.width) if self.packed is None else unpack(logits, self.packed, self.width)
 
     def restore_hidden(self, gpt, hidden: torch.Tensor) -> torch.Tensor:
@@ -111,17 +122,21 @@ class MicroInput:
         Under CP only per-token values cross the CP group and the output layer sees this
         rank's positions only (with the hidden states gathered instead, every CP rank would
         run it on, and add the output-weight gradient of, the whole sequence)."""
-        if self.packed is not None:
-            raise ValueError("local_token_stats: packed (THD) micro-batches are not supported")
-        targets = cpx.split(torch.cat([self.tokens[:, 1:], self.tokens[:, :1]], dim=1), 1)  # last: unread
+        # each position's next token (packed: the next in the THD sequence; a row's last real
+        # token then reads a pad or the next row, a position no loss reads, as the pads' do)
+        targets = self._local(torch.cat([self.tokens[:, 1:], self.tokens[:, :1]], dim=1))  # last: unread
         if chunk:
             lp, ent = token_stats(gpt, full_hidden(gpt, out), targets, vocab_size, chunk, entropy, temperature)
         else:
             logits = out.float() / temperature if temperature != 1.0 else out
             lp = vp.target_logprobs(logits, targets, vocab_size)
             ent = vp.entropy(logits, vocab_size) if entropy else None
-        lp, ent = (None if t is None else cpx.gather(t, 1, replicated=True)[:, :self.width - 1]
-                   for t in (lp, ent))
+
+        def rows(t):  # [m, width - 1] in sample order
+            t = cpx.gather(t, 1, replicated=True, order=self.order)
+            return (t if self.packed is None else unpack(t, self.packed, self.width))[:, :self.width - 1]
+
+        lp, ent = (None if t is None else rows(t) for t in (lp, ent))
         return lp, ent if entropy else None
 
 

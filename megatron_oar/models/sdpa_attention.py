@@ -31,7 +31,9 @@ the math backend, which keeps one, only where a mask is given).
   query ``i`` of the chunk sees the keys up to its global position ``j x c + i``; no mask tensor,
   which CUDA's SDPA kernels take as such, the CPU materialises). GQA keeps the gathered K/V
   small: ``2 x kv_heads x head_dim`` per token. Exact; the TE spec's CP attention (ring exchange,
-  no whole-sequence K/V) is the path for long sequences on GPUs.
+  no whole-sequence K/V) is the path for long sequences on GPUs. Packed THD under CP: each row
+  split on its own (two chunks of every row per rank, Transformer Engine's THD layout), K/V
+  gathered into packed order, one causal SDPA call per local chunk over its row's earlier keys.
 
 ``model.attention`` picks the core attention (``models.builder.resolve_attention``); the backend SDPA chose is
 logged once per process at the first call (:func:`sdpa_backend`).
@@ -92,6 +94,15 @@ def _varlen():
     return None if causal is None else (varlen_attn, causal, "enable_gqa" in params)
 
 
+@functools.lru_cache(maxsize=8)
+def _thd_order(offsets: tuple[int, ...], cp: int, device: torch.device) -> torch.Tensor:
+    """``context_parallel.thd_global_order`` of a packed layout, once per micro-batch (every
+    layer asks for the same one)."""
+    from megatron_oar.models import context_parallel as cpx
+
+    return cpx.thd_global_order(list(offsets), cp, device)
+
+
 class SDPAttention(DotProductAttention):
     """Megatron's local core attention computed by ``scaled_dot_product_attention`` (module doc)."""
 
@@ -124,9 +135,11 @@ class SDPAttention(DotProductAttention):
         dropout = self.attention_dropout.p if self.training else 0.0
         with self._dropout_rng(dropout):
             if self.cp > 1:
-                if packed_seq_params is not None or attention_mask is not None or not causal:
+                if attention_mask is not None or not causal:
                     raise ValueError("model.attention=sdpa with parallel.cp > 1: causal attention "
-                                     "without a mask or packed sequences only")
+                                     "without a mask only")
+                if packed_seq_params is not None:
+                    return self._context_parallel_packed(query, key, value, packed_seq_params, dropout)
                 return self._context_parallel(query, key, value, dropout)
             if packed_seq_params is not None:
                 if attention_mask is not None:
@@ -185,9 +198,40 @@ class SDPAttention(DotProductAttention):
         context = torch.cat(out, dim=2)
         return context.permute(2, 0, 1, 3).reshape(sl, b, self.hidden_size_per_partition)
 
-    def _packed(self, query, key, value, p, causal: bool, dropout: float):
-        """THD ``[T, heads, dim]`` in, ``[T, heads * dim]`` out: each row of
-        ``cu_seqlens_q_padded`` attends within itself."""
+    def _context_parallel_packed(self, query, key, value, p, dropout: float):
+        """THD ``[T/CP, heads, dim]`` in (this rank's two chunks of every packed row,
+        ``context_parallel.thd_local_index``), ``[T/CP, heads * dim]`` out: K/V gathered over
+        the CP group into packed order, and each local query chunk ``j`` of a row attends to that
+        row's keys of chunks ``0..j`` (causal aligned to the bottom right, as
+        :meth:`_context_parallel`): rows never see each other, and the attention is the one the
+        row would get alone."""
+        from megatron_oar.models import context_parallel as cpx
+
+        offsets = self._segments(p).tolist()  # the global packed layout
+        order = _thd_order(tuple(offsets), self.cp, query.device)
+        keys, values = (cpx.gather(t, 0, replicated=False, order=order) for t in (key, value))  # [T, g, d]
+        if keys.shape[0] != offsets[-1] or offsets[0] != 0:
+            raise ValueError(f"model.attention=sdpa: packed segments {offsets[0]}..{offsets[-1]} do "
+                             f"not cover the {keys.shape[0]} tokens gathered over parallel.cp")
+        chunks = cpx.chunk_ids(self.cp, cpx.cp_rank())
+        pieces, at = [], 0
+        for start, end in zip(offsets, offsets[1:]):
+            c = (end - start) // (2 * self.cp)
+            for chunk in chunks if c else ():
+                seen = (chunk + 1) * c  # the row's keys up to the end of this chunk
+                q = query[at:at + c].transpose(0, 1).unsqueeze(0)  # [1, heads, c, dim]
+                k, v = (t[start:start + seen].transpose(0, 1).unsqueeze(0) for t in (keys, values))
+                out = self._sdpa(q, k, v, causal_lower_right(c, seen), False, dropout)
+                pieces.append(out[0].transpose(0, 1).reshape(c, self.hidden_size_per_partition))
+                at += c
+        if at != query.shape[0]:
+            raise ValueError(f"model.attention=sdpa: {query.shape[0]} local packed tokens, the segments "
+                             f"split over parallel.cp={self.cp} give {at}")
+        return torch.cat(pieces)
+
+    @staticmethod
+    def _segments(p) -> torch.Tensor:
+        """The packed rows' (padded) offsets of megatron's ``PackedSeqParams``: THD self-attention."""
         if p.qkv_format != "thd":
             raise ValueError(f"model.attention=sdpa: packed qkv_format={p.qkv_format!r}; expected thd")
         cu = p.cu_seqlens_q_padded if p.cu_seqlens_q_padded is not None else p.cu_seqlens_q
@@ -195,6 +239,12 @@ class SDPAttention(DotProductAttention):
         if cu_kv is not cu and not torch.equal(cu, cu_kv):
             raise ValueError("model.attention=sdpa: packed sequences need the same query and key "
                              "segments (self-attention)")
+        return cu
+
+    def _packed(self, query, key, value, p, causal: bool, dropout: float):
+        """THD ``[T, heads, dim]`` in, ``[T, heads * dim]`` out: each row of
+        ``cu_seqlens_q_padded`` attends within itself."""
+        cu = self._segments(p)
         total = query.shape[0]
         varlen = _varlen() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else None
         if varlen is not None and dropout == 0.0:

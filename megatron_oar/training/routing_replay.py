@@ -25,9 +25,11 @@ Routing is stored per batch row and token column, ``routed [B, L, n, k]`` (``n``
 stage's MoE layers, in order; ``-1``: not recorded), so the update may group its micro-batches
 differently from the old-logprob pass (mini-batches, token budgets, packing); each micro-batch's
 router tokens are mapped to (row, column) from the model call's own layout (padded ``[s, b]``
-sequence-first, or THD packed), and under sequence parallelism to this TP rank's contiguous share
-(a recording stays on the device, one byte per value where the ids fit, until the pass ends; then
-the TP ranks all-gather their shares in bounded chunks).
+sequence-first, or THD packed), under context parallelism to this CP rank's two chunks of every
+sequence (their global columns: each CP rank replays, and records, the routing of its own tokens),
+and under sequence parallelism to this TP rank's contiguous share (a recording stays on the
+device, one byte per value where the ids fit, until the pass ends; then the CP ranks and the TP
+ranks all-gather their shares in bounded chunks, so every rank holds its batch's whole routing).
 Tokens without a recorded routing (padding, and vLLM's last sampled token, never fed back to the
 model) take experts round-robin among themselves (every expert, hence every EP rank, alike); no
 loss, probe or earlier token reads them. Every other token must have one: a row vLLM returned no
@@ -62,6 +64,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+from megatron_oar.models import context_parallel as cpx
 from megatron_oar.models.builder import ROUTING_REPLAY_MODES, moe_layer_pattern
 from megatron_oar.models.parallel import unwrap
 from megatron_oar.models.recompute import recomputing
@@ -112,11 +115,15 @@ def stage_moe_layers(model) -> tuple[list[int], list[int], int]:
 
 
 def router_tokens(args: tuple, kwargs: dict, rows: list[int], lengths: list[int],
-                  tp_rank: int, tp_size: int, sequence_parallel: bool):
+                  tp_rank: int, tp_size: int, sequence_parallel: bool, *, cp_rank: int = 0,
+                  cp_size: int = 1):
     """``(row, col, valid)`` of each token the routers of one model call see, in their order.
 
-    ``args``/``kwargs``: the call (``input_ids [m, S]``; ``packed_seq_params`` when packed);
+    ``args``/``kwargs``: the call (``input_ids [m, S / CP]``; ``packed_seq_params`` when packed);
     ``rows``: the batch rows of the micro-batch; ``lengths``: every batch row's real length.
+    Under context parallelism (``cp_size`` > 1) the call holds CP rank ``cp_rank``'s two chunks
+    of every sequence (``models.context_parallel``: of the padded rows, or of each packed row):
+    their columns are those chunks' global ones.
     """
     ids = args[0] if args else kwargs["input_ids"]
     packed = kwargs.get("packed_seq_params")
@@ -126,13 +133,15 @@ def router_tokens(args: tuple, kwargs: dict, rows: list[int], lengths: list[int]
     lens = torch.tensor(lengths, dtype=torch.long, device=dev)[rows_t]
     if packed is not None:  # THD: [1, T] -> tokens in order, row k at cu_seqlens_q_padded[k]
         cu = packed.cu_seqlens_q_padded.to(dev).long()
-        t = torch.arange(s, device=dev)
+        t = (torch.arange(s, device=dev) if cp_size == 1 else
+             cpx.thd_local_index(cu, cp_size, cp_rank))  # each local token's packed position
         k = torch.searchsorted(cu, t, right=True) - 1
         row, col = rows_t[k], t - cu[k]
         valid = col < lens[k]
     else:  # [m, S] -> [S, m] sequence-first, flattened
+        cols = cpx.local_positions(s * cp_size, cp_size, cp_rank, dev)  # arange(s) at CP 1
         j = torch.arange(s * m, device=dev)
-        b, col = j % m, j // m
+        b, col = j % m, cols[j // m]
         row, valid = rows_t[b], col < lens[b]
     return _tp_share((row, col, valid), tp_rank, tp_size, sequence_parallel)
 
@@ -223,12 +232,13 @@ class RoutingPass:
             raise ValueError(f"{self.experts} experts do not fit the routing's int16 storage")
         self.sp = bool(config.sequence_parallel)
         self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        self.cp_rank, self.cp = cpx.cp_rank(), cpx.cp_size()  # each CP rank routes its own chunks
         self.record, self.replay, self.log, self.agree_name, self.load = record, replay, log, agree, load
         self.routed = None  # after a recording pass: routed [B, width, n, k] on the CPU
         # recording: per micro-batch, this rank's router tokens' routing on the device
-        # ([tokens, n, k], wire_dtype) and every TP rank's (row, col, valid) on the CPU
+        # ([tokens, n, k], wire_dtype) and, per CP rank, every TP rank's (row, col, valid) on the CPU
         self._recorded: list[torch.Tensor] = []
-        self._layouts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._layouts: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
         if replay is not None and replay.shape[2] != len(self.routers):
             raise ValueError(f"replayed routing has {replay.shape[2]} MoE layers, this stage has {len(self.routers)}")
         # the metrics accumulate on the device, read once when the pass ends (no host wait per
@@ -269,12 +279,16 @@ class RoutingPass:
             for r in self.routers:
                 r.router_replay.set_router_replay_action(self.action)
         rows = self.rows[self.micro]
-        full = router_tokens(args, kwargs, rows, self.lengths, 0, 1, False)  # on the CPU
+        def layout(cp_rank: int):  # the CP rank's router tokens, every TP rank's (on the CPU)
+            return router_tokens(args, kwargs, rows, self.lengths, 0, 1, False, cp_rank=cp_rank,
+                                 cp_size=self.cp)
+
+        full = layout(self.cp_rank)
         self.tokens = _tp_share(full, self.tp_rank, self.tp_size, self.sp)
         valid = self.tokens[2]
         self.slots = valid.repeat_interleave(self.k).double().to(self.device, non_blocking=True)
         if self.record:
-            self._layouts.append(full)
+            self._layouts.append([full if c == self.cp_rank else layout(c) for c in range(self.cp)])
             self._recorded.append(torch.zeros(valid.numel(), len(self.routers), self.k,
                                               dtype=wire_dtype(self.experts), device=self.device))
         if self.replay is not None:  # one copy to the device per call, every layer's
@@ -393,20 +407,28 @@ class RoutingPass:
 
     def _assemble_recorded(self) -> torch.Tensor:
         """``routed [B, width, n, k]`` on the CPU from the micro-batches' recordings. Under
-        sequence parallelism each TP rank recorded its own share of every micro-batch's tokens:
-        the TP ranks all-gather their recordings (one byte per value where the ids fit, in chunks
-        of at most :data:`WIRE_CHUNK_BYTES` per rank) and place each rank's at its tokens."""
+        sequence parallelism each TP rank recorded its own share of every micro-batch's tokens,
+        under context parallelism each CP rank its two chunks of every sequence: the CP ranks,
+        then the TP ranks all-gather their recordings (one byte per value where the ids fit, in
+        chunks of at most :data:`WIRE_CHUNK_BYTES` per rank) and place each rank's at its tokens
+        (every rank of a TP x CP group then holds the routing of all of its batch's tokens)."""
         routed = torch.full((len(self.lengths), self.width, len(self.routers), self.k), -1, dtype=ROUTED_DTYPE)
         if not self._recorded:
             return routed
         mine = torch.cat(self._recorded)
         shared = self.sp and self.tp_size > 1
-        parts = ([mine.cpu()] if not shared else
-                 _all_gather_chunked(mine, ps.get_tensor_model_parallel_group(), self.tp_size))
-        for rank, values in enumerate(parts):
-            row, col, valid = (torch.cat(t) for t in zip(*(_tp_share(layout, rank, self.tp_size, shared)
-                                                            for layout in self._layouts)))
-            routed[row[valid], col[valid]] = values[valid].to(ROUTED_DTYPE)
+        # [tokens, CP, n, k]: this TP rank's share of every CP rank's tokens (equally many: the
+        # CP ranks run the same micro-batches, each a 1/CP of every sequence)
+        values = mine.unsqueeze(1)
+        if self.cp > 1:
+            values = torch.stack(_all_gather_chunked(mine, ps.get_context_parallel_group(), self.cp), 1)
+        parts = ([values.cpu()] if not shared else
+                 _all_gather_chunked(values.to(self.device), ps.get_tensor_model_parallel_group(), self.tp_size))
+        for rank, part in enumerate(parts):
+            for c in range(self.cp):
+                row, col, valid = (torch.cat(t) for t in zip(*(_tp_share(layout[c], rank, self.tp_size, shared)
+                                                                for layout in self._layouts)))
+                routed[row[valid], col[valid]] = part[:, c][valid].to(ROUTED_DTYPE)
         self._recorded, self._layouts = [], []
         return routed
 

@@ -345,7 +345,7 @@ def _advice(plan, cfg, mem, act_update, act_attr) -> list[str]:
         if cfg.train.batching != "padded" and cfg.micro_batch_tokens > s:
             tips.append(f"a smaller train.max_tokens_per_micro_batch (now {cfg.micro_batch_tokens} tokens)")
         if cfg.parallel.cp == 1:
-            why = cp_refusals(cfg) + (["a mixture-of-experts model"] if plan.moe else [])
+            why = cp_refusals(cfg)
             tips.append("parallel.cp=2 or 4 (each rank runs 1/CP of a row)" if not why else
                         f"not parallel.cp yet: it does not run with {'; '.join(why)}")
     else:
