@@ -44,15 +44,15 @@ def loss_label(method: str, loss: str = BASE_LOSS, correction: str = "none") -> 
     return f"{method} / {loss}" + (f" + {correction}" if correction != "none" else "")
 
 
-def load_runs(out: Path, aliases: list[dict] = ()) -> list[dict]:
-    """Every finished run: its spec, result and metric records (step order). ``aliases`` are
-    specs of runs that also stand in another group (a main run is the ablations' default
-    setting); each is added again under its alias spec."""
+def load_runs(out: Path, aliases: list[dict] = (), names: set[str] | None = None) -> list[dict]:
+    """Every finished run (of those named ``names``, where given): its spec, result and metric
+    records (step order). ``aliases`` are specs of runs that also stand in another group (a main
+    run is the ablations' default setting); each is added again under its alias spec."""
     from megatron_oar.training.logger import read_metrics
 
     runs = []
     for d in sorted((out / "runs").glob("*")):
-        if not (d / "result.json").is_file():
+        if not (d / "result.json").is_file() or (names is not None and d.name not in names):
             continue
         runs.append({"spec": json.loads((d / "spec.json").read_text()),
                      "result": json.loads((d / "result.json").read_text()),
@@ -404,12 +404,13 @@ def _pct(x: float) -> str:
     return "-" if x is None or math.isnan(x) else f"{x * 100:.1f}%"
 
 
-def build(out: Path, settings: dict, aliases: list[dict] = ()) -> dict:
-    """Everything above from ``out``; writes ``report.json`` and the PNGs, returns the dict."""
+def build(out: Path, settings: dict, aliases: list[dict] = (), names: set[str] | None = None) -> dict:
+    """Everything above from ``out`` (its finished runs named ``names``, where given); writes
+    ``report.json`` and the PNGs, returns the dict."""
     from megatron_oar.eval.pivots import confirmation
     from megatron_oar.eval.records import read_records
 
-    runs = load_runs(out, aliases)
+    runs = load_runs(out, aliases, names)
     report = {"settings": settings, "runs": len({r["spec"]["name"] for r in runs}),
               "table1": table1(runs),
               "learning": learning(runs, settings.get("threshold", 0.6)),

@@ -165,6 +165,19 @@ def grid(g: Grid) -> list[RunSpec]:
     return runs
 
 
+def select_arms(arms, wanted: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The named arms (``Grid.arms``) whose labels are in ``wanted`` (comma-separated), in the
+    grid's order; an unknown label or a grid without arms is an error naming the choices."""
+    labels = [a.strip() for a in wanted.split(",") if a.strip()]
+    known = [label for label, _ in arms]
+    if not known:
+        raise ValueError("this grid has no named arms (--grid credit-ablations has)")
+    bad = [a for a in labels if a not in known]
+    if bad or not labels:
+        raise ValueError(f"unknown arm(s) {bad or [wanted]}; choose from {known}")
+    return tuple((label, tuple(o)) for label, o in arms if label in labels)
+
+
 def arm_slug(label: str) -> str:
     """A run directory's name for an arm's label (``tau=0 (boost-only)`` -> ``tau0_boost-only``)."""
     import re
@@ -339,7 +352,10 @@ def _run_grid(out: Path, g: Grid, config: Path, jobs: int, starter, console, t_a
     console.print(f"SFT start: {sft} ({json.loads((sft / 'sft.json').read_text())})")
     start = sft_checkpoint(out, sft, config, g.overrides, starter)
     specs = grid(g)
-    todo = [s for s in specs if not (out / "runs" / s.name / "result.json").is_file()]
+    # seed by seed (every method and arm of seed 0, then of seed 1, ...): a grid stopped early
+    # has whole seeds, paired across its arms, and a later invocation goes on from there
+    todo = sorted((s for s in specs if not (out / "runs" / s.name / "result.json").is_file()),
+                  key=lambda s: s.seed)
     probes = ("answer_mean", *g.probes)  # the causal-token oracle on the SFT start, per probe
     console.rule(f"[bold]{len(specs)} runs ({len(specs) - len(todo)} done) and the oracle with "
                  f"{len(probes)} probes, {jobs} at a time")
@@ -392,7 +408,10 @@ def run(out: Path, g: Grid, *, config: Path | None = None, jobs: int = 2, report
             _run_grid(out, g, config, jobs, starter, console, t_all)
         settings["wall_seconds"] += time.perf_counter() - t_all
         atomic_write_text(out / "settings.json", json.dumps(settings, indent=1))
-    rep = report.build(out, settings, aliases=[asdict(s) for s in _baselines(grid(g), g)])
+    # the grid's own runs only: an out dir can hold runs of more seeds or arms (a grid run again
+    # with fewer, or stopped while a later seed's runs had finished)
+    rep = report.build(out, settings, aliases=[asdict(s) for s in _baselines(grid(g), g)],
+                       names={s.name for s in grid(g)})
     atomic_write_text(out / "repro.md", report.render(rep))
     console.print(f"written: {out / 'repro.md'}, report.json, curves.png, recall.png "
                   f"({(time.perf_counter() - t_all) / 60:.1f} min; {settings['wall_seconds'] / 60:.1f} "
@@ -461,7 +480,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--testbed", choices=sorted(TESTBEDS),
                    help="the grid's runs on this testbed's config (default: the grid's: credit for "
                         "--grid credit and tiny-credit, chain for the others)")
-    p.add_argument("--seeds", type=int, help="seeds per method, the loss axis's too (default: the grid's)")
+    p.add_argument("--seeds", type=int, help="seeds per method, the loss axis's too, and at most this "
+                                             "many for the ablations (default: the grid's)")
+    p.add_argument("--arms", help="comma-separated: only these of the grid's named arms (the "
+                                  "credit-ablations grid's: tau=0 (boost-only), sign_aware (ours), ...)")
     p.add_argument("--steps", type=int, help="RL steps per run (default: the grid's)")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each)")
     p.add_argument("--report-only", action="store_true", help="tables and figures from what is there")
@@ -478,6 +500,13 @@ def main(argv: list[str] | None = None) -> int:
                                                   ("steps", args.steps), ("testbed", args.testbed))
                             if v is not None},
                 "overrides": list(args.overrides)})
+    if args.seeds is not None:
+        g.ablation_seeds = min(g.ablation_seeds, args.seeds)
+    if args.arms is not None:
+        try:
+            g.arms = select_arms(g.arms, args.arms)
+        except ValueError as e:
+            p.error(f"--arms: {e}")
     run(args.out, g, config=args.config, jobs=args.jobs, report_only=args.report_only)
     if args.publish:
         publish(args.out, args.publish, "oar repro " + " ".join(argv if argv is not None else sys.argv[1:]),
