@@ -427,8 +427,9 @@ def test_lookahead_summary_pairs_batches(tmp_path):
 def test_credit_ablations_arms_and_seeds_select_a_resumable_subset(tmp_path, monkeypatch, capsys):
     """``oar repro --grid credit-ablations --arms A,B --seeds N``: only those arms (GRPO and OAR-G
     beside them), N seeds for the arms too; an unknown arm is an error naming the flag and the
-    choices. The runs go seed by seed (a stopped grid has whole seeds), and the report counts only
-    the grid's own runs (an out dir holding more seeds or arms gives the same tables)."""
+    choices. The runs go seed by seed (a stopped grid has whole seeds), with no oracle run in this
+    grid, and the report counts only the grid's own runs (an out dir holding more seeds or arms
+    gives the same tables)."""
     import io
 
     from rich.console import Console
@@ -455,7 +456,7 @@ def test_credit_ablations_arms_and_seeds_select_a_resumable_subset(tmp_path, mon
     (tmp_path / "sft" / "sft.json").write_text("{}")
     monkeypatch.setattr(runner, "sft_start", lambda *a: tmp_path / "sft")
     monkeypatch.setattr(runner, "sft_checkpoint", lambda *a: tmp_path / "sft")
-    monkeypatch.setattr(runner, "oracle_run", lambda *a: None)
+    monkeypatch.setattr(runner, "oracle_run", lambda *a: pytest.fail("an oracle in the ablation grid"))
     order = []
     monkeypatch.setattr(runner, "train_run", lambda spec, *a: order.append(spec) or {"pass_at_k": 0.0})
     done = runner.grid(g)[0]
