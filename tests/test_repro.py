@@ -476,3 +476,41 @@ def test_credit_ablations_arms_and_seeds_select_a_resumable_subset(tmp_path, mon
     aliases = [dict(a.__dict__) for a in runner._baselines(runner.grid(small), small)]
     rep = report.build(out, {"pass_k": 4}, aliases=aliases, names={s.name for s in runner.grid(small)})
     assert rep["arms"]["beta=0"]["seeds"] == [0, 1] and rep["table1"]["grpo"]["seeds"] == [0, 1]
+
+
+def test_grid_without_pass_at_k(tmp_path, monkeypatch):
+    """``oar repro --pass-k 0``: a run's result has no pass@k (its HF sampling, the slow part of a
+    10-step run on a busy machine, is skipped) and the tables give held-out greedy accuracy with
+    "-" for pass@k; a run that measured it beside ones that did not is left out of pass@k only."""
+    seen = {}
+    monkeypatch.setattr(runner, "run", lambda out, g, **k: seen.setdefault("g", g))
+    runner.main(["--grid", "credit-ablations", "--out", str(tmp_path), "--pass-k", "0"])
+    g = seen["g"]
+    assert g.pass_k == 0
+    with pytest.raises(SystemExit):
+        runner.main(["--grid", "credit", "--out", str(tmp_path), "--pass-k", "-1"])
+    spec = runner.grid(g)[0]
+
+    def fake_train(cmd, log, what, starter=None):
+        (tmp_path / "runs" / spec.name / "hf" / "step_00000010").mkdir(parents=True)
+
+    monkeypatch.setattr(runner, "_run_one_process", fake_train)
+    monkeypatch.setattr(runner, "pass_at_k", lambda *a, **k: pytest.fail("pass@k with --pass-k 0"))
+    res = runner.train_run(spec, tmp_path, tmp_path / "sft", g.config(), g)
+    assert res["pass_at_k"] is None
+    assert json.loads((tmp_path / "runs" / spec.name / "result.json").read_text())["pass_at_k"] is None
+    out = tmp_path / "rep"
+    small = runner.Grid(methods=("grpo", "oar_g"), seeds=2, taus=(), probes=(), floors=(), losses=(),
+                        corrections=(), loss_seeds=0, ablation_seeds=2, arms=(("beta=0", ("shaping.beta=0.0",)),))
+    for s in runner.grid(small):
+        _write_run(out, s, {0: 0.3, 4: 0.4 + 0.1 * s.seed}, 0.5, 1.0)
+        if s.name != "grpo_s0":
+            res = json.loads((out / "runs" / s.name / "result.json").read_text())
+            (out / "runs" / s.name / "result.json").write_text(json.dumps({**res, "pass_at_k": None}))
+    aliases = [dict(a.__dict__) for a in runner._baselines(runner.grid(small), small)]
+    rep = report.build(out, {"pass_k": 0}, aliases=aliases)
+    assert rep["table1"]["oar_g"]["pass_at_k"] is None and "pass_at_k_vs_grpo" not in rep["table1"]["oar_g"]
+    assert rep["table1"]["grpo"]["pass_at_k"]["n"] == 1
+    assert rep["table1"]["oar_g"]["accuracy_vs_grpo"]["mean"] == pytest.approx(0.0)
+    text = report.render(rep)
+    assert "pass@k (not measured)" in text and "| oar_g | 2 |" in text
