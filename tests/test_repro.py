@@ -422,3 +422,95 @@ def test_lookahead_summary_pairs_batches(tmp_path):
         validate(cfg, world_size=1)
         assert cfg.train.steps == cfg.train.eval_interval == 1 and cfg.rollout.seed == 1
     assert len({L.slug(a) for a in L.ARMS}) == len(L.ARMS)
+
+
+def test_credit_ablations_arms_and_seeds_select_a_resumable_subset(tmp_path, monkeypatch, capsys):
+    """``oar repro --grid credit-ablations --arms A,B --seeds N``: only those arms (GRPO and OAR-G
+    beside them), N seeds for the arms too; an unknown arm is an error naming the flag and the
+    choices. The runs go seed by seed (a stopped grid has whole seeds), with no oracle run in this
+    grid, and the report counts only the grid's own runs (an out dir holding more seeds or arms
+    gives the same tables)."""
+    import io
+
+    from rich.console import Console
+
+    seen = {}
+    monkeypatch.setattr(runner, "run", lambda out, g, **k: seen.setdefault("g", g))
+    runner.main(["--grid", "credit-ablations", "--out", str(tmp_path), "--seeds", "3",
+                 "--arms", "sign_aware (ours), tau=1 (suppress-only)"])
+    g = seen.pop("g")
+    assert [a[0] for a in g.arms] == ["tau=1 (suppress-only)", "sign_aware (ours)"]  # the grid's order
+    assert g.seeds == g.ablation_seeds == 3 and g.methods == ("grpo", "oar_g")
+    assert {s.label for s in runner.grid(g)} == {"grpo", "oar_g", "tau=1 (suppress-only)", "sign_aware (ours)"}
+    runner.main(["--grid", "default", "--out", str(tmp_path), "--seeds", "5"])
+    assert seen.pop("g").ablation_seeds == 1  # at most --seeds: the default grid's 1 stays
+    for bad, msg in ((["--grid", "credit-ablations", "--arms", "tau=2"], "unknown arm"),
+                     (["--grid", "credit", "--arms", "tau=0 (boost-only)"], "no named arms")):
+        with pytest.raises(SystemExit) as e:
+            runner.main([*bad, "--out", str(tmp_path)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "--arms" in err and msg in err
+    # seed-major order, with the finished runs skipped
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "sft.json").write_text("{}")
+    monkeypatch.setattr(runner, "sft_start", lambda *a: tmp_path / "sft")
+    monkeypatch.setattr(runner, "sft_checkpoint", lambda *a: tmp_path / "sft")
+    monkeypatch.setattr(runner, "oracle_run", lambda *a: pytest.fail("an oracle in the ablation grid"))
+    order = []
+    monkeypatch.setattr(runner, "train_run", lambda spec, *a: order.append(spec) or {"pass_at_k": 0.0})
+    done = runner.grid(g)[0]
+    (tmp_path / "runs" / done.name).mkdir(parents=True)
+    (tmp_path / "runs" / done.name / "result.json").write_text("{}")
+    runner._run_grid(tmp_path, g, runner.CONFIG, 1, None, Console(file=io.StringIO()), 0.0)
+    assert len(order) == len(runner.grid(g)) - 1 and done.name not in {s.name for s in order}
+    assert [s.seed for s in order] == sorted(s.seed for s in order)
+    # the report: only the grid's runs (seed 2 of an arm finished in the dir, the grid has 2 seeds)
+    out = tmp_path / "rep"
+    small = runner.Grid(methods=("grpo", "oar_g"), seeds=2, taus=(), probes=(), floors=(), losses=(),
+                        corrections=(), loss_seeds=0, ablation_seeds=2,
+                        arms=(("beta=0", ("shaping.beta=0.0",)),))
+    bigger = runner.Grid(**{**small.__dict__, "seeds": 3, "ablation_seeds": 3})
+    for s in runner.grid(bigger):
+        _write_run(out, s, {0: 0.3, 4: 0.4 + 0.1 * s.seed}, 0.8, 1.0)
+    aliases = [dict(a.__dict__) for a in runner._baselines(runner.grid(small), small)]
+    rep = report.build(out, {"pass_k": 4}, aliases=aliases, names={s.name for s in runner.grid(small)})
+    assert rep["arms"]["beta=0"]["seeds"] == [0, 1] and rep["table1"]["grpo"]["seeds"] == [0, 1]
+
+
+def test_grid_without_pass_at_k(tmp_path, monkeypatch):
+    """``oar repro --pass-k 0``: a run's result has no pass@k (its HF sampling, the slow part of a
+    10-step run on a busy machine, is skipped) and the tables give held-out greedy accuracy with
+    "-" for pass@k; a run that measured it beside ones that did not is left out of pass@k only."""
+    seen = {}
+    monkeypatch.setattr(runner, "run", lambda out, g, **k: seen.setdefault("g", g))
+    runner.main(["--grid", "credit-ablations", "--out", str(tmp_path), "--pass-k", "0"])
+    g = seen["g"]
+    assert g.pass_k == 0
+    with pytest.raises(SystemExit):
+        runner.main(["--grid", "credit", "--out", str(tmp_path), "--pass-k", "-1"])
+    spec = runner.grid(g)[0]
+
+    def fake_train(cmd, log, what, starter=None):
+        (tmp_path / "runs" / spec.name / "hf" / "step_00000010").mkdir(parents=True)
+
+    monkeypatch.setattr(runner, "_run_one_process", fake_train)
+    monkeypatch.setattr(runner, "pass_at_k", lambda *a, **k: pytest.fail("pass@k with --pass-k 0"))
+    res = runner.train_run(spec, tmp_path, tmp_path / "sft", g.config(), g)
+    assert res["pass_at_k"] is None
+    assert json.loads((tmp_path / "runs" / spec.name / "result.json").read_text())["pass_at_k"] is None
+    out = tmp_path / "rep"
+    small = runner.Grid(methods=("grpo", "oar_g"), seeds=2, taus=(), probes=(), floors=(), losses=(),
+                        corrections=(), loss_seeds=0, ablation_seeds=2, arms=(("beta=0", ("shaping.beta=0.0",)),))
+    for s in runner.grid(small):
+        _write_run(out, s, {0: 0.3, 4: 0.4 + 0.1 * s.seed}, 0.5, 1.0)
+        if s.name != "grpo_s0":
+            res = json.loads((out / "runs" / s.name / "result.json").read_text())
+            (out / "runs" / s.name / "result.json").write_text(json.dumps({**res, "pass_at_k": None}))
+    aliases = [dict(a.__dict__) for a in runner._baselines(runner.grid(small), small)]
+    rep = report.build(out, {"pass_k": 0}, aliases=aliases)
+    assert rep["table1"]["oar_g"]["pass_at_k"] is None and "pass_at_k_vs_grpo" not in rep["table1"]["oar_g"]
+    assert rep["table1"]["grpo"]["pass_at_k"]["n"] == 1
+    assert rep["table1"]["oar_g"]["accuracy_vs_grpo"]["mean"] == pytest.approx(0.0)
+    text = report.render(rep)
+    assert "pass@k (not measured)" in text and "| oar_g | 2 |" in text

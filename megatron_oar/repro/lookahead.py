@@ -18,8 +18,8 @@ redone. Writes ``lookahead.json`` and ``lookahead.md`` in ``--out``, the runs un
 ``--out/lookahead/`` (an ``oar repro`` out dir can hold both, sharing its SFT start).
 
 What it is not: a few updates from one start measure the first move of each scheme, not where
-it ends. docs/credit-evidence.md has its first measurement on the credit testbed; whether it
-agrees with the 10-step grid is not known yet (the ablation grid has not been run).
+it ends. docs/credit-evidence.md has its measurements on the credit testbed beside a few-seed
+subset of the 10-step ablation grid (``oar repro --grid credit-ablations --arms ...``).
 """
 
 from __future__ import annotations

@@ -44,15 +44,15 @@ def loss_label(method: str, loss: str = BASE_LOSS, correction: str = "none") -> 
     return f"{method} / {loss}" + (f" + {correction}" if correction != "none" else "")
 
 
-def load_runs(out: Path, aliases: list[dict] = ()) -> list[dict]:
-    """Every finished run: its spec, result and metric records (step order). ``aliases`` are
-    specs of runs that also stand in another group (a main run is the ablations' default
-    setting); each is added again under its alias spec."""
+def load_runs(out: Path, aliases: list[dict] = (), names: set[str] | None = None) -> list[dict]:
+    """Every finished run (of those named ``names``, where given): its spec, result and metric
+    records (step order). ``aliases`` are specs of runs that also stand in another group (a main
+    run is the ablations' default setting); each is added again under its alias spec."""
     from megatron_oar.training.logger import read_metrics
 
     runs = []
     for d in sorted((out / "runs").glob("*")):
-        if not (d / "result.json").is_file():
+        if not (d / "result.json").is_file() or (names is not None and d.name not in names):
             continue
         runs.append({"spec": json.loads((d / "spec.json").read_text()),
                      "result": json.loads((d / "result.json").read_text()),
@@ -60,6 +60,15 @@ def load_runs(out: Path, aliases: list[dict] = ()) -> list[dict]:
     by_name = {r["spec"]["name"]: r for r in runs}
     runs += [{**by_name[a["name"]], "spec": a} for a in aliases if a["name"] in by_name]
     return runs
+
+
+def _passk(seeds: dict[int, dict]) -> dict[int, float]:
+    """``{seed: pass@k}`` of the runs that measured it (a grid with ``pass_k`` 0 does not)."""
+    return {s: r["result"]["pass_at_k"] for s, r in seeds.items() if r["result"].get("pass_at_k") is not None}
+
+
+def _ci_or_none(vals: dict[int, float]) -> dict | None:
+    return _interval_dict(mean_ci(list(vals.values()))) if vals else None
 
 
 def _final(records: list[dict], key: str) -> float:
@@ -86,17 +95,18 @@ def table1(runs: list[dict], baseline: str = "grpo") -> dict:
     main = _by(runs, "main")
     acc = {m: {s: _final(r["records"], "eval/accuracy") for s, r in seeds.items()}
            for m, seeds in main.items()}
-    passk = {m: {s: r["result"]["pass_at_k"] for s, r in seeds.items()} for m, seeds in main.items()}
+    passk = {m: _passk(seeds) for m, seeds in main.items()}
     start = {m: {s: r["records"][0].get("eval/accuracy") for s, r in seeds.items()}
              for m, seeds in main.items()}
     rows = {}
     for m in main:
         row = {"seeds": sorted(main[m]), "accuracy": _interval_dict(mean_ci(list(acc[m].values()))),
-               "pass_at_k": _interval_dict(mean_ci(list(passk[m].values()))),
+               "pass_at_k": _ci_or_none(passk[m]),
                "start_accuracy": _interval_dict(mean_ci([v for v in start[m].values() if v is not None]))}
         if m != baseline and baseline in main:
             row["accuracy_vs_grpo"] = _interval_dict(paired_diff_ci(acc[m], acc[baseline]))
-            row["pass_at_k_vs_grpo"] = _interval_dict(paired_diff_ci(passk[m], passk[baseline]))
+            if passk[m] and passk[baseline]:
+                row["pass_at_k_vs_grpo"] = _interval_dict(paired_diff_ci(passk[m], passk[baseline]))
         rows[m] = row
     return rows
 
@@ -149,7 +159,7 @@ def learning(runs: list[dict], threshold: float, baseline: str = "grpo") -> dict
 def ablation(runs: list[dict], group: str) -> dict:
     return {label: {"seeds": sorted(seeds), "accuracy": _interval_dict(mean_ci(
         [_final(r["records"], "eval/accuracy") for r in seeds.values()])),
-        "pass_at_k": _interval_dict(mean_ci([r["result"]["pass_at_k"] for r in seeds.values()]))}
+        "pass_at_k": _ci_or_none(_passk(seeds))}
         for label, seeds in _by(runs, group).items()}
 
 
@@ -185,17 +195,18 @@ def loss_table(runs: list[dict]) -> dict:
     rows = _by(runs, "loss")
     acc = {label: {s: _final(r["records"], "eval/accuracy") for s, r in seeds.items()}
            for label, seeds in rows.items()}
-    passk = {label: {s: r["result"]["pass_at_k"] for s, r in seeds.items()} for label, seeds in rows.items()}
+    passk = {label: _passk(seeds) for label, seeds in rows.items()}
     out = {}
     for label, seeds in sorted(rows.items()):
         method = next(iter(seeds.values()))["spec"]["method"]
         base = loss_label(method)
         row = {"method": method, "seeds": sorted(seeds),
                "accuracy": _interval_dict(mean_ci(list(acc[label].values()))),
-               "pass_at_k": _interval_dict(mean_ci(list(passk[label].values())))}
+               "pass_at_k": _ci_or_none(passk[label])}
         if label != base and base in rows:
             row["accuracy_vs_ppo_clip"] = _interval_dict(paired_diff_ci(acc[label], acc[base]))
-            row["pass_at_k_vs_ppo_clip"] = _interval_dict(paired_diff_ci(passk[label], passk[base]))
+            if passk[label] and passk[base]:
+                row["pass_at_k_vs_ppo_clip"] = _interval_dict(paired_diff_ci(passk[label], passk[base]))
         out[label] = row
     return out
 
@@ -313,7 +324,7 @@ def _cell(d: dict | None, digits: int = 1, scale: float = 100.0) -> str:
 
 def render(report: dict) -> str:
     """``docs/repro.md``'s tables from the report dict."""
-    k = report["settings"]["pass_k"]
+    k = report["settings"]["pass_k"] or "k (not measured)"
     lines = ["## Table 1: held-out accuracy (%), mean ± 95% t-interval over seeds", "",
              f"| method | seeds | greedy accuracy at step 0 | greedy accuracy, last step | "
              f"vs GRPO (paired) | pass@{k} | vs GRPO (paired) |", "|---|---:|---:|---:|---:|---:|---:|"]
@@ -404,12 +415,13 @@ def _pct(x: float) -> str:
     return "-" if x is None or math.isnan(x) else f"{x * 100:.1f}%"
 
 
-def build(out: Path, settings: dict, aliases: list[dict] = ()) -> dict:
-    """Everything above from ``out``; writes ``report.json`` and the PNGs, returns the dict."""
+def build(out: Path, settings: dict, aliases: list[dict] = (), names: set[str] | None = None) -> dict:
+    """Everything above from ``out`` (its finished runs named ``names``, where given); writes
+    ``report.json`` and the PNGs, returns the dict."""
     from megatron_oar.eval.pivots import confirmation
     from megatron_oar.eval.records import read_records
 
-    runs = load_runs(out, aliases)
+    runs = load_runs(out, aliases, names)
     report = {"settings": settings, "runs": len({r["spec"]["name"] for r in runs}),
               "table1": table1(runs),
               "learning": learning(runs, settings.get("threshold", 0.6)),

@@ -80,9 +80,9 @@ class Grid:
     losses: tuple[str, ...] = ("gspo_token", "cispo")
     corrections: tuple[str, ...] = ("tis",)
     loss_seeds: int = 3
-    pass_k: int = 8
+    pass_k: int = 8                                    # 0: no pass@k (held-out greedy accuracy only)
     pass_k_problems: int = 100
-    oracle_trajectories: int = 40
+    oracle_trajectories: int = 40                      # 0: no oracle run
     oracle_control: bool = False                       # the oracle's control decode (--control)
     sft_steps: int | None = None                       # the warm-up; None: the demo's (CHAIN_SFT)
     sft_carry_slip: float | None = None                # its teacher's slip rate; None: CHAIN_SFT's
@@ -122,11 +122,12 @@ GRIDS = {"default": Grid(),
          # the paper's Table 3 and the authors' choices in miniature on the credit testbed, and
          # our sign-aware variant (issue 54): GRPO and OAR-G (the arm "paper") as the credit grid
          # runs them, and OAR-G's arms (credit_arms.ARMS), all 12 seeds, 10 steps. 96 runs: about
-         # 2.7 h on the 2-core machine at the credit grid's pace (99 min for 60 runs)
+         # 2.7 h on the 2-core machine at the credit grid's pace (99 min for 60 runs). No oracle:
+         # the arms are compared by accuracy, and the credit grid has the oracle's recall
          "credit-ablations": Grid(methods=("grpo", "oar_g"), seeds=12, steps=10, eval_interval=2, taus=(),
                                   probes=(), floors=(), losses=(), corrections=(), loss_seeds=0,
                                   ablation_seeds=12, arms=_ablation_arms(), pass_k=4, pass_k_problems=50,
-                                  oracle_trajectories=40, threshold=0.7, testbed="credit"),
+                                  oracle_trajectories=0, threshold=0.7, testbed="credit"),
          # the test suite's credit grid (tests/test_repro.py): tiny's main runs on the credit
          # testbed, no ablations (tiny has them), the oracle with the default probe only
          "tiny-credit": Grid(methods=("grpo", "oar_g"), seeds=2, steps=2, eval_interval=1, taus=(),
@@ -163,6 +164,19 @@ def grid(g: Grid) -> list[RunSpec]:
                  for f in g.floors]
         runs += [RunSpec(f"{m}_{arm_slug(label)}_s{s}", "arm", label, m, s, tuple(o)) for label, o in g.arms]
     return runs
+
+
+def select_arms(arms, wanted: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The named arms (``Grid.arms``) whose labels are in ``wanted`` (comma-separated), in the
+    grid's order; an unknown label or a grid without arms is an error naming the choices."""
+    labels = [a.strip() for a in wanted.split(",") if a.strip()]
+    known = [label for label, _ in arms]
+    if not known:
+        raise ValueError("this grid has no named arms (--grid credit-ablations has)")
+    bad = [a for a in labels if a not in known]
+    if bad or not labels:
+        raise ValueError(f"unknown arm(s) {bad or [wanted]}; choose from {known}")
+    return tuple((label, tuple(o)) for label, o in arms if label in labels)
 
 
 def arm_slug(label: str) -> str:
@@ -286,7 +300,8 @@ def train_run(spec: RunSpec, out: Path, sft: Path, config: Path, g: Grid, starte
     result = {"seconds": time.perf_counter() - t0, "hf": str(exported),
               "pass_at_k": pass_at_k(exported, cfg.data.synthetic, k=g.pass_k,
                                      n_problems=g.pass_k_problems,
-                                     max_new_tokens=cfg.rollout.max_new_tokens, seed=spec.seed)}
+                                     max_new_tokens=cfg.rollout.max_new_tokens, seed=spec.seed)
+              if g.pass_k > 0 else None}
     atomic_write_text(run_dir / "result.json", json.dumps(result))
     return result
 
@@ -339,10 +354,14 @@ def _run_grid(out: Path, g: Grid, config: Path, jobs: int, starter, console, t_a
     console.print(f"SFT start: {sft} ({json.loads((sft / 'sft.json').read_text())})")
     start = sft_checkpoint(out, sft, config, g.overrides, starter)
     specs = grid(g)
-    todo = [s for s in specs if not (out / "runs" / s.name / "result.json").is_file()]
-    probes = ("answer_mean", *g.probes)  # the causal-token oracle on the SFT start, per probe
-    console.rule(f"[bold]{len(specs)} runs ({len(specs) - len(todo)} done) and the oracle with "
-                 f"{len(probes)} probes, {jobs} at a time")
+    # seed by seed (every method and arm of seed 0, then of seed 1, ...): a grid stopped early
+    # has whole seeds, paired across its arms, and a later invocation goes on from there
+    todo = sorted((s for s in specs if not (out / "runs" / s.name / "result.json").is_file()),
+                  key=lambda s: s.seed)
+    # the causal-token oracle on the SFT start, per probe (none where oracle_trajectories is 0)
+    probes = ("answer_mean", *g.probes) if g.oracle_trajectories > 0 else ()
+    oracle_words = f" and the oracle with {len(probes)} probes" if probes else ""
+    console.rule(f"[bold]{len(specs)} runs ({len(specs) - len(todo)} done){oracle_words}, {jobs} at a time")
     done = [0]
 
     def one(spec: RunSpec) -> None:
@@ -351,8 +370,9 @@ def _run_grid(out: Path, g: Grid, config: Path, jobs: int, starter, console, t_a
         done[0] += 1
         elapsed = time.perf_counter() - t_all
         eta = elapsed / done[0] * (len(todo) - done[0])
+        passk = "-" if res.get("pass_at_k") is None else f"{res['pass_at_k']:.1%}"
         console.print(f"[{done[0]}/{len(todo)}] {spec.name}: {time.perf_counter() - t:.0f}s, "
-                      f"pass@{g.pass_k} {res['pass_at_k']:.1%} · elapsed {elapsed / 60:.1f} min, "
+                      f"pass@{g.pass_k} {passk} · elapsed {elapsed / 60:.1f} min, "
                       f"ETA {eta / 60:.1f} min")
 
     def oracle(probe: str) -> None:
@@ -392,7 +412,10 @@ def run(out: Path, g: Grid, *, config: Path | None = None, jobs: int = 2, report
             _run_grid(out, g, config, jobs, starter, console, t_all)
         settings["wall_seconds"] += time.perf_counter() - t_all
         atomic_write_text(out / "settings.json", json.dumps(settings, indent=1))
-    rep = report.build(out, settings, aliases=[asdict(s) for s in _baselines(grid(g), g)])
+    # the grid's own runs only: an out dir can hold runs of more seeds or arms (a grid run again
+    # with fewer, or stopped while a later seed's runs had finished)
+    rep = report.build(out, settings, aliases=[asdict(s) for s in _baselines(grid(g), g)],
+                       names={s.name for s in grid(g)})
     atomic_write_text(out / "repro.md", report.render(rep))
     console.print(f"written: {out / 'repro.md'}, report.json, curves.png, recall.png "
                   f"({(time.perf_counter() - t_all) / 60:.1f} min; {settings['wall_seconds'] / 60:.1f} "
@@ -461,9 +484,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--testbed", choices=sorted(TESTBEDS),
                    help="the grid's runs on this testbed's config (default: the grid's: credit for "
                         "--grid credit and tiny-credit, chain for the others)")
-    p.add_argument("--seeds", type=int, help="seeds per method, the loss axis's too (default: the grid's)")
+    p.add_argument("--seeds", type=int, help="seeds per method, the loss axis's too, and at most this "
+                                             "many for the ablations (default: the grid's)")
+    p.add_argument("--arms", help="comma-separated: only these of the grid's named arms (the "
+                                  "credit-ablations grid's: tau=0 (boost-only), sign_aware (ours), ...)")
     p.add_argument("--steps", type=int, help="RL steps per run (default: the grid's)")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each)")
+    p.add_argument("--pass-k", type=int, metavar="K",
+                   help="pass@K of each run's export (HF sampling, the slow part of a short run); "
+                        "0: none, the tables give held-out greedy accuracy only (default: the grid's)")
     p.add_argument("--report-only", action="store_true", help="tables and figures from what is there")
     p.add_argument("--publish", type=Path, metavar="DOCS",
                    help="also write DOCS/repro.md and DOCS/repro/ (figures, report.json); "
@@ -478,6 +507,17 @@ def main(argv: list[str] | None = None) -> int:
                                                   ("steps", args.steps), ("testbed", args.testbed))
                             if v is not None},
                 "overrides": list(args.overrides)})
+    if args.pass_k is not None:
+        if args.pass_k < 0:
+            p.error(f"--pass-k: must be >= 0, got {args.pass_k}")
+        g.pass_k = args.pass_k
+    if args.seeds is not None:
+        g.ablation_seeds = min(g.ablation_seeds, args.seeds)
+    if args.arms is not None:
+        try:
+            g.arms = select_arms(g.arms, args.arms)
+        except ValueError as e:
+            p.error(f"--arms: {e}")
     run(args.out, g, config=args.config, jobs=args.jobs, report_only=args.report_only)
     if args.publish:
         publish(args.out, args.publish, "oar repro " + " ".join(argv if argv is not None else sys.argv[1:]),
