@@ -319,11 +319,12 @@ def test_tiny_grid_end_to_end(tmp_path):
     assert credit_profile.profile(records)["rollouts"] == 16 * 8
 
 
-def test_warm_started_runs_report_status_output_and_environment(tmp_path):
+def test_warm_started_runs_report_status_output_and_environment(tmp_path, capfd):
     """A run forked from the warm interpreter (``repro/warm_start.py``) gets the environment and
     working directory it is given, appends its stdout and stderr to its log and returns its exit
     status; two threads may start runs at once; a failed run raises naming what and the log.
-    (The converter's CLI stands in for a run: what its ``main`` imports is preloaded, not vLLM.)"""
+    (The converter's CLI stands in for a run: what its ``main`` imports is preloaded, not vLLM.)
+    The server's preload prints none of megatron's import-time backend notices on the console."""
     import os
     import sys
     from concurrent.futures import ThreadPoolExecutor
@@ -332,7 +333,8 @@ def test_warm_started_runs_report_status_output_and_environment(tmp_path):
 
     log = tmp_path / "run.log"
     preload = ("checkpoints_convert.cli", "checkpoints_convert.convert", "checkpoints_convert.hf_io",
-               "megatron_oar.models.model_checkpoint", "torch.distributed.checkpoint.api")
+               "megatron_oar.models.model_checkpoint", "torch.distributed.checkpoint.api",
+               "megatron.core.optimizer")  # warns at import without TE / Apex
     with WarmStarter(preload=preload) as starter:
         env = {**os.environ, "COLUMNS": "40"}  # argparse wraps its usage at COLUMNS
         assert starter.run("checkpoints_convert.cli", ["--help"], env=env, log=log) == 0
@@ -349,6 +351,7 @@ def test_warm_started_runs_report_status_output_and_environment(tmp_path):
                                     "converting x", starter)
         with pytest.raises(ValueError, match="not a `python -m MODULE` command"):
             runner._run_one_process(["oar-convert", "nope"], log, "converting x", starter)
+    assert "are not installed. Falling back to" not in capfd.readouterr().err
 
 
 def test_credit_ablations_grid_arms_validate_and_report(tmp_path):

@@ -60,6 +60,9 @@ def _serve(conn, preload: tuple[str, ...]) -> None:
     from multiprocessing.connection import wait
 
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch: no OpenMP pool in the process we fork
+    from megatron_oar.log_setup import quiet_backend_notices
+
+    quiet_backend_notices()  # megatron's import-time notices, filtered as every command filters them
     for name in preload:
         importlib.import_module(name)
     fork = mp.get_context("fork")
