@@ -235,13 +235,14 @@ def test_publish_names_files_relative_to_docs(tmp_path):
         "settings": {"config": "/somewhere/tiny_chain_cpu.yaml", "wall_seconds": 600.0, "jobs": 2,
                      "methods": ["grpo"], "seeds": 2, "steps": 3, "ablation_method": "oar_g",
                      "ablation_seeds": 1}}))
-    runner.publish(out, docs, "oar repro --out out --publish docs")
+    runner.publish(out, docs, f"oar repro --out {out} --report-only --publish docs")  # names the runs' command
     text = (docs / "repro.md").read_text()
     assert text.startswith("# `oar repro`") and "Made by `oar repro --out out --publish docs` in 10 min" in text
     assert text.endswith("## Table 1\n") and (docs / "repro" / "curves.png").read_bytes() == b"png"
     published = json.loads((docs / "repro" / "report.json").read_text())
     assert published["figures"] == {"curves": "repro/curves.png"}
     assert published["settings"]["config"] == "tiny_chain_cpu.yaml" and str(tmp_path) not in json.dumps(published)
+    assert str(tmp_path) not in text
 
 
 def test_finished_runs_are_not_redone(tmp_path, monkeypatch):

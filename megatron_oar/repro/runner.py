@@ -450,7 +450,9 @@ def publish(out: Path, docs: Path, command: str, name: str = "repro") -> Path:
     import shutil
 
     rep = json.loads((out / "report.json").read_text())
-    # the published copy names files relative to docs/, not where this machine kept them
+    # the published copy names files relative to docs/, not where this machine kept them, and
+    # the command's out dir by its own name; a --report-only rerun names the command that ran
+    command = command.replace(f"--out {out}", f"--out {out.name}").replace(" --report-only", "")
     rep["figures"] = {k: f"{name}/{Path(v).name}" for k, v in rep.get("figures", {}).items()}
     rep["settings"]["config"] = Path(rep["settings"]["config"]).name
     assets = docs / name
