@@ -225,6 +225,26 @@ def test_publish_keeps_the_hand_written_part(tmp_path):
     assert (docs / "repro-credit" / "report.json").is_file()
 
 
+def test_sft_seed_makes_another_start_and_an_out_dir_keeps_its_own(tmp_path, monkeypatch):
+    from megatron_oar.repro import demo_model
+
+    seeds = []
+    monkeypatch.setattr(demo_model, "make_demo_model", lambda hf, seed, **kw: (seeds.append(("init", seed)),
+                                                                              hf.mkdir(parents=True)))
+    monkeypatch.setattr(demo_model, "sft_warmup", lambda hf, seed, **kw: (seeds.append(("data", seed)),
+                                                                          {"steps": kw["steps"]})[1])
+    config = runner.GRIDS["tiny-credit"].config()
+    hf = runner.sft_start(tmp_path, config, 5, seed=3)
+    assert seeds == [("init", 3), ("data", 3)] and json.loads((hf / "sft.json").read_text()) == {"steps": 5, "seed": 3}
+    assert runner.sft_start(tmp_path, config, 5, seed=3) == hf and len(seeds) == 2  # made once
+    with pytest.raises(ValueError, match="made with --sft-seed 3, not 0"):
+        runner.sft_start(tmp_path, config, 5)
+    (hf / "sft.json").write_text(json.dumps({"steps": 5}))  # a start made before the seed was recorded
+    assert runner.sft_start(tmp_path, config, 5, seed=0) == hf
+    with pytest.raises(ValueError, match="made with --sft-seed 0, not 1"):
+        runner.sft_start(tmp_path, config, 5, seed=1)
+
+
 def test_publish_names_files_relative_to_docs(tmp_path):
     out, docs = tmp_path / "out", tmp_path / "docs"
     out.mkdir()

@@ -86,6 +86,7 @@ class Grid:
     oracle_control: bool = False                       # the oracle's control decode (--control)
     sft_steps: int | None = None                       # the warm-up; None: the demo's (CHAIN_SFT)
     sft_carry_slip: float | None = None                # its teacher's slip rate; None: CHAIN_SFT's
+    sft_seed: int = 0                                  # the start's init and warm-up data: another start
     testbed: str = "chain"                             # the config (TESTBEDS) when none is given
     threshold: float = 0.6                             # steps to this held-out accuracy (report)
     overrides: list[str] = field(default_factory=list)  # for every run
@@ -209,27 +210,34 @@ def positions_for(cfg) -> int:
     return -(-(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens) // 32) * 32
 
 
-def sft_start(out: Path, config: Path, steps: int | None, carry_slip: float | None = None) -> Path:
+def sft_start(out: Path, config: Path, steps: int | None, carry_slip: float | None = None,
+              seed: int = 0) -> Path:
     """The shared start (made once): the demo's tiny Qwen2 warmed up on the config's chain task
     (``demo_model.CHAIN_ARCH``, ``CHAIN_SFT``; ``steps`` and ``carry_slip`` override the warm-up's
-    length and its teacher's slip rate). Its position table covers the config's prompt and
-    response budget (``data.max_prompt_tokens + rollout.max_new_tokens``, rounded up to 32; the
-    chain config's 112 fits CHAIN_ARCH's 160)."""
+    length and its teacher's slip rate; ``seed`` seeds its tokenizer's corpus, its initial weights
+    and its warm-up data: another start of the same recipe). Its position table covers the
+    config's prompt and response budget (``data.max_prompt_tokens + rollout.max_new_tokens``,
+    rounded up to 32; the chain config's 112 fits CHAIN_ARCH's 160). The same seed on the same
+    machine and thread count gives the same start; other CPUs' kernels may not."""
     from megatron_oar.config import load_config
     from megatron_oar.repro import demo_model
 
     hf = out / "sft"
     if (hf / "sft.json").is_file():
+        made = json.loads((hf / "sft.json").read_text()).get("seed", 0)  # starts made before: seed 0
+        if made != seed:
+            raise ValueError(f"{hf}: the SFT start there was made with --sft-seed {made}, not {seed}; "
+                             "use another --out for another start")
         return hf
     cfg = load_config(config)
     task = cfg.data.synthetic
     arch = {**demo_model.CHAIN_ARCH,
             "max_position_embeddings": max(demo_model.CHAIN_ARCH["max_position_embeddings"], positions_for(cfg))}
-    demo_model.make_demo_model(hf, task=task, **arch)
+    demo_model.make_demo_model(hf, task=task, seed=seed, **arch)
     sft = {**demo_model.CHAIN_SFT, **({"steps": steps} if steps else {}),
            **({"carry_slip": carry_slip} if carry_slip is not None else {})}
-    stats = demo_model.sft_warmup(hf, task=task, **sft)
-    atomic_write_text(hf / "sft.json", json.dumps(stats))
+    stats = demo_model.sft_warmup(hf, task=task, seed=seed, **sft)
+    atomic_write_text(hf / "sft.json", json.dumps({**stats, "seed": seed}))
     return hf
 
 
@@ -350,7 +358,7 @@ def _run_grid(out: Path, g: Grid, config: Path, jobs: int, starter, console, t_a
     """The SFT start, its conversion, the runs and the oracle, ``jobs`` at a time (what is done
     is skipped)."""
     console.rule("[bold]oar repro: SFT start")
-    sft = sft_start(out, config, g.sft_steps, g.sft_carry_slip)
+    sft = sft_start(out, config, g.sft_steps, g.sft_carry_slip, g.sft_seed)
     console.print(f"SFT start: {sft} ({json.loads((sft / 'sft.json').read_text())})")
     start = sft_checkpoint(out, sft, config, g.overrides, starter)
     specs = grid(g)
@@ -437,6 +445,11 @@ def _axes(s: dict) -> str:
     return out
 
 
+def _start(s: dict) -> str:
+    """The publish header's words for a start made with another --sft-seed (seed 0: '')."""
+    return f" (`--sft-seed {s['sft_seed']}`)" if s.get("sft_seed") else ""
+
+
 PUBLISH_NAMES = {"credit-ablations": "repro-credit-ablations"}  # grids with a page of their own
 KEEP = "<!-- oar repro --publish writes everything below this line -->"
 TITLES = {"chain": "the paper in miniature on the chain testbed",
@@ -469,7 +482,7 @@ def publish(out: Path, docs: Path, command: str, name: str = "repro") -> Path:
     head = [f"# `oar repro`: {title}", ""] if not kept else []
     head += [f"Made by `{command}` in {s['wall_seconds'] / 60:.0f} min of wall time on a 2-core CPU "
              f"machine ({s['jobs']} runs at a time). {rep['runs']} runs of {s['steps']} RL steps from "
-             f"one SFT start: {', '.join(s['methods'])} x {s['seeds']} seeds{_axes(s)}. "
+             f"one SFT start{_start(s)}: {', '.join(s['methods'])} x {s['seeds']} seeds{_axes(s)}. "
              f"Intervals are 95% Student-t intervals over seeds; with {s['seeds']} seeds they are wide, "
              "and a difference whose interval contains 0 is not a finding.", "",
              f"![curves]({name}/curves.png)", ""]
@@ -491,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", help="comma-separated: only these of the grid's named arms (the "
                                   "credit-ablations grid's: tau=0 (boost-only), sign_aware (ours), ...)")
     p.add_argument("--steps", type=int, help="RL steps per run (default: the grid's)")
+    p.add_argument("--sft-seed", type=int, default=0,
+                   help="seed of the SFT start (its init and warm-up data; default 0): the same grid "
+                        "from another start of the same recipe, in its own --out")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each)")
     p.add_argument("--pass-k", type=int, metavar="K",
                    help="pass@K of each run's export (HF sampling, the slow part of a short run); "
@@ -509,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   ("steps", args.steps), ("testbed", args.testbed))
                             if v is not None},
                 "overrides": list(args.overrides)})
+    g.sft_seed = args.sft_seed
     if args.pass_k is not None:
         if args.pass_k < 0:
             p.error(f"--pass-k: must be >= 0, got {args.pass_k}")
