@@ -225,7 +225,7 @@ def test_publish_keeps_the_hand_written_part(tmp_path):
     assert (docs / "repro-credit" / "report.json").is_file()
 
 
-def test_sft_seed_makes_another_start_and_an_out_dir_keeps_its_own(tmp_path, monkeypatch):
+def test_sft_seed_makes_another_start_and_an_out_dir_keeps_its_own(tmp_path, monkeypatch, capsys):
     from megatron_oar.repro import demo_model
 
     seeds = []
@@ -243,6 +243,12 @@ def test_sft_seed_makes_another_start_and_an_out_dir_keeps_its_own(tmp_path, mon
     assert runner.sft_start(tmp_path, config, 5, seed=0) == hf
     with pytest.raises(ValueError, match="made with --sft-seed 0, not 1"):
         runner.sft_start(tmp_path, config, 5, seed=1)
+    with pytest.raises(ValueError, match="made with --sft-seed 0, not 1"):  # a report too
+        runner.run(tmp_path, runner.Grid(sft_seed=1), report_only=True)
+    with pytest.raises(SystemExit) as e:  # on the command line: the flag named, no traceback
+        runner.main(["--out", str(tmp_path), "--sft-seed", "1", "--report-only"])
+    assert e.value.code == 2 and "--sft-seed: " in capsys.readouterr().err
+    assert not (tmp_path / "settings.json").exists()
 
 
 def test_publish_names_files_relative_to_docs(tmp_path):

@@ -210,6 +210,18 @@ def positions_for(cfg) -> int:
     return -(-(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens) // 32) * 32
 
 
+def _start_seed(out: Path, seed: int) -> int | None:
+    """The seed of the SFT start in ``out`` (None: none made yet); raises if it is not ``seed``."""
+    stats = out / "sft" / "sft.json"
+    if not stats.is_file():
+        return None
+    made = json.loads(stats.read_text()).get("seed", 0)  # starts made before it was recorded: seed 0
+    if made != seed:
+        raise ValueError(f"{out / 'sft'}: the SFT start there was made with --sft-seed {made}, not "
+                         f"{seed}; use another --out for another start")
+    return made
+
+
 def sft_start(out: Path, config: Path, steps: int | None, carry_slip: float | None = None,
               seed: int = 0) -> Path:
     """The shared start (made once): the demo's tiny Qwen2 warmed up on the config's chain task
@@ -223,11 +235,7 @@ def sft_start(out: Path, config: Path, steps: int | None, carry_slip: float | No
     from megatron_oar.repro import demo_model
 
     hf = out / "sft"
-    if (hf / "sft.json").is_file():
-        made = json.loads((hf / "sft.json").read_text()).get("seed", 0)  # starts made before: seed 0
-        if made != seed:
-            raise ValueError(f"{hf}: the SFT start there was made with --sft-seed {made}, not {seed}; "
-                             "use another --out for another start")
+    if _start_seed(out, seed) is not None:
         return hf
     cfg = load_config(config)
     task = cfg.data.synthetic
@@ -404,6 +412,7 @@ def run(out: Path, g: Grid, *, config: Path | None = None, jobs: int = 2, report
     console = Console()
     config = config or g.config()
     out.mkdir(parents=True, exist_ok=True)
+    _start_seed(out, g.sft_seed)  # a report of another start's runs under this seed's name: refused
     before = json.loads((out / "settings.json").read_text()) if (out / "settings.json").is_file() else {}
     settings = {"config": str(config), "jobs": jobs, **asdict(g),
                 "wall_seconds": before.get("wall_seconds", 0.0)}  # over every invocation
@@ -537,6 +546,10 @@ def main(argv: list[str] | None = None) -> int:
             g.arms = select_arms(g.arms, args.arms)
         except ValueError as e:
             p.error(f"--arms: {e}")
+    try:
+        _start_seed(args.out, g.sft_seed)
+    except ValueError as e:
+        p.error(f"--sft-seed: {e}")
     run(args.out, g, config=args.config, jobs=args.jobs, report_only=args.report_only)
     if args.publish:
         publish(args.out, args.publish, "oar repro " + " ".join(argv if argv is not None else sys.argv[1:]),
