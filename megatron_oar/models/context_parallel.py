@@ -25,6 +25,8 @@ Everything here is a no-op at ``CP = 1``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -94,8 +96,16 @@ def thd_local_index(cu_seqlens_padded, cp: int | None = None, rank: int | None =
 
 def thd_global_order(cu_seqlens_padded, cp: int, device=None) -> torch.Tensor:
     """Index into the rank-major concatenation of every rank's local packed sequence
-    (:func:`thd_local_index`) that puts it in packed order."""
-    held = torch.cat([thd_local_index(cu_seqlens_padded, cp, r) for r in range(cp)])
+    (:func:`thd_local_index`) that puts it in packed order. Cached per packed layout: a
+    micro-batch's output gather (``models.forward.MicroInput``) and every attention layer's K/V
+    gather (``models.sdpa_attention``) ask for the same one; callers must not modify it."""
+    cu = cu_seqlens_padded.tolist() if torch.is_tensor(cu_seqlens_padded) else cu_seqlens_padded
+    return _thd_global_order(tuple(int(x) for x in cu), cp, None if device is None else torch.device(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _thd_global_order(cu: tuple[int, ...], cp: int, device: torch.device | None) -> torch.Tensor:
+    held = torch.cat([thd_local_index(list(cu), cp, r) for r in range(cp)])
     return torch.argsort(held).to(device)
 
 

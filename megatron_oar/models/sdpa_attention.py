@@ -94,15 +94,6 @@ def _varlen():
     return None if causal is None else (varlen_attn, causal, "enable_gqa" in params)
 
 
-@functools.lru_cache(maxsize=8)
-def _thd_order(offsets: tuple[int, ...], cp: int, device: torch.device) -> torch.Tensor:
-    """``context_parallel.thd_global_order`` of a packed layout, once per micro-batch (every
-    layer asks for the same one)."""
-    from megatron_oar.models import context_parallel as cpx
-
-    return cpx.thd_global_order(list(offsets), cp, device)
-
-
 class SDPAttention(DotProductAttention):
     """Megatron's local core attention computed by ``scaled_dot_product_attention`` (module doc)."""
 
@@ -208,7 +199,7 @@ class SDPAttention(DotProductAttention):
         from megatron_oar.models import context_parallel as cpx
 
         offsets = self._segments(p).tolist()  # the global packed layout
-        order = _thd_order(tuple(offsets), self.cp, query.device)
+        order = cpx.thd_global_order(offsets, self.cp, query.device)  # cached per layout
         keys, values = (cpx.gather(t, 0, replicated=False, order=order) for t in (key, value))  # [T, g, d]
         if keys.shape[0] != offsets[-1] or offsets[0] != 0:
             raise ValueError(f"model.attention=sdpa: packed segments {offsets[0]}..{offsets[-1]} do "
